@@ -1,0 +1,295 @@
+"""RankMonitorClient: what a training process calls to report progress.
+
+The API follows nvidia-resiliency-ext's ``RankMonitorClient`` so its users can
+switch by changing an import. The client never harms training: events are one
+non-blocking send, requests are bounded by a timeout, and if the monitor goes
+away the client logs one warning and carries on (or raises, if the monitor's
+config says ``on_monitor_lost: raise``). Thread-safe.
+
+What is sent: heartbeats always; a section's open/close only when the monitor
+can act on it (`ft_client.timeouts.section_needs_ipc`); sections not listed in
+rank_section_timeouts cost no IPC at all.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import threading
+import time
+from typing import Any, Callable, TypeVar
+
+from ft_client import env, wire
+from ft_client.errors import RankMonitorClientError
+from ft_client.stackdump import StackDumper
+from ft_client.timeouts import HeartbeatTimeouts, SectionTimeouts, Timeouts, TimeoutsError, section_needs_ipc
+from ft_client.transport import Transport, TransportError, connect
+
+log = logging.getLogger("ft_client")
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+CONNECT_TIMEOUT = 10.0
+
+
+class _Section:
+    """``client.section(name)``: a context manager that is also a decorator."""
+
+    __slots__ = ("_client", "_name")
+
+    def __init__(self, client: "RankMonitorClient", name: str) -> None:
+        self._client = client
+        self._name = name
+
+    def __enter__(self) -> None:
+        self._client.start_section(self._name)
+
+    def __exit__(self, *exc: object) -> None:
+        self._client.end_section(self._name)
+
+    def __call__(self, fn: F) -> F:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            with self:
+                return fn(*args, **kwargs)
+
+        return wrapper  # type: ignore[return-value]
+
+
+class RankMonitorClient:
+    """Client of one rank's monitor daemon.
+
+    ``socket_path`` defaults to ``$FT_RANK_MONITOR_IPC_SOCKET``; ``clock`` (monotonic
+    seconds) is injectable for tests.
+    """
+
+    def __init__(self, socket_path: str | None = None, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self._socket_path = socket_path
+        self._clock = clock
+        self._lock = threading.RLock()
+        self._transport: Transport | None = None
+        self._lost_reason: str | None = None
+        self._session: dict[str, Any] = {}
+        self._timeouts = Timeouts()
+        self._ipc: frozenset[str] = frozenset()
+        self._open: dict[str, bool] = {}  # open section -> whether the monitor was told
+        self._open_frames: dict[str, bytes] = {}
+        self._close_frames: dict[str, bytes] = {}
+        self._sync_sections = False
+        self._raise_on_lost = False
+        self._dumper = StackDumper()
+        self.rank = env.rank_from_env()
+
+    # -- lifecycle -------------------------------------------------------------
+    @property
+    def is_initialized(self) -> bool:
+        return self._transport is not None or self._lost_reason is not None
+
+    def init_workload_monitoring(self, socket_path: str | None = None) -> None:
+        """Connect to the rank's monitor, receive its config, arm the stack dump."""
+        with self._lock:
+            if self._transport is not None:
+                raise RankMonitorClientError("workload monitoring is already initialized")
+            path = socket_path or self._socket_path or os.environ.get(env.RANK_MONITOR_SOCKET)
+            if not path:
+                raise RankMonitorClientError(
+                    f"no monitor socket: set {env.RANK_MONITOR_SOCKET} (ft-launcher and `ft-monitor serve -- CMD` "
+                    "set it) or pass socket_path="
+                )
+            info = {"pid": os.getpid(), "local_rank": os.environ.get(env.LOCAL_RANK),
+                    "restart": os.environ.get(env.RESTART_COUNT)}
+            try:
+                transport, hello = connect(path, CONNECT_TIMEOUT, wire.Role.RANK, self.rank, info)
+            except FileNotFoundError:
+                raise RankMonitorClientError(
+                    f"no monitor listens at {path} (from {self._path_origin(socket_path)}): the socket file does not "
+                    "exist. Start `ft-monitor serve --socket PATH` first"
+                ) from None
+            except ConnectionRefusedError:
+                raise RankMonitorClientError(
+                    f"no monitor listens at {path} (from {self._path_origin(socket_path)}): connection refused"
+                ) from None
+            except (TransportError, OSError) as e:
+                raise RankMonitorClientError(f"cannot connect to the monitor at {path}: {e}") from None
+            s = hello.session
+            self._session = s
+            self._transport = transport
+            self._lost_reason = None
+            self._sync_sections = not s.get("skip_section_response", True)
+            self._raise_on_lost = s.get("on_monitor_lost") == "raise"
+            transport.timeout = float(s.get("client_request_timeout", transport.timeout))
+            self._set_timeouts(Timeouts.from_wire(s["timeouts"]))
+            dump_path = s.get("stack_dump_path")
+            if dump_path:
+                try:
+                    self._dumper.enable(int(s["stack_dump_signal"]), dump_path)
+                except OSError as e:
+                    log.warning("rank %d: cannot open stack dump file %s: %s", self.rank, dump_path, e)
+
+    def _path_origin(self, arg: str | None) -> str:
+        if arg or self._socket_path:
+            return "socket_path argument"
+        return f"${env.RANK_MONITOR_SOCKET}"
+
+    def shutdown_workload_monitoring(self) -> None:
+        """Tell the monitor this rank is done (not a hang, not a crash) and disconnect."""
+        with self._lock:
+            t = self._transport
+            if t is not None:
+                try:
+                    t.send_event(wire.encode(wire.GOODBYE))
+                    t.flush()
+                except TransportError:
+                    pass
+                t.close()
+            self._transport = None
+            self._lost_reason = None
+            self._open.clear()
+            self._dumper.disable()
+
+    # -- progress --------------------------------------------------------------
+    def send_heartbeat(self) -> None:
+        with self._lock:
+            t = self._transport
+            if t is None:
+                self._not_connected()
+                return
+            try:
+                t.send_event(wire.HEARTBEAT_FRAME)
+            except TransportError as e:
+                self._lost(e)
+
+    def start_section(self, name: str) -> None:
+        with self._lock:
+            if name in self._open:
+                raise RankMonitorClientError(f"section {name!r} is already open; end_section({name!r}) first")
+            t = self._transport
+            if t is None:
+                self._not_connected()  # raises unless the monitor was lost and we carry on
+                self._open[name] = False
+                return
+            send = name in self._ipc
+            self._open[name] = send
+            if send:
+                frame = self._open_frames.get(name)
+                if frame is None:
+                    frame = self._open_frames[name] = self._section_frame(name, wire.section_open_frame)
+                self._event(t, frame)
+
+    def end_section(self, name: str) -> None:
+        with self._lock:
+            sent = self._open.pop(name, None)
+            if sent is None:
+                raise RankMonitorClientError(f"section {name!r} is not open; start_section({name!r}) first")
+            t = self._transport
+            if t is None:
+                self._not_connected()
+                return
+            if sent:
+                frame = self._close_frames.get(name)
+                if frame is None:
+                    frame = self._close_frames[name] = self._section_frame(name, wire.section_close_frame)
+                self._event(t, frame)
+
+    def end_all_sections(self) -> None:
+        """Close every open section, here and in the monitor."""
+        with self._lock:
+            self._open.clear()
+            t = self._transport
+            if t is None:
+                self._not_connected()
+                return
+            self._event(t, _CLOSE_ALL_FRAME)
+
+    def section(self, name: str) -> _Section:
+        """``with client.section("step"): ...`` or ``@client.section("step")``."""
+        return _Section(self, name)
+
+    # -- timeouts --------------------------------------------------------------
+    @property
+    def hb_timeouts(self) -> HeartbeatTimeouts:
+        return self._timeouts.hb
+
+    @property
+    def section_timeouts(self) -> SectionTimeouts:
+        return self._timeouts.sections
+
+    @property
+    def timeouts(self) -> Timeouts:
+        """Every timeout in force, with which were learned."""
+        return self._timeouts
+
+    def set_timeouts(self, timeouts: Timeouts) -> Timeouts:
+        """Put ``timeouts`` in force in the monitor (request/reply); returns what the monitor holds."""
+        with self._lock:
+            t = self._transport
+            if t is None:
+                raise RankMonitorClientError(self._why_not_connected())
+            try:
+                reply = t.request(wire.UpdateConfig(timeouts.to_wire()))
+            except TransportError as e:
+                self._lost(e)
+                raise RankMonitorClientError(f"cannot update timeouts: {e}") from None
+            if isinstance(reply, wire.Error):
+                raise RankMonitorClientError(f"monitor rejected the timeouts ({reply.code}): {reply.message}")
+            if not isinstance(reply, wire.ConfigOk):
+                raise RankMonitorClientError(f"monitor answered UPDATE_CONFIG with {type(reply).__name__}")
+            try:
+                self._set_timeouts(Timeouts.from_wire(reply.timeouts))
+            except TimeoutsError as e:
+                raise RankMonitorClientError(f"monitor sent invalid timeouts: {e}") from None
+            return self._timeouts
+
+    def _set_timeouts(self, timeouts: Timeouts) -> None:
+        """Adopt new timeouts; tell the monitor about open sections it now needs to know."""
+        self._timeouts = timeouts
+        self._ipc = frozenset(n for n in timeouts.rank_section_timeouts if section_needs_ipc(n, timeouts))
+        t = self._transport
+        for name, sent in list(self._open.items()):
+            if not sent and name in self._ipc and t is not None:
+                self._open[name] = True
+                self._event(t, wire.section_open_frame(name))
+
+    # -- internals -------------------------------------------------------------
+    @staticmethod
+    def _section_frame(name: str, build: Callable[[str], bytes]) -> bytes:
+        try:
+            return build(name)
+        except wire.ProtocolError as e:
+            raise RankMonitorClientError(f"bad section name {name!r}: {e}") from None
+
+    def _event(self, t: Transport, frame: bytes) -> None:
+        try:
+            t.send_event(frame)
+            if self._sync_sections:
+                reply = t.request(wire.PING)
+                if not isinstance(reply, wire.Pong):
+                    raise RankMonitorClientError(f"monitor answered PING with {reply!r}")
+        except TransportError as e:
+            self._lost(e)
+
+    def _why_not_connected(self) -> str:
+        if self._lost_reason is not None:
+            return f"the monitor connection was lost: {self._lost_reason}"
+        return "workload monitoring is not initialized: call init_workload_monitoring() first"
+
+    def _not_connected(self) -> None:
+        if self._lost_reason is None:
+            raise RankMonitorClientError(self._why_not_connected())
+        if self._raise_on_lost:
+            raise RankMonitorClientError(self._why_not_connected())
+
+    def _lost(self, e: TransportError) -> None:
+        """The monitor went away: warn once and keep training, or raise if configured."""
+        reason = str(e)
+        if self._transport is not None:
+            self._transport.close()
+        self._transport = None
+        self._lost_reason = reason
+        if self._raise_on_lost:
+            raise RankMonitorClientError(f"rank {self.rank}: {reason}") from e
+        log.warning("rank %d: %s; training continues without hang detection", self.rank, reason)
+
+
+_CLOSE_ALL_FRAME = wire.encode(wire.SECTION_CLOSE_ALL)

@@ -1,0 +1,31 @@
+"""The environment-variable contract between launcher, daemon and client.
+
+Every variable the three parts exchange is named here, once. Nothing else in the
+project spells these names.
+"""
+
+from __future__ import annotations
+
+import os
+
+RANK_MONITOR_SOCKET = "FT_RANK_MONITOR_IPC_SOCKET"
+"""Path of the rank's monitor daemon socket (set for each worker)."""
+LAUNCHER_SOCKET = "FT_LAUNCHER_IPC_SOCKET"
+"""Path of the launcher's socket, where daemons report hangs (set by ft-launcher)."""
+CONFIG_ENV_PREFIX = "FT_"
+"""`FT_<FIELD>` overrides a FaultToleranceConfig field (see ft_monitor.config)."""
+# torchrun's own variables, read by the client to label its session.
+RANK = "RANK"
+LOCAL_RANK = "LOCAL_RANK"
+RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
+
+
+def rank_from_env(default: int = 0) -> int:
+    """The global rank torchrun gave this process, or ``default`` outside torchrun."""
+    value = os.environ.get(RANK)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {RANK}={value!r} is not an integer") from None

@@ -1,0 +1,237 @@
+"""Checkpoint form of the client's learned state (pure: dicts in, dicts out).
+
+Owns the `state_dict` layout and its reading, including the dict written by
+nvidia-resiliency-ext's ``RankMonitorClient.state_dict()``. Layout, version 1::
+
+    {
+      "format_version": 1,
+      "safety_factor": 5.0,
+      "timeouts": {...Timeouts.to_wire()...},       # in force, with "learned"
+      "observations": {"initial_hb": 12.5, "hb_gap": 2.0, "out_of_section": 0.4,
+                       "sections": {"ckpt": 30.1, "step": 1.9}},   # null = not observed
+    }
+
+Plain JSON types only, keys sorted where order could differ, so ranks that
+reduced the same observations write identical dicts. `overlay_learned` lays
+the learned values of a loaded checkpoint over the configured timeouts.
+Must not talk to the daemon, read files or import torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from ft_client.timeouts import (
+    LEARNED_HB,
+    LEARNED_INITIAL_HB,
+    LEARNED_OUT_OF_SECTION,
+    Timeouts,
+    TimeoutsError,
+    check_timeout,
+    learned_section_key,
+)
+from ft_client.timeouts_calc import DEFAULT_SAFETY_FACTOR, Observations, check_safety_factor
+
+FORMAT_VERSION = 1
+NVRX_STATE_KEY = "current_timeouts"
+_SECTION_PREFIX = learned_section_key("")
+_KEYS = ("format_version", "safety_factor", "timeouts", "observations")
+_OBS_KEYS = ("initial_hb", "hb_gap", "out_of_section", "sections")
+
+
+class StateDictError(ValueError):
+    """A checkpoint dict this client cannot load: unknown version, key or value."""
+
+
+@dataclass(frozen=True)
+class LoadedState:
+    """What a checkpoint holds. Only `timeouts` values named in `timeouts.learned` matter
+    for the next run; the rest is the record of how they were obtained."""
+
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    observations: Observations = field(default_factory=Observations)
+    safety_factor: float = DEFAULT_SAFETY_FACTOR
+
+
+def to_state_dict(timeouts: Timeouts, observations: Observations, safety_factor: float) -> dict[str, Any]:
+    """The version-1 checkpoint dict for the timeouts in force and the observations behind them."""
+    wire = timeouts.to_wire()
+    wire["rank_section_timeouts"] = dict(sorted(wire["rank_section_timeouts"].items()))
+    return {
+        "format_version": FORMAT_VERSION,
+        "safety_factor": check_safety_factor(safety_factor),
+        "timeouts": wire,
+        "observations": {
+            "initial_hb": observations.initial_hb,
+            "hb_gap": observations.hb_gap,
+            "out_of_section": observations.out_of_section,
+            "sections": dict(sorted(observations.sections.items())),
+        },
+    }
+
+
+def from_state_dict(state: Mapping[str, Any]) -> LoadedState:
+    """Read a checkpoint dict: ours (format_version 1; missing keys take defaults,
+    so ``{}`` is an empty state) or nvidia-resiliency-ext's ``{"current_timeouts": ...}``."""
+    if not isinstance(state, Mapping):
+        raise StateDictError(f"ft state_dict = {state!r}: must be a dict")
+    if NVRX_STATE_KEY in state and "format_version" not in state:
+        return _from_nvrx(state)
+    unknown = sorted(map(str, set(state) - set(_KEYS)))
+    if unknown:
+        raise StateDictError(f"ft state_dict has unknown key(s) {', '.join(unknown)}: expected only {', '.join(_KEYS)}")
+    version = state.get("format_version", FORMAT_VERSION)
+    if version != FORMAT_VERSION or isinstance(version, bool):
+        raise StateDictError(
+            f"ft state_dict format_version = {version!r}: this ft_client reads format_version "
+            f"{FORMAT_VERSION} only; load it with the ft_client version that wrote it"
+        )
+    try:
+        timeouts = Timeouts.from_wire(state.get("timeouts") or {})
+        safety_factor = check_safety_factor(state.get("safety_factor", DEFAULT_SAFETY_FACTOR))
+    except ValueError as e:
+        raise StateDictError(f"ft state_dict: {e}") from e
+    _check_learned(timeouts)
+    return LoadedState(timeouts, _observations(state.get("observations") or {}), safety_factor)
+
+
+def overlay_learned(configured: Timeouts, loaded: Timeouts) -> Timeouts:
+    """`configured` with every learned value of `loaded` laid over it, marks kept.
+
+    Learned values win over configured ones (the next calculation averages with
+    them). A learned section that is not in `configured` is dropped: the config
+    decides which sections exist, the checkpoint only their timeouts.
+    """
+    sections = dict(configured.rank_section_timeouts)
+    learned = set(configured.learned)
+    changes: dict[str, Any] = {}
+    for key in loaded.learned:
+        if key.startswith(_SECTION_PREFIX):
+            name = key[len(_SECTION_PREFIX) :]
+            if name in sections:
+                sections[name] = loaded.rank_section_timeouts.get(name)
+                learned.add(key)
+        elif key in (LEARNED_INITIAL_HB, LEARNED_HB, LEARNED_OUT_OF_SECTION):
+            changes[key] = getattr(loaded, key)
+            learned.add(key)
+    return configured.with_updates(rank_section_timeouts=sections, learned=frozenset(learned), **changes)
+
+
+# -- helpers ---------------------------------------------------------------------
+def _duration(value: Any, what: str) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise StateDictError(f"ft state_dict {what} = {value!r}: must be a number of seconds >= 0, or null")
+    return float(value)
+
+
+def _check_learned(timeouts: Timeouts) -> None:
+    """Every learned mark must name a timeout kind that has a value."""
+    for key in sorted(timeouts.learned):
+        if key.startswith(_SECTION_PREFIX):
+            value = timeouts.rank_section_timeouts.get(key[len(_SECTION_PREFIX) :])
+        elif key in (LEARNED_INITIAL_HB, LEARNED_HB, LEARNED_OUT_OF_SECTION):
+            value = getattr(timeouts, key)
+        else:
+            raise StateDictError(
+                f"ft state_dict timeouts.learned has {key!r}: expected {LEARNED_INITIAL_HB}, {LEARNED_HB}, "
+                f"{LEARNED_OUT_OF_SECTION} or {_SECTION_PREFIX}<name>"
+            )
+        if value is None:
+            raise StateDictError(f"ft state_dict timeouts.learned has {key!r}, but that timeout has no value")
+
+
+def _mapping(value: Any, what: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise StateDictError(f"ft state_dict {what} = {value!r}: must be a dict")
+    return value
+
+
+def _observations(data: Any) -> Observations:
+    data = _mapping(data, "observations")
+    unknown = sorted(map(str, set(data) - set(_OBS_KEYS)))
+    if unknown:
+        raise StateDictError(
+            f"ft state_dict observations has unknown key(s) {', '.join(unknown)}: expected only {', '.join(_OBS_KEYS)}"
+        )
+    sections = _mapping(data.get("sections") or {}, "observations.sections")
+    return Observations(
+        initial_hb=_duration(data.get("initial_hb"), "observations.initial_hb"),
+        hb_gap=_duration(data.get("hb_gap"), "observations.hb_gap"),
+        out_of_section=_duration(data.get("out_of_section"), "observations.out_of_section"),
+        sections={str(k): _duration(v, f"observations.sections[{k!r}]") for k, v in sections.items()},
+    )
+
+
+def _from_nvrx(state: Mapping[str, Any]) -> LoadedState:
+    """nvidia-resiliency-ext: {"current_timeouts": {"heartbeat": {...}, "section": {...}}};
+    releases before sections had the heartbeat fields directly under "current_timeouts"."""
+    extra = sorted(map(str, set(state) - {NVRX_STATE_KEY}))
+    if extra:
+        raise StateDictError(
+            f"nvidia-resiliency-ext state_dict has unknown key(s) {', '.join(extra)}: expected only {NVRX_STATE_KEY}"
+        )
+    current = _mapping(state[NVRX_STATE_KEY], NVRX_STATE_KEY)
+    if set(current) & {"initial", "subsequent", "were_calculated"}:
+        current = {"heartbeat": current}
+    unknown = sorted(map(str, set(current) - {"heartbeat", "section"}))
+    if unknown:
+        raise StateDictError(
+            f"nvidia-resiliency-ext state_dict {NVRX_STATE_KEY} has unknown key(s) {', '.join(unknown)}: "
+            "expected heartbeat, section"
+        )
+    changes: dict[str, Any] = {}
+    learned: set[str] = set()
+    try:
+        if "heartbeat" in current:
+            changes.update(_nvrx_heartbeat(_mapping(current["heartbeat"], f"{NVRX_STATE_KEY}.heartbeat"), learned))
+        if "section" in current:
+            changes.update(_nvrx_section(_mapping(current["section"], f"{NVRX_STATE_KEY}.section"), learned))
+    except TimeoutsError as e:
+        raise StateDictError(f"nvidia-resiliency-ext state_dict: {e}") from e
+    return LoadedState(timeouts=Timeouts(learned=frozenset(learned), **changes))
+
+
+def _check_keys(data: Mapping[str, Any], allowed: tuple[str, ...], what: str) -> None:
+    unknown = sorted(map(str, set(data) - set(allowed)))
+    if unknown:
+        raise StateDictError(
+            f"nvidia-resiliency-ext state_dict {what} has unknown key(s) {', '.join(unknown)}: "
+            f"expected {', '.join(allowed)}"
+        )
+
+
+def _nvrx_heartbeat(hb: Mapping[str, Any], learned: set[str]) -> dict[str, Any]:
+    _check_keys(hb, ("initial", "subsequent", "were_calculated"), f"{NVRX_STATE_KEY}.heartbeat")
+    initial = check_timeout(hb.get("initial"), "current_timeouts.heartbeat.initial")
+    subsequent = check_timeout(hb.get("subsequent"), "current_timeouts.heartbeat.subsequent")
+    if hb.get("were_calculated"):
+        if initial is not None:
+            learned.add(LEARNED_INITIAL_HB)
+        if subsequent is not None:
+            learned.add(LEARNED_HB)
+    return {"initial_rank_heartbeat_timeout": initial, "rank_heartbeat_timeout": subsequent}
+
+
+def _nvrx_section(sec: Mapping[str, Any], learned: set[str]) -> dict[str, Any]:
+    what = f"{NVRX_STATE_KEY}.section"
+    _check_keys(sec, ("section", "out_of_section", "calculated_sections", "is_out_of_section_calculated"), what)
+    raw = _mapping(sec.get("section") or {}, f"{what}.section")
+    sections = {str(k): check_timeout(v, f"{what}.section[{k!r}]") for k, v in raw.items()}
+    calculated = sec.get("calculated_sections") or []
+    if not isinstance(calculated, (list, tuple, set, frozenset)) or not all(isinstance(n, str) for n in calculated):
+        raise StateDictError(f"nvidia-resiliency-ext state_dict {what}.calculated_sections = {calculated!r}: must be a list of names")
+    for name in calculated:
+        if sections.get(name) is None:
+            raise StateDictError(
+                f"nvidia-resiliency-ext state_dict {what}.calculated_sections names {name!r}, "
+                f"but {what}.section has no timeout for it"
+            )
+        learned.add(learned_section_key(name))
+    oos = check_timeout(sec.get("out_of_section"), f"{what}.out_of_section")
+    if sec.get("is_out_of_section_calculated") and oos is not None:
+        learned.add(LEARNED_OUT_OF_SECTION)
+    return {"rank_section_timeouts": sections, "rank_out_of_section_timeout": oos}

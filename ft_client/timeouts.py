@@ -1,0 +1,163 @@
+"""Timeout value types shared by client and daemon (pure: no I/O, no clock).
+
+`Timeouts` is the full set of timeouts a daemon enforces for one rank, with a
+record of which values were learned from observation rather than configured.
+It crosses the wire as a plain map (`to_wire` / `from_wire`), in the HELLO_OK
+reply and in UPDATE_CONFIG / CONFIG_OK.
+
+`HeartbeatTimeouts` and `SectionTimeouts` are the views the client exposes as
+``client.hb_timeouts`` / ``client.section_timeouts``; their names and fields
+follow nvidia-resiliency-ext so code written for it keeps working.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping
+
+STEP_SECTION = "step"
+WARMUP_SECTION = "warmup"
+"""A `warmup` entry in rank_section_timeouts replaces the `step` timeout for the
+first `num_warmup_iterations` step sections; it is not a section of its own."""
+
+# Keys of `Timeouts.learned` for the non-section timeouts; sections use "section:<name>".
+LEARNED_INITIAL_HB = "initial_rank_heartbeat_timeout"
+LEARNED_HB = "rank_heartbeat_timeout"
+LEARNED_OUT_OF_SECTION = "rank_out_of_section_timeout"
+_SECTION_PREFIX = "section:"
+
+
+def learned_section_key(name: str) -> str:
+    return _SECTION_PREFIX + name
+
+
+class TimeoutsError(ValueError):
+    """A timeouts map that does not follow the rules (bad type or value)."""
+
+
+def check_timeout(value: Any, what: str) -> float | None:
+    """Validate one timeout: a finite number > 0 (seconds), or None for off."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TimeoutsError(f"{what} = {value!r}: must be a number of seconds > 0, or null to disable")
+    if not math.isfinite(value) or value <= 0:
+        raise TimeoutsError(f"{what} = {value!r}: must be a number of seconds > 0, or null to disable")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class HeartbeatTimeouts:
+    initial: float | None = None
+    subsequent: float | None = None
+    were_calculated: bool = False
+
+
+@dataclass(frozen=True)
+class SectionTimeouts:
+    section: Mapping[str, float | None] = field(default_factory=dict)
+    out_of_section: float | None = None
+    calculated_sections: frozenset[str] = frozenset()
+    is_out_of_section_calculated: bool = False
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Every timeout in force for one rank. None means off."""
+
+    initial_rank_heartbeat_timeout: float | None = None
+    rank_heartbeat_timeout: float | None = None
+    rank_section_timeouts: Mapping[str, float | None] = field(default_factory=dict)
+    rank_out_of_section_timeout: float | None = None
+    learned: frozenset[str] = frozenset()
+
+    # -- views ---------------------------------------------------------------
+    @property
+    def hb(self) -> HeartbeatTimeouts:
+        return HeartbeatTimeouts(
+            initial=self.initial_rank_heartbeat_timeout,
+            subsequent=self.rank_heartbeat_timeout,
+            were_calculated=LEARNED_HB in self.learned or LEARNED_INITIAL_HB in self.learned,
+        )
+
+    @property
+    def sections(self) -> SectionTimeouts:
+        return SectionTimeouts(
+            section=dict(self.rank_section_timeouts),
+            out_of_section=self.rank_out_of_section_timeout,
+            calculated_sections=frozenset(
+                k[len(_SECTION_PREFIX) :] for k in self.learned if k.startswith(_SECTION_PREFIX)
+            ),
+            is_out_of_section_calculated=LEARNED_OUT_OF_SECTION in self.learned,
+        )
+
+    def section_timeout(self, name: str) -> float | None:
+        return self.rank_section_timeouts.get(name)
+
+    def with_updates(self, **changes: Any) -> "Timeouts":
+        return replace(self, **changes)
+
+    # -- wire form -----------------------------------------------------------
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "initial_rank_heartbeat_timeout": self.initial_rank_heartbeat_timeout,
+            "rank_heartbeat_timeout": self.rank_heartbeat_timeout,
+            "rank_section_timeouts": dict(self.rank_section_timeouts),
+            "rank_out_of_section_timeout": self.rank_out_of_section_timeout,
+            "learned": sorted(self.learned),
+        }
+
+    @classmethod
+    def from_wire(cls, data: Mapping[str, Any]) -> "Timeouts":
+        """Build from the wire map; raises TimeoutsError naming the bad entry."""
+        known = {
+            "initial_rank_heartbeat_timeout",
+            "rank_heartbeat_timeout",
+            "rank_section_timeouts",
+            "rank_out_of_section_timeout",
+            "learned",
+        }
+        unknown = set(data) - known
+        if unknown:
+            raise TimeoutsError(f"unknown timeout field(s): {', '.join(sorted(map(str, unknown)))}")
+        sections = data.get("rank_section_timeouts") or {}
+        if not isinstance(sections, Mapping):
+            raise TimeoutsError(
+                f"rank_section_timeouts = {sections!r}: must be a map of section name to seconds or null"
+            )
+        checked: dict[str, float | None] = {}
+        for name, value in sections.items():
+            if not isinstance(name, str) or not name:
+                raise TimeoutsError(f"rank_section_timeouts key {name!r}: must be a non-empty string")
+            checked[name] = check_timeout(value, f"rank_section_timeouts[{name!r}]")
+        learned = data.get("learned") or []
+        if not isinstance(learned, (list, tuple, set, frozenset)) or not all(isinstance(x, str) for x in learned):
+            raise TimeoutsError(f"learned = {learned!r}: must be a list of strings")
+        return cls(
+            initial_rank_heartbeat_timeout=check_timeout(
+                data.get("initial_rank_heartbeat_timeout"), "initial_rank_heartbeat_timeout"
+            ),
+            rank_heartbeat_timeout=check_timeout(data.get("rank_heartbeat_timeout"), "rank_heartbeat_timeout"),
+            rank_section_timeouts=checked,
+            rank_out_of_section_timeout=check_timeout(
+                data.get("rank_out_of_section_timeout"), "rank_out_of_section_timeout"
+            ),
+            learned=frozenset(learned),
+        )
+
+
+def section_needs_ipc(name: str, timeouts: Timeouts) -> bool:
+    """Whether the daemon must hear about section ``name`` opening and closing.
+
+    A section the daemon cannot act on costs no IPC: one not listed in
+    rank_section_timeouts at all (as in nvidia-resiliency-ext). A listed section
+    is sent when its timeout (or, for `step`, the warm-up timeout) is set, or
+    when the out-of-section timeout is set, since an open section pauses it.
+    """
+    sections = timeouts.rank_section_timeouts
+    if name not in sections:
+        return False
+    if sections[name] is not None or timeouts.rank_out_of_section_timeout is not None:
+        return True
+    return name == STEP_SECTION and sections.get(WARMUP_SECTION) is not None

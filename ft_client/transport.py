@@ -1,0 +1,178 @@
+"""A blocking Unix-socket connection to a monitor daemon, safe for training loops.
+
+Owns the socket and its two kinds of traffic:
+
+* events (fire-and-forget frames: heartbeat, section open/close) go out with one
+  ``send(MSG_DONTWAIT)`` syscall and never block. If the daemon is not reading
+  (stalled, stopped), unsent bytes wait in a bounded local buffer and go out
+  with the next call; past the bound the connection is declared broken.
+* requests (handshake, config update, status) are bounded by a timeout on both
+  the send and the reply (SO_SNDTIMEO / SO_RCVTIMEO, so no extra poll syscall).
+
+Thread-safe: one lock orders all frames. Raises `TransportError` on failure; the
+caller decides whether that is fatal (see RankMonitorClient's on_monitor_lost).
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+import struct
+import threading
+
+from ft_client import wire
+
+MAX_PENDING = 1 << 20
+"""Bytes of events kept while the daemon does not read, before giving up on it."""
+
+
+class TransportError(Exception):
+    """The connection failed or was closed; ``broken`` tells whether it is unusable."""
+
+
+def _timeval(seconds: float) -> bytes:
+    sec = int(seconds)
+    return struct.pack("ll", sec, int((seconds - sec) * 1e6))
+
+
+class Transport:
+    __slots__ = ("path", "timeout", "_sock", "_pending", "_lock", "closed", "broken_reason")
+
+    def __init__(self, path: str, timeout: float) -> None:
+        self.path = path
+        self.timeout = timeout
+        self._pending = bytearray()
+        self._lock = threading.Lock()
+        self.closed = False
+        self.broken_reason: str | None = None
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(timeout)
+            sock.connect(path)
+            sock.settimeout(None)  # blocking mode; bounded by the kernel timeouts below
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(timeout))
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(timeout))
+        except BaseException:
+            sock.close()
+            raise
+        self._sock = sock
+
+    # -- events ----------------------------------------------------------------
+    def send_event(self, frame: bytes) -> None:
+        """Queue-free fast path: one non-blocking send. Never blocks the caller."""
+        with self._lock:
+            if self.closed:
+                raise TransportError(self.broken_reason or "connection closed")
+            if self._pending:
+                self._flush_nowait()
+                if self._pending:
+                    self._buffer(frame)
+                    return
+            try:
+                n = self._sock.send(frame, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                n = 0
+            except OSError as e:
+                self._break(f"monitor connection lost: {e.strerror or e}")
+                raise TransportError(self.broken_reason) from e
+            if n < len(frame):
+                self._buffer(frame[n:])
+
+    def _flush_nowait(self) -> None:
+        try:
+            n = self._sock.send(self._pending, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return
+        except OSError as e:
+            self._break(f"monitor connection lost: {e.strerror or e}")
+            raise TransportError(self.broken_reason) from e
+        del self._pending[:n]
+
+    def _buffer(self, data: bytes) -> None:
+        self._pending += data
+        if len(self._pending) > MAX_PENDING:
+            self._break(f"monitor has not read {len(self._pending)} bytes of events; it is stalled")
+            raise TransportError(self.broken_reason)
+
+    # -- requests --------------------------------------------------------------
+    def request(self, msg: wire.Message) -> wire.Message:
+        """Send ``msg`` and return the daemon's reply, within the timeout."""
+        frame = wire.encode(msg)
+        with self._lock:
+            if self.closed:
+                raise TransportError(self.broken_reason or "connection closed")
+            try:
+                if self._pending:
+                    self._sock.sendall(self._pending)
+                    self._pending.clear()
+                self._sock.sendall(frame)
+                return wire.read_frame_blocking(self._recv_exact)
+            except (BlockingIOError, TimeoutError, socket.timeout) as e:
+                self._break(f"monitor did not answer within {self.timeout:.1f}s")
+                raise TransportError(self.broken_reason) from e
+            except wire.ProtocolError as e:
+                self._break(f"monitor sent a malformed reply: {e}")
+                raise TransportError(self.broken_reason) from e
+            except OSError as e:
+                if e.errno in (errno.EAGAIN, errno.EWOULDBLOCK):
+                    self._break(f"monitor did not answer within {self.timeout:.1f}s")
+                else:
+                    self._break(f"monitor connection lost: {e.strerror or e}")
+                raise TransportError(self.broken_reason) from e
+
+    def _recv_exact(self, n: int) -> bytes:
+        chunks = []
+        while n:
+            chunk = self._sock.recv(n)
+            if not chunk:
+                raise TransportError("monitor closed the connection")
+            chunks.append(chunk)
+            n -= len(chunk)
+        return b"".join(chunks)
+
+    def flush(self) -> None:
+        """Send buffered events, blocking up to the timeout."""
+        with self._lock:
+            if self._pending and not self.closed:
+                try:
+                    self._sock.sendall(self._pending)
+                    self._pending.clear()
+                except OSError as e:
+                    self._break(f"monitor connection lost: {e.strerror or e}")
+                    raise TransportError(self.broken_reason) from e
+
+    # -- closing ---------------------------------------------------------------
+    def _break(self, reason: str) -> None:
+        self.broken_reason = reason
+        self.closed = True
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        with self._lock:
+            if not self.closed:
+                self.closed = True
+                self._sock.close()
+
+    def fileno(self) -> int:
+        return self._sock.fileno()
+
+
+def connect(path: str, timeout: float, role: str, rank: int, info: dict[str, object] | None = None
+            ) -> tuple[Transport, wire.HelloOk]:
+    """Connect and handshake. Raises TransportError with the daemon's reason on refusal."""
+    t = Transport(path, timeout)
+    try:
+        reply = t.request(wire.Hello(wire.PROTOCOL_VERSION, role, rank, info or {}))
+    except TransportError:
+        t.close()
+        raise
+    if isinstance(reply, wire.Error):
+        t.close()
+        raise TransportError(f"monitor at {path} refused the connection ({reply.code}): {reply.message}")
+    if not isinstance(reply, wire.HelloOk):
+        t.close()
+        raise TransportError(f"monitor at {path} answered HELLO with {type(reply).__name__}")
+    return t, reply

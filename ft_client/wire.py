@@ -1,0 +1,372 @@
+"""The wire protocol between a training rank and its monitor daemon.
+
+This module owns the bytes: message types, the msgpack codec, length-prefixed
+framing, the protocol version and the frame size cap. It is pure (bytes in,
+messages out) and has no I/O; both the client and the daemon import it from here.
+docs/protocol.md is the normative description; keep the two in step.
+
+A frame is a 4-byte big-endian unsigned length followed by that many bytes of
+msgpack. The body is an array whose first element is the message type tag::
+
+    HELLO          [1, version, role, rank, info]      request  -> HELLO_OK | ERROR
+    HELLO_OK       [2, version, session]               reply
+    ERROR          [3, code, message]                  reply (then the daemon may close)
+    HEARTBEAT      [4]                                 fire-and-forget
+    SECTION_OPEN   [5, name]                           fire-and-forget
+    SECTION_CLOSE  [6, name]                           fire-and-forget
+    SECTION_CLOSE_ALL [7]                              fire-and-forget
+    UPDATE_CONFIG  [8, timeouts]                       request  -> CONFIG_OK | ERROR
+    CONFIG_OK      [9, timeouts]                       reply
+    STATUS         [10]                                request  -> STATUS_REPLY
+    STATUS_REPLY   [11, status]                        reply
+    PING           [12]                                request  -> PONG
+    PONG           [13]                                reply
+    GOODBYE        [14]                                fire-and-forget (clean shutdown)
+    ITERATION      [15, iteration]                     fire-and-forget (training progress)
+    CONTROL        [16, action, reason]                request  -> CONFIG_OK | ERROR
+
+Nothing here unpickles or evaluates anything: msgpack with ``raw=False`` and
+``strict_map_key=True`` yields only None, bool, int, float, str, bytes, list, dict.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any, Iterator
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+MAX_FRAME = 64 * 1024
+"""Largest body accepted, in bytes. Checked on the length prefix, before decoding."""
+MAX_NAME_BYTES = 256
+"""Longest section name, in UTF-8 bytes."""
+
+_HEADER = struct.Struct(">I")
+HEADER_SIZE = _HEADER.size
+
+
+class MsgType(IntEnum):
+    HELLO = 1
+    HELLO_OK = 2
+    ERROR = 3
+    HEARTBEAT = 4
+    SECTION_OPEN = 5
+    SECTION_CLOSE = 6
+    SECTION_CLOSE_ALL = 7
+    UPDATE_CONFIG = 8
+    CONFIG_OK = 9
+    STATUS = 10
+    STATUS_REPLY = 11
+    PING = 12
+    PONG = 13
+    GOODBYE = 14
+    ITERATION = 15
+    CONTROL = 16
+
+
+class Role:
+    """Who is on the other end of a connection (sent in HELLO)."""
+
+    RANK = "rank"  # the training process; one at a time per daemon
+    OBSERVER = "observer"  # `ft-monitor status` and tools: STATUS/PING only
+
+
+class ErrorCode:
+    """Codes carried by ERROR replies."""
+
+    VERSION = "version"  # protocol version mismatch
+    BUSY = "busy"  # a rank is already connected
+    FORBIDDEN = "forbidden"  # peer uid differs, or request not allowed for the role
+    BAD_REQUEST = "bad_request"  # well-formed frame, unacceptable content
+    PROTOCOL = "protocol"  # malformed frame or message; the connection is closed
+
+
+class ProtocolError(Exception):
+    """A frame or message that breaks the protocol. The connection must be closed."""
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    version: int
+    role: str
+    rank: int
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class HelloOk:
+    version: int
+    session: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Error:
+    code: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class SectionOpen:
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class SectionClose:
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class SectionCloseAll:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class UpdateConfig:
+    timeouts: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigOk:
+    timeouts: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Status:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class StatusReply:
+    status: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Ping:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Pong:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Goodbye:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Iteration:
+    iteration: int
+
+
+@dataclass(frozen=True, slots=True)
+class Control:
+    action: str
+    reason: str
+
+
+Message = (
+    Hello | HelloOk | Error | Heartbeat | SectionOpen | SectionClose | SectionCloseAll
+    | UpdateConfig | ConfigOk | Status | StatusReply | Ping | Pong | Goodbye | Iteration
+    | Control
+)
+
+# Singletons for the messages without fields: decoding them allocates nothing.
+HEARTBEAT = Heartbeat()
+SECTION_CLOSE_ALL = SectionCloseAll()
+STATUS = Status()
+PING = Ping()
+PONG = Pong()
+GOODBYE = Goodbye()
+
+
+# ---------------------------------------------------------------------------
+# Encoding
+
+
+def _frame(body: list[Any]) -> bytes:
+    payload = msgpack.packb(body, use_bin_type=True)
+    if len(payload) > MAX_FRAME:
+        raise ProtocolError(f"message of {len(payload)} bytes exceeds the frame cap of {MAX_FRAME} bytes")
+    return _HEADER.pack(len(payload)) + payload
+
+
+def _check_name(name: str) -> None:
+    if not isinstance(name, str):
+        raise ProtocolError(f"section name must be a string, got {type(name).__name__}")
+    size = len(name.encode("utf-8", "surrogatepass"))
+    if not 0 < size <= MAX_NAME_BYTES:
+        raise ProtocolError(f"section name must be 1..{MAX_NAME_BYTES} bytes of UTF-8, got {size} bytes")
+
+
+def encode(msg: Message) -> bytes:
+    """Return the complete frame (length prefix + body) for ``msg``."""
+    t = type(msg)
+    if t is Heartbeat:
+        return HEARTBEAT_FRAME
+    if t is SectionOpen:
+        return section_open_frame(msg.name)  # type: ignore[union-attr]
+    if t is SectionClose:
+        return section_close_frame(msg.name)  # type: ignore[union-attr]
+    encoder = _ENCODERS.get(t)
+    if encoder is None:
+        raise TypeError(f"not a wire message: {msg!r}")
+    return _frame(encoder(msg))
+
+
+_ENCODERS: dict[type, Any] = {
+    Hello: lambda m: [MsgType.HELLO, m.version, m.role, m.rank, m.info],
+    HelloOk: lambda m: [MsgType.HELLO_OK, m.version, m.session],
+    Error: lambda m: [MsgType.ERROR, m.code, m.message],
+    SectionCloseAll: lambda m: [MsgType.SECTION_CLOSE_ALL],
+    UpdateConfig: lambda m: [MsgType.UPDATE_CONFIG, m.timeouts],
+    ConfigOk: lambda m: [MsgType.CONFIG_OK, m.timeouts],
+    Status: lambda m: [MsgType.STATUS],
+    StatusReply: lambda m: [MsgType.STATUS_REPLY, m.status],
+    Ping: lambda m: [MsgType.PING],
+    Pong: lambda m: [MsgType.PONG],
+    Goodbye: lambda m: [MsgType.GOODBYE],
+    Iteration: lambda m: [MsgType.ITERATION, m.iteration],
+    Control: lambda m: [MsgType.CONTROL, m.action, m.reason],
+}
+
+HEARTBEAT_FRAME = _frame([MsgType.HEARTBEAT])
+"""The heartbeat never changes: the client sends this constant."""
+
+
+def section_open_frame(name: str) -> bytes:
+    _check_name(name)
+    return _frame([MsgType.SECTION_OPEN, name])
+
+
+def section_close_frame(name: str) -> bytes:
+    _check_name(name)
+    return _frame([MsgType.SECTION_CLOSE, name])
+
+
+# ---------------------------------------------------------------------------
+# Decoding
+
+
+def _is_num_or_none(v: object) -> bool:
+    return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
+
+
+def _str(v: object, what: str) -> str:
+    if not isinstance(v, str):
+        raise ProtocolError(f"{what} must be a string, got {type(v).__name__}")
+    return v
+
+
+def _dict(v: object, what: str) -> dict[str, Any]:
+    if not isinstance(v, dict):
+        raise ProtocolError(f"{what} must be a map, got {type(v).__name__}")
+    return v
+
+
+def _int(v: object, what: str) -> int:
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise ProtocolError(f"{what} must be an integer, got {type(v).__name__}")
+    return v
+
+
+def _name(v: object) -> str:
+    name = _str(v, "section name")
+    _check_name(name)
+    return name
+
+
+_DECODERS: dict[int, tuple[int, Any]] = {
+    # tag: (number of fields after the tag, builder)
+    MsgType.HELLO: (4, lambda f: Hello(_int(f[0], "version"), _str(f[1], "role"), _int(f[2], "rank"), _dict(f[3], "info"))),
+    MsgType.HELLO_OK: (2, lambda f: HelloOk(_int(f[0], "version"), _dict(f[1], "session"))),
+    MsgType.ERROR: (2, lambda f: Error(_str(f[0], "error code"), _str(f[1], "error message"))),
+    MsgType.HEARTBEAT: (0, lambda f: HEARTBEAT),
+    MsgType.SECTION_OPEN: (1, lambda f: SectionOpen(_name(f[0]))),
+    MsgType.SECTION_CLOSE: (1, lambda f: SectionClose(_name(f[0]))),
+    MsgType.SECTION_CLOSE_ALL: (0, lambda f: SECTION_CLOSE_ALL),
+    MsgType.UPDATE_CONFIG: (1, lambda f: UpdateConfig(_dict(f[0], "timeouts"))),
+    MsgType.CONFIG_OK: (1, lambda f: ConfigOk(_dict(f[0], "timeouts"))),
+    MsgType.STATUS: (0, lambda f: STATUS),
+    MsgType.STATUS_REPLY: (1, lambda f: StatusReply(_dict(f[0], "status"))),
+    MsgType.PING: (0, lambda f: PING),
+    MsgType.PONG: (0, lambda f: PONG),
+    MsgType.GOODBYE: (0, lambda f: GOODBYE),
+    MsgType.ITERATION: (1, lambda f: Iteration(_int(f[0], "iteration"))),
+    MsgType.CONTROL: (2, lambda f: Control(_str(f[0], "action"), _str(f[1], "reason"))),
+}
+
+
+def decode_body(body: bytes | memoryview) -> Message:
+    """Decode one frame body (without its length prefix) into a message."""
+    try:
+        obj = msgpack.unpackb(body, raw=False, strict_map_key=True, use_list=True)
+    except Exception as e:  # msgpack raises several unrelated types for garbage
+        raise ProtocolError(f"body is not valid msgpack: {type(e).__name__}: {e}") from e
+    if not isinstance(obj, list) or not obj:
+        raise ProtocolError(f"body must be a non-empty array, got {type(obj).__name__}")
+    tag = obj[0]
+    spec = _DECODERS.get(tag) if isinstance(tag, int) and not isinstance(tag, bool) else None
+    if spec is None:
+        raise ProtocolError(f"unknown message type {tag!r}")
+    nfields, build = spec
+    if len(obj) != nfields + 1:
+        raise ProtocolError(f"{MsgType(tag).name} takes {nfields} field(s), got {len(obj) - 1}")
+    return build(obj[1:])
+
+
+class FrameDecoder:
+    """Incremental decoder: feed bytes as they arrive, get whole messages out.
+
+    Raises ProtocolError on the first bad frame; the caller closes the
+    connection. The length prefix is checked against MAX_FRAME before any
+    body bytes are buffered, so an oversized frame costs nothing to refuse.
+    """
+
+    __slots__ = ("_buf",)
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received but not yet part of a complete frame."""
+        return len(self._buf)
+
+    def feed(self, data: bytes) -> Iterator[Message]:
+        buf = self._buf
+        buf += data
+        pos = 0
+        end = len(buf)
+        try:
+            while end - pos >= HEADER_SIZE:
+                (size,) = _HEADER.unpack_from(buf, pos)
+                if size == 0 or size > MAX_FRAME:
+                    raise ProtocolError(f"frame length {size} outside 1..{MAX_FRAME}")
+                stop = pos + HEADER_SIZE + size
+                if stop > end:
+                    break
+                msg = decode_body(bytes(buf[pos + HEADER_SIZE : stop]))
+                pos = stop
+                yield msg
+        finally:
+            if pos:
+                del buf[:pos]
+
+
+def read_frame_blocking(recv_exact: Any) -> Message:
+    """Read one message with ``recv_exact(n) -> bytes`` (blocking helpers in clients)."""
+    header = recv_exact(HEADER_SIZE)
+    (size,) = _HEADER.unpack(header)
+    if size == 0 or size > MAX_FRAME:
+        raise ProtocolError(f"frame length {size} outside 1..{MAX_FRAME}")
+    return decode_body(recv_exact(size))

@@ -1,0 +1,170 @@
+"""`ft-monitor`: the only place that reads argv, configures logging and exits.
+
+    ft-monitor serve  --socket PATH [--config FILE] [--loop auto|asyncio|uvloop] [--ft-<field> VALUE ...] [-- CMD ...]
+    ft-monitor status --socket PATH [--json]
+
+Exit codes: 0 success; 1 runtime failure (socket in use, daemon unreachable);
+2 bad usage or configuration (one line naming the field, the value and the rule).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+from typing import Any, Callable
+
+from ft_monitor.config import ConfigError, FaultToleranceConfig, add_config_flags, cli_overrides, load_config
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+
+LOG_FORMAT = "%(asctime)s ft-monitor[%(process)d] %(levelname)s %(message)s"
+
+
+def _new_loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop]:
+    """One table entry per loop; `auto` prefers uvloop and falls back to asyncio."""
+    if name in ("auto", "uvloop"):
+        try:
+            import uvloop
+
+            return uvloop.new_event_loop
+        except ImportError:
+            if name == "uvloop":
+                raise ConfigError("--loop uvloop: uvloop is not installed (pip install uvloop)") from None
+    return asyncio.new_event_loop
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ft-monitor", description="Per-rank hang monitor for PyTorch training.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the monitor daemon for one rank",
+                           description="Run the monitor daemon for one rank. With `-- CMD ...` it also starts CMD "
+                                       "with FT_RANK_MONITOR_IPC_SOCKET set, and exits with CMD's exit code.")
+    serve.add_argument("--socket", required=True, help="Unix socket path (its directory is made private, mode 0700)")
+    serve.add_argument("--config", "--ft-cfg-path", dest="config", default=None, metavar="FILE",
+                       help="YAML file with a fault_tolerance: mapping")
+    serve.add_argument("--loop", choices=("auto", "asyncio", "uvloop"), default="auto",
+                       help="event loop (default: uvloop when installed)")
+    serve.add_argument("--log-file", default=None, help="also write the log to this file")
+    add_config_flags(serve)
+    serve.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS: a rank process to start and watch")
+
+    status = sub.add_parser("status", help="print a running monitor's live state")
+    status.add_argument("--socket", required=True)
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+    status.add_argument("--timeout", type=float, default=5.0)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
+    return _status(args)
+
+
+def _configure_logging(level: int, log_file: str | None) -> None:
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    if log_file:
+        handlers.append(logging.FileHandler(log_file))
+    logging.basicConfig(level=level, format=LOG_FORMAT, handlers=handlers, force=True)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from ft_monitor.listener import ListenerError
+    from ft_monitor.server import run_daemon
+
+    _configure_logging(logging.INFO, args.log_file)
+    log = logging.getLogger("ft_monitor")
+    command = list(args.cmd)
+    if command and command[0] == "--":
+        command = command[1:]
+    try:
+        config: FaultToleranceConfig = load_config(args.config, os.environ, cli_overrides(args), log=log)
+        loop_factory = _new_loop_factory(args.loop)
+    except ConfigError as e:
+        print(f"ft-monitor: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    logging.getLogger().setLevel(config.log_level)
+    try:
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            return runner.run(run_daemon(config, args.socket, command=command or None))
+    except ListenerError as e:
+        print(f"ft-monitor: {e}", file=sys.stderr)
+        return EXIT_FAILURE
+
+
+def _status(args: argparse.Namespace) -> int:
+    from ft_client import wire
+    from ft_client.transport import TransportError, connect
+
+    try:
+        t, _ = connect(args.socket, args.timeout, wire.Role.OBSERVER, -1)
+        try:
+            reply = t.request(wire.STATUS)
+        finally:
+            t.close()
+    except (OSError, TransportError) as e:
+        print(f"ft-monitor: no monitor answers at {args.socket}: {e}", file=sys.stderr)
+        return EXIT_FAILURE
+    if not isinstance(reply, wire.StatusReply):
+        print(f"ft-monitor: unexpected reply {reply!r}", file=sys.stderr)
+        return EXIT_FAILURE
+    if args.json:
+        print(json.dumps(reply.status, indent=2, sort_keys=True))
+    else:
+        print(format_status(reply.status))
+    return EXIT_OK
+
+
+def _secs(v: Any) -> str:
+    return "-" if v is None else f"{v:.1f}s"
+
+
+def format_status(st: dict[str, Any]) -> str:
+    """Human-readable status (pure; tested on a dict)."""
+    t = st["timeouts"]
+    learned = set(t.get("learned", []))
+
+    def tv(key: str, value: Any) -> str:
+        return ("off" if value is None else f"{value:g}s") + (" (learned)" if key in learned else "")
+
+    lines = [f"monitor pid {st['monitor_pid']} on {st['socket']}, up {_secs(st['uptime_s'])}, "
+             f"{st['sessions']} session(s), {st['hangs_detected']} hang(s) detected"]
+    if not st["connected"]:
+        lines.append("rank: not connected")
+    else:
+        lines.append(f"rank {st['rank']} pid {st['pid']} ({st['phase']}), connected {_secs(st['session_age_s'])} ago, "
+                     f"{st['heartbeats']} heartbeat(s), last {_secs(st['since_last_heartbeat_s'])} ago"
+                     + (f", iteration {st['iteration']}" if st.get("iteration") is not None else ""))
+        if st["open_sections"]:
+            for sec in st["open_sections"]:
+                lines.append(f"  section {sec['name']!r} open {_secs(sec['elapsed_s'])}, timeout "
+                             f"{'off' if sec['timeout_s'] is None else _secs(sec['timeout_s'])}"
+                             + (" (warm-up)" if sec.get("warmup") else ""))
+        else:
+            lines.append(f"  no section open (for {_secs(st['out_of_section_s'])})")
+        nd = st.get("next_deadline")
+        if nd:
+            what = nd["reason"] + (f" {nd['section']!r}" if nd.get("section") else "")
+            lines.append(f"  next deadline: {what} in {_secs(nd['in_s'])}")
+    lines.append("timeouts in force:")
+    lines.append(f"  initial heartbeat {tv('initial_rank_heartbeat_timeout', t['initial_rank_heartbeat_timeout'])}, "
+                 f"heartbeat {tv('rank_heartbeat_timeout', t['rank_heartbeat_timeout'])}, "
+                 f"out of section {tv('rank_out_of_section_timeout', t['rank_out_of_section_timeout'])}")
+    for name, value in sorted(t["rank_section_timeouts"].items()):
+        lines.append(f"  section {name!r}: {tv('section:' + name, value)}")
+    if "last_hang" in st:
+        h = st["last_hang"]
+        lines.append(f"last hang: rank {h['rank']} pid {h['pid']}: {h['message']} (report {h['report']})")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

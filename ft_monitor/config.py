@@ -1,0 +1,393 @@
+"""FaultToleranceConfig: every setting of the daemon and launcher, validated once.
+
+Sources, lowest precedence first: defaults < YAML file (the first
+``fault_tolerance:`` mapping found anywhere in it, as nvidia-resiliency-ext does)
+< environment ``FT_<FIELD>`` < command line ``--ft-<field>`` (dash or underscore).
+`load_config()` merges them and validates the result; a bad value raises
+ConfigError whose message names the field, the value, where it came from and the
+rule. After loading, the config is only read.
+
+This module must not import torch; it is imported by the daemon.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import signal
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+
+from ft_client import env as ft_env
+from ft_client.timeouts import Timeouts, check_timeout
+
+
+class ConfigError(ValueError):
+    """A setting that breaks a rule. The message is meant for the user, as is."""
+
+
+# Fields of nvidia-resiliency-ext's FaultToleranceConfig that have no meaning here.
+# They are accepted, so that its YAML files and flags keep working, and ignored
+# with one warning line.
+IGNORED_NVRX_FIELDS = frozenset(
+    {
+        "workload_check_interval",  # detection here is deadline-driven, not periodic
+        "node_health_check_interval",
+        "restart_check_interval",
+        "enable_nic_monitor",
+        "enable_nic_healthcheck",
+        "enable_dist_storage_healthcheck",
+        "storage_healthcheck_path",
+        "pci_topo_file",
+        "link_down_path_template",
+        "link_state_path_template",
+        "segment",
+        "numa_bind_strict",
+        "gpu_memory_reclaim_timeout",
+        "gpu_memory_tolerance_mb",
+        "gpu_memory_poll_interval",
+        "check_remaining_processes",
+        "min_progress_iterations",
+        "checkpoint_iteration_file",
+        "install_exception_hook",
+        "attribution_endpoint",
+        "attribution_stop_action",
+        "attribution_export_url",
+        "cycle_info_dir",
+        "segment_health_check_dir",
+    }
+)
+
+_TIMEOUT_RULE = "must be a number of seconds > 0, or null to disable"
+
+
+def parse_signal(value: Any) -> signal.Signals:
+    """'SIGTERM', 'term', 15 or signal.SIGTERM -> signal.SIGTERM."""
+    if isinstance(value, signal.Signals):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        return signal.Signals(value)
+    if isinstance(value, str):
+        text = value.strip()
+        if text.lstrip("-").isdigit():
+            return signal.Signals(int(text))
+        name = text.upper()
+        if not name.startswith("SIG"):
+            name = "SIG" + name
+        return signal.Signals[name]
+    raise ValueError(value)
+
+
+class FaultToleranceConfig(BaseModel):
+    """Settings of the monitor daemon (and, later, the launcher).
+
+    Timeouts are in seconds; None (YAML ``null``, CLI ``none``) turns one off.
+    docs/configuration.md describes each field.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+    initial_rank_heartbeat_timeout: float | None = None
+    rank_heartbeat_timeout: float | None = None
+    rank_section_timeouts: dict[str, float | None] = {}
+    rank_out_of_section_timeout: float | None = None
+    num_warmup_iterations: int = 5
+    safety_factor: float = 5.0
+    rank_termination_signal: signal.Signals = signal.SIGTERM
+    termination_grace_time: float = 5.0
+    stack_dump_signal: signal.Signals = signal.SIGUSR2
+    stack_dump_timeout: float = 5.0
+    report_dir: str | None = None
+    skip_section_response: bool = True
+    log_level: int = logging.INFO
+    on_monitor_lost: str = "warn"
+    client_request_timeout: float = 10.0
+
+    # -- rules -----------------------------------------------------------------
+    @field_validator(
+        "initial_rank_heartbeat_timeout", "rank_heartbeat_timeout", "rank_out_of_section_timeout", mode="before"
+    )
+    @classmethod
+    def _timeout(cls, v: Any) -> Any:
+        v = _none_words(v)
+        v = _number_words(v)
+        try:
+            return check_timeout(v, "value")
+        except ValueError:
+            raise ValueError(_TIMEOUT_RULE) from None
+
+    @field_validator("rank_section_timeouts", mode="before")
+    @classmethod
+    def _sections(cls, v: Any) -> Any:
+        if v is None:
+            return {}
+        if isinstance(v, str):
+            v = parse_section_timeouts(v)
+        if not isinstance(v, Mapping):
+            raise ValueError("must be a map of section name to seconds or null (CLI form: step:30,ckpt:none)")
+        out: dict[str, float | None] = {}
+        for name, value in v.items():
+            if not isinstance(name, str) or not name.strip():
+                raise ValueError(f"section name {name!r} must be a non-empty string")
+            try:
+                out[name.strip()] = check_timeout(_number_words(_none_words(value)), name)
+            except ValueError:
+                raise ValueError(f"section {name!r} = {value!r}: {_TIMEOUT_RULE}") from None
+        return out
+
+    @field_validator("num_warmup_iterations", mode="before")
+    @classmethod
+    def _warmup(cls, v: Any) -> Any:
+        v = _number_words(v)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError("must be a whole number >= 0")
+        return v
+
+    @field_validator("safety_factor", mode="before")
+    @classmethod
+    def _safety(cls, v: Any) -> Any:
+        v = _number_words(v)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 1.0:
+            raise ValueError("must be a number >= 1.0 (a factor below 1 makes timeouts shorter than observed)")
+        return float(v)
+
+    @field_validator("termination_grace_time", "stack_dump_timeout", "client_request_timeout", mode="before")
+    @classmethod
+    def _duration(cls, v: Any) -> Any:
+        v = _number_words(v)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise ValueError("must be a number of seconds >= 0")
+        return float(v)
+
+    @field_validator("rank_termination_signal", "stack_dump_signal", mode="before")
+    @classmethod
+    def _signal(cls, v: Any) -> Any:
+        try:
+            sig = parse_signal(v)
+        except (KeyError, ValueError):
+            raise ValueError("must be a signal name or number, e.g. SIGTERM, TERM or 15") from None
+        if sig in (signal.SIGSTOP, signal.SIGCONT):
+            raise ValueError(f"{sig.name} cannot be used here")
+        return sig
+
+    @field_validator("skip_section_response", mode="before")
+    @classmethod
+    def _bool(cls, v: Any) -> Any:
+        if isinstance(v, bool):
+            return v
+        if isinstance(v, str) and v.strip().lower() in _TRUE | _FALSE:
+            return v.strip().lower() in _TRUE
+        raise ValueError("must be true or false")
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _log_level(cls, v: Any) -> Any:
+        if isinstance(v, int) and not isinstance(v, bool):
+            return v
+        if isinstance(v, str):
+            name = v.strip().upper()
+            if name.isdigit():
+                return int(name)
+            level = logging.getLevelName(name)
+            if isinstance(level, int):
+                return level
+        raise ValueError("must be DEBUG, INFO, WARNING, ERROR, CRITICAL or a number")
+
+    @field_validator("on_monitor_lost", mode="before")
+    @classmethod
+    def _on_lost(cls, v: Any) -> Any:
+        if isinstance(v, str) and v.strip().lower() in ("warn", "raise"):
+            return v.strip().lower()
+        raise ValueError("must be 'warn' (log once, keep training) or 'raise'")
+
+    @field_validator("report_dir", mode="before")
+    @classmethod
+    def _report_dir(cls, v: Any) -> Any:
+        v = _none_words(v)
+        if v is None:
+            return None
+        if not isinstance(v, (str, os.PathLike)) or not str(v):
+            raise ValueError("must be a directory path")
+        return str(Path(v).expanduser().absolute())
+
+    # -- derived -------------------------------------------------------------
+    def timeouts(self) -> Timeouts:
+        """The timeouts this config puts in force, none of them learned."""
+        return Timeouts(
+            initial_rank_heartbeat_timeout=self.initial_rank_heartbeat_timeout,
+            rank_heartbeat_timeout=self.rank_heartbeat_timeout,
+            rank_section_timeouts=dict(self.rank_section_timeouts),
+            rank_out_of_section_timeout=self.rank_out_of_section_timeout,
+        )
+
+
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off"}
+FIELDS: tuple[str, ...] = tuple(FaultToleranceConfig.model_fields)
+
+
+def _none_words(v: Any) -> Any:
+    if isinstance(v, str) and v.strip().lower() in ("none", "null", "off", ""):
+        return None
+    return v
+
+
+def _number_words(v: Any) -> Any:
+    """Strings from env and CLI: '30' -> 30, '2.5' -> 2.5; anything else unchanged."""
+    if isinstance(v, str):
+        text = v.strip()
+        for conv in (int, float):
+            try:
+                return conv(text)
+            except ValueError:
+                pass
+    return v
+
+
+def parse_section_timeouts(text: str) -> dict[str, Any]:
+    """'step:30,ckpt:none' -> {'step': '30', 'ckpt': 'none'} (values validated later)."""
+    out: dict[str, Any] = {}
+    for item in text.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        name, sep, value = item.rpartition(":")
+        if not sep or not name.strip():
+            raise ValueError(f"entry {item!r} is not NAME:SECONDS (CLI form: step:30,ckpt:none)")
+        out[name.strip()] = value.strip()
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Loading
+
+
+def find_fault_tolerance_section(data: Any) -> Mapping[str, Any] | None:
+    """The first `fault_tolerance:` mapping in document order, at any depth."""
+    if isinstance(data, Mapping):
+        for key, value in data.items():
+            if key == "fault_tolerance" and isinstance(value, Mapping):
+                return value
+        for value in data.values():
+            found = find_fault_tolerance_section(value)
+            if found is not None:
+                return found
+    elif isinstance(data, list):
+        for value in data:
+            found = find_fault_tolerance_section(value)
+            if found is not None:
+                return found
+    return None
+
+
+def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+    section = find_fault_tolerance_section(data)
+    if section is None:
+        raise ConfigError(f"config file {path} has no 'fault_tolerance:' mapping")
+    return dict(section)
+
+
+def read_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """FT_<FIELD> variables that name a config field (others, such as the socket paths, are not config)."""
+    environ = os.environ if environ is None else environ
+    out: dict[str, str] = {}
+    for name in FIELDS:
+        key = ft_env.CONFIG_ENV_PREFIX + name.upper()
+        if key in environ:
+            out[name] = environ[key]
+    return out
+
+
+def add_config_flags(parser: argparse.ArgumentParser, *, with_cfg_path: bool = False) -> None:
+    """Add `--ft-<field>` (and `--ft_<field>`) for every field; values stay strings until load_config."""
+    group = parser.add_argument_group("fault tolerance settings (override the config file and FT_<FIELD>)")
+    if with_cfg_path:
+        group.add_argument("--ft-cfg-path", "--ft_cfg_path", dest="ft_cfg_path", default=None, metavar="FILE",
+                           help="YAML file with a fault_tolerance: mapping")
+    for name in sorted(FIELDS) + sorted(IGNORED_NVRX_FIELDS):
+        flags = {f"--ft-{name.replace('_', '-')}", f"--ft_{name}"}
+        hidden = name in IGNORED_NVRX_FIELDS
+        group.add_argument(*sorted(flags), dest=f"ft_{name}", default=argparse.SUPPRESS, metavar="VALUE",
+                           help=argparse.SUPPRESS if hidden else f"sets {name}")
+
+
+def cli_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The --ft-<field> values given on the command line."""
+    out: dict[str, Any] = {}
+    for name in FIELDS + tuple(IGNORED_NVRX_FIELDS):
+        key = f"ft_{name}"
+        if hasattr(args, key):
+            out[name] = getattr(args, key)
+    return out
+
+
+def load_config(
+    yaml_path: str | os.PathLike[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+    cli: Mapping[str, Any] | None = None,
+    *,
+    log: logging.Logger | None = None,
+) -> FaultToleranceConfig:
+    """Merge defaults < YAML < env < CLI and validate; raises ConfigError."""
+    layers: list[tuple[str, dict[str, Any]]] = []
+    if yaml_path is not None:
+        layers.append((f"config file {yaml_path}", read_yaml(yaml_path)))
+    layers.append(("environment", read_env(environ)))
+    layers.append(("command line", dict(cli or {})))
+
+    merged: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+    ignored: list[str] = []
+    for source, values in layers:
+        for key, value in values.items():
+            if not isinstance(key, str):
+                raise ConfigError(f"{source}: key {key!r} is not a field name")
+            if key in IGNORED_NVRX_FIELDS:
+                ignored.append(key)
+                continue
+            if key not in FaultToleranceConfig.model_fields:
+                raise ConfigError(
+                    f"{source}: unknown field {key!r} = {value!r} (known fields: {', '.join(FIELDS)})"
+                )
+            merged[key] = value
+            origin[key] = _origin_label(source, key)
+    if ignored and log is not None:
+        log.warning("ignored nvidia-resiliency-ext setting(s) with no meaning here: %s", ", ".join(sorted(set(ignored))))
+    try:
+        return FaultToleranceConfig(**merged)
+    except ValidationError as e:
+        raise ConfigError(_format_validation_error(e, merged, origin)) from None
+
+
+def _origin_label(source: str, key: str) -> str:
+    if source == "environment":
+        return f"env {ft_env.CONFIG_ENV_PREFIX}{key.upper()}"
+    if source == "command line":
+        return f"--ft-{key.replace('_', '-')}"
+    return source
+
+
+def _format_validation_error(e: ValidationError, values: Mapping[str, Any], origin: Mapping[str, str]) -> str:
+    lines = []
+    for err in e.errors():
+        field = str(err["loc"][0]) if err["loc"] else "?"
+        value = values.get(field, err.get("input"))
+        rule = err["msg"]
+        if rule.startswith("Value error, "):
+            rule = rule[len("Value error, ") :]
+        where = origin.get(field, "default")
+        lines.append(f"invalid setting {field} = {value!r} (from {where}): {rule}")
+    return "\n".join(lines)

@@ -1,0 +1,122 @@
+"""Hang detection policy (pure): which deadlines a session has, and which passed.
+
+Every timeout that is set yields a `Deadline`: the initial heartbeat (measured
+from the handshake), the subsequent heartbeat (from the last one), each open
+section on its own (nested and overlapping sections are all checked; no
+section's state hides another's), and out-of-section time while no section is
+open. `next_deadline()` is what the server arms its timer on; `check()` is what
+it calls when the timer fires. Both take ``now`` and read no clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from ft_monitor.state import Phase, Session
+
+
+class Reason(Enum):
+    INITIAL_HEARTBEAT = "initial_heartbeat"
+    HEARTBEAT = "heartbeat"
+    SECTION = "section"
+    OUT_OF_SECTION = "out_of_section"
+
+
+@dataclass(frozen=True, slots=True)
+class Deadline:
+    at: float
+    reason: Reason
+    since: float
+    """Last progress: the moment the timeout started counting (the hang onset)."""
+    timeout: float
+    section: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Hang:
+    """A passed deadline, with what a person needs to know about it."""
+
+    rank: int
+    pid: int
+    reason: Reason
+    section: str | None
+    onset: float
+    detected_at: float
+    timeout: float
+    last_heartbeat: float | None
+    open_sections: tuple[tuple[str, float], ...]
+    """(name, seconds open) for every section open at detection."""
+    iteration: int | None
+
+    @property
+    def elapsed(self) -> float:
+        return self.detected_at - self.onset
+
+    def describe(self) -> str:
+        """One line saying what hung, e.g. "section 'step' open for 12.3 s, timeout 10.0 s"."""
+        e, t = self.elapsed, self.timeout
+        if self.reason is Reason.SECTION:
+            return f"section {self.section!r} open for {e:.1f} s, timeout {t:.1f} s"
+        if self.reason is Reason.OUT_OF_SECTION:
+            return f"no section open for {e:.1f} s, out-of-section timeout {t:.1f} s"
+        if self.reason is Reason.INITIAL_HEARTBEAT:
+            return f"no first heartbeat {e:.1f} s after connecting, initial heartbeat timeout {t:.1f} s"
+        return f"no heartbeat for {e:.1f} s, heartbeat timeout {t:.1f} s"
+
+
+def deadlines(s: Session) -> list[Deadline]:
+    """Every deadline the session is under now (empty unless ACTIVE)."""
+    if s.phase is not Phase.ACTIVE:
+        return []
+    out: list[Deadline] = []
+    t = s.timeouts
+    if s.last_heartbeat is None:
+        if t.initial_rank_heartbeat_timeout is not None:
+            out.append(
+                Deadline(s.started_at + t.initial_rank_heartbeat_timeout, Reason.INITIAL_HEARTBEAT,
+                         s.started_at, t.initial_rank_heartbeat_timeout)
+            )
+    elif t.rank_heartbeat_timeout is not None:
+        out.append(
+            Deadline(s.last_heartbeat + t.rank_heartbeat_timeout, Reason.HEARTBEAT,
+                     s.last_heartbeat, t.rank_heartbeat_timeout)
+        )
+    for sec in s.open_sections.values():
+        if sec.timeout is not None:
+            out.append(Deadline(sec.opened_at + sec.timeout, Reason.SECTION, sec.opened_at, sec.timeout, sec.name))
+    if s.out_of_section_since is not None and t.rank_out_of_section_timeout is not None:
+        out.append(
+            Deadline(s.out_of_section_since + t.rank_out_of_section_timeout, Reason.OUT_OF_SECTION,
+                     s.out_of_section_since, t.rank_out_of_section_timeout)
+        )
+    return out
+
+
+def next_deadline(s: Session) -> Deadline | None:
+    """The earliest deadline, or None when nothing is being timed."""
+    ds = deadlines(s)
+    return min(ds, key=_at) if ds else None
+
+
+def _at(d: Deadline) -> float:
+    return d.at
+
+
+def check(s: Session, now: float) -> Hang | None:
+    """The hang at ``now``: the earliest passed deadline, or None if none passed."""
+    first = next_deadline(s)
+    if first is None or first.at > now:
+        return None
+    return Hang(
+        rank=s.rank,
+        pid=s.pid,
+        reason=first.reason,
+        section=first.section,
+        onset=first.since,
+        detected_at=now,
+        timeout=first.timeout,
+        last_heartbeat=s.last_heartbeat,
+        open_sections=tuple((sec.name, now - sec.opened_at) for sec in s.open_sections.values()),
+        iteration=s.iteration,
+    )

@@ -1,0 +1,522 @@
+"""The monitor daemon: an asyncio Unix-socket server for one rank.
+
+Bytes -> wire messages -> session state -> policy -> executor. This module owns
+the loop lifecycle (`startup`, `serve`, `shutdown`), the connections, the timer
+armed on the earliest deadline, and which messages each connection may send.
+Decisions live in state.py/policy.py; signals and files in executor.py.
+
+One rank connection at a time (its pid from SO_PEERCRED); observers
+(`ft-monitor status`) may connect beside it and ask STATUS/PING. Timeouts
+pushed by UPDATE_CONFIG stay in force for later sessions of the same daemon.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+from ft_client import wire
+from ft_client.timeouts import Timeouts, TimeoutsError
+from ft_monitor.clock import Clock, SystemClock
+from ft_monitor.config import FaultToleranceConfig
+from ft_monitor.executor import BeforeKill, HangCase, HangExecutor, wait_for_exit
+from ft_monitor.listener import bind_unix_listener, remove_socket_file
+from ft_monitor.policy import Hang, check, next_deadline
+from ft_monitor.procinfo import (
+    ProcessHandle,
+    describe_wait_status,
+    peer_credentials,
+    zombie_exit_status,
+)
+from ft_monitor.state import Phase, Session, SessionError
+
+log = logging.getLogger("ft_monitor.server")
+
+HELLO_TIMEOUT = 10.0
+"""A connection that has not completed its handshake by then is closed."""
+MAX_BUFFERED = 4 * wire.MAX_FRAME
+"""Unparsed bytes allowed per connection (a frame in progress plus slack)."""
+
+
+class Connection(asyncio.Protocol):
+    """One client connection: frames in, messages to the daemon, replies out."""
+
+    def __init__(self, daemon: "MonitorDaemon") -> None:
+        self.daemon = daemon
+        self.decoder = wire.FrameDecoder()
+        self.transport: asyncio.Transport | None = None
+        self.pid = 0
+        self.uid = -1
+        self.role: str | None = None
+        self.closing = False
+        self._hello_timer: asyncio.TimerHandle | None = None
+
+    # -- asyncio.Protocol ----------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's are not asyncio.Transport subclasses
+        sock = transport.get_extra_info("socket")
+        cred = peer_credentials(sock)
+        self.pid, self.uid = cred.pid, cred.uid
+        if cred.uid != os.geteuid():
+            log.warning("refused connection from pid %d: uid %d is not the monitor's uid %d",
+                        cred.pid, cred.uid, os.geteuid())
+            self.fail(wire.ErrorCode.FORBIDDEN, f"peer uid {cred.uid} differs from the monitor's uid {os.geteuid()}")
+            return
+        self._hello_timer = asyncio.get_running_loop().call_later(HELLO_TIMEOUT, self._hello_expired)
+
+    def data_received(self, data: bytes) -> None:
+        if self.closing:
+            return
+        daemon = self.daemon
+        try:
+            for msg in self.decoder.feed(data):
+                daemon.dispatch(self, msg)
+                if self.closing:
+                    return
+            if self.decoder.buffered > MAX_BUFFERED:
+                raise wire.ProtocolError(f"{self.decoder.buffered} bytes buffered without a complete frame")
+        except wire.ProtocolError as e:
+            log.warning("closing connection from pid %d: protocol error: %s", self.pid, e)
+            self.fail(wire.ErrorCode.PROTOCOL, str(e))
+            return
+        daemon.after_batch(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closing = True
+        if self._hello_timer is not None:
+            self._hello_timer.cancel()
+        self.daemon.disconnected(self)
+
+    # -- helpers -------------------------------------------------------------
+    def send(self, msg: wire.Message) -> None:
+        if self.transport is not None and not self.closing:
+            self.transport.write(wire.encode(msg))
+
+    def fail(self, code: str, message: str) -> None:
+        """Send an ERROR and close this connection (the daemon keeps serving)."""
+        self.send(wire.Error(code, message))
+        self.closing = True
+        if self.transport is not None:
+            self.transport.close()
+
+    def hello_done(self, role: str) -> None:
+        self.role = role
+        if self._hello_timer is not None:
+            self._hello_timer.cancel()
+            self._hello_timer = None
+
+    def _hello_expired(self) -> None:
+        if self.role is None and not self.closing:
+            log.warning("closing connection from pid %d: no handshake within %.0fs", self.pid, HELLO_TIMEOUT)
+            self.fail(wire.ErrorCode.PROTOCOL, f"no HELLO within {HELLO_TIMEOUT:.0f}s")
+
+
+class MonitorDaemon:
+    def __init__(
+        self,
+        config: FaultToleranceConfig,
+        socket_path: str | os.PathLike[str],
+        *,
+        clock: Clock | None = None,
+        before_kill: BeforeKill | None = None,
+    ) -> None:
+        self.config = config
+        self.socket_path = Path(socket_path).absolute()
+        self.clock = clock or SystemClock()
+        self.report_dir = Path(config.report_dir) if config.report_dir else self.socket_path.parent / "reports"
+        self.timeouts: Timeouts = config.timeouts()
+        self.executor = HangExecutor(
+            clock=self.clock,
+            stack_dump_signal=config.stack_dump_signal,
+            stack_dump_timeout=config.stack_dump_timeout,
+            termination_signal=config.rank_termination_signal,
+            termination_grace_time=config.termination_grace_time,
+            before_kill=before_kill,
+        )
+        self.rank_conn: Connection | None = None
+        self.session: Session | None = None
+        self.process: ProcessHandle | None = None
+        self.sessions_started = 0
+        self.hangs: list[Hang] = []
+        self.started_at = self.clock.now()
+        self._server: asyncio.AbstractServer | None = None
+        self._inode = 0
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at: float | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.children: dict[int, int | None] = {}
+        """pid -> wait status for processes this daemon started (`serve -- CMD`)."""
+        self.hang_handled = asyncio.Event()
+
+    # -- lifecycle -------------------------------------------------------------
+    async def startup(self) -> None:
+        try:
+            self.report_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as e:
+            from ft_monitor.listener import ListenerError
+
+            raise ListenerError(f"cannot create report directory {self.report_dir}: {e.strerror}") from None
+        sock, self._inode = bind_unix_listener(self.socket_path)
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_unix_server(lambda: Connection(self), sock=sock)
+        log.info("monitor pid %d serving %s (reports in %s)", os.getpid(), self.socket_path, self.report_dir)
+
+    async def shutdown(self, reason: str) -> None:
+        log.info("monitor shutting down: %s", reason)
+        if self._server is not None:
+            self._server.close()
+        self._cancel_timer()
+        pending = [t for t in self._tasks if not t.done()]
+        if pending:
+            done, still = await asyncio.wait(pending, timeout=self.config.termination_grace_time + 1.0)
+            for t in still:
+                t.cancel()
+            if still:
+                log.warning("cancelled %d hang-handling task(s) still running at shutdown", len(still))
+        if self.rank_conn is not None and self.rank_conn.transport is not None:
+            self.rank_conn.transport.close()
+        if self.process is not None:
+            self.process.close()
+        remove_socket_file(self.socket_path, self._inode)
+
+    # -- messages --------------------------------------------------------------
+    def dispatch(self, conn: Connection, msg: wire.Message) -> None:
+        t = type(msg)
+        if conn is self.rank_conn and self.session is not None:
+            handler = _RANK_HANDLERS.get(t)
+            if handler is not None:
+                try:
+                    handler(self, self.session, msg)
+                except SessionError as e:
+                    log.warning("rank %d pid %d: %s (ignored)", self.session.rank, conn.pid, e)
+                return
+        if conn.role is None:
+            if t is not wire.Hello:
+                raise wire.ProtocolError(f"expected HELLO first, got {t.__name__}")
+            self._hello(conn, msg)  # type: ignore[arg-type]
+            return
+        if t is wire.Status:
+            conn.send(wire.StatusReply(self.status()))
+        elif t is wire.Ping:
+            conn.send(wire.PONG)
+        elif t is wire.Hello:
+            raise wire.ProtocolError("second HELLO on one connection")
+        elif conn.role == wire.Role.OBSERVER:
+            conn.fail(wire.ErrorCode.FORBIDDEN, f"{t.__name__} is not allowed for an observer")
+        else:
+            raise wire.ProtocolError(f"unexpected {t.__name__} from a client")
+
+    def _hello(self, conn: Connection, msg: wire.Hello) -> None:
+        if msg.version != wire.PROTOCOL_VERSION:
+            log.warning("refused pid %d: protocol version %d, this monitor speaks %d",
+                        conn.pid, msg.version, wire.PROTOCOL_VERSION)
+            conn.fail(wire.ErrorCode.VERSION,
+                      f"protocol version {msg.version} is not supported; this monitor speaks {wire.PROTOCOL_VERSION}")
+            return
+        if msg.role == wire.Role.OBSERVER:
+            conn.hello_done(msg.role)
+            conn.send(wire.HelloOk(wire.PROTOCOL_VERSION, {"monitor_pid": os.getpid()}))
+            return
+        if msg.role != wire.Role.RANK:
+            raise wire.ProtocolError(f"unknown role {msg.role!r}")
+        if self.rank_conn is not None:
+            live = self.rank_conn.pid
+            log.warning("refused rank connection from pid %d: rank pid %d is connected", conn.pid, live)
+            conn.fail(wire.ErrorCode.BUSY, f"a rank is already connected to this monitor: pid {live}")
+            return
+        conn.hello_done(msg.role)
+        now = self.clock.now()
+        self.rank_conn = conn
+        self.sessions_started += 1
+        self.process = ProcessHandle(conn.pid)
+        self.session = Session(
+            rank=msg.rank, pid=conn.pid, started_at=now, timeouts=self.timeouts,
+            num_warmup_iterations=self.config.num_warmup_iterations,
+        )
+        dump_path = self.dump_path(msg.rank, conn.pid)
+        conn.send(wire.HelloOk(wire.PROTOCOL_VERSION, {
+            "rank": msg.rank,
+            "pid": conn.pid,
+            "session": self.sessions_started,
+            "timeouts": self.timeouts.to_wire(),
+            "num_warmup_iterations": self.config.num_warmup_iterations,
+            "stack_dump_signal": int(self.config.stack_dump_signal),
+            "stack_dump_path": str(dump_path),
+            "skip_section_response": self.config.skip_section_response,
+            "on_monitor_lost": self.config.on_monitor_lost,
+            "client_request_timeout": self.config.client_request_timeout,
+            "safety_factor": self.config.safety_factor,
+        }))
+        log.info("rank %d pid %d connected (session %d)", msg.rank, conn.pid, self.sessions_started)
+
+    def dump_path(self, rank: int, pid: int) -> Path:
+        return self.report_dir / f"rank{rank}-pid{pid}-stack.txt"
+
+    def report_path(self, rank: int, pid: int) -> Path:
+        return self.report_dir / f"rank{rank}-pid{pid}-hang.json"
+
+    def _update_config(self, session: Session, msg: wire.UpdateConfig) -> None:
+        try:
+            timeouts = Timeouts.from_wire(msg.timeouts)
+        except TimeoutsError as e:
+            log.warning("rank %d: rejected timeouts update: %s", session.rank, e)
+            assert self.rank_conn is not None
+            self.rank_conn.send(wire.Error(wire.ErrorCode.BAD_REQUEST, str(e)))
+            return
+        self.timeouts = timeouts
+        session.set_timeouts(timeouts)
+        log.info("rank %d: timeouts now %s", session.rank, timeouts.to_wire())
+        assert self.rank_conn is not None
+        self.rank_conn.send(wire.ConfigOk(timeouts.to_wire()))
+
+    def _goodbye(self, session: Session, msg: wire.Goodbye) -> None:
+        if session.open_sections:
+            log.warning("rank %d pid %d shut down with section(s) still open: %s",
+                        session.rank, session.pid, ", ".join(session.open_sections))
+        session.goodbye()
+        self._cancel_timer()
+
+    def _control(self, session: Session, msg: wire.Control) -> None:
+        assert self.rank_conn is not None
+        self.rank_conn.send(wire.Error(wire.ErrorCode.BAD_REQUEST,
+                                       f"workload control {msg.action!r} needs ft-launcher; this monitor runs standalone"))
+
+    # -- detection -------------------------------------------------------------
+    def after_batch(self, conn: Connection) -> None:
+        if conn is self.rank_conn and self.session is not None:
+            self._arm()
+
+    def _arm(self) -> None:
+        """Keep the timer on the earliest deadline. A later deadline leaves an
+        earlier timer armed: it fires, finds nothing due, and re-arms."""
+        s = self.session
+        d = next_deadline(s) if s is not None else None
+        if d is None:
+            self._cancel_timer()
+            return
+        if self._timer_at is not None and self._timer_at <= d.at:
+            return
+        self._cancel_timer()
+        self._timer_at = d.at
+        delay = max(0.0, d.at - self.clock.now())
+        self._timer = asyncio.get_running_loop().call_later(delay, self._on_timer)
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = None
+        self._timer_at = None
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._timer_at = None
+        s = self.session
+        if s is None:
+            return
+        hang = check(s, self.clock.now())
+        if hang is None:
+            self._arm()
+            return
+        s.mark_hung()
+        self.hangs.append(hang)
+        assert self.process is not None
+        case = HangCase(hang, self.process, self.report_path(hang.rank, hang.pid),
+                        self.dump_path(hang.rank, hang.pid))
+        self._spawn(self._handle_hang(case))
+
+    async def _handle_hang(self, case: HangCase) -> None:
+        await self.executor.handle(case)
+        self.hang_handled.set()
+
+    # -- disconnects -----------------------------------------------------------
+    def disconnected(self, conn: Connection) -> None:
+        if conn is not self.rank_conn:
+            return
+        s, proc = self.session, self.process
+        self.rank_conn = None
+        self.session = None
+        self.process = None
+        self._cancel_timer()
+        if s is None:
+            return
+        phase = s.phase
+        s.end()
+        if phase is Phase.CLOSING:
+            log.info("rank %d pid %d shut down monitoring cleanly", s.rank, s.pid)
+            if proc is not None:
+                proc.close()
+        elif phase is Phase.HUNG:
+            log.info("rank %d pid %d (hung) disconnected", s.rank, s.pid)
+            # the hang task still uses the process handle; it is closed with the daemon
+        else:
+            assert proc is not None
+            self._spawn(self._report_exit(s, proc))
+
+    async def _report_exit(self, s: Session, proc: ProcessHandle) -> None:
+        """A rank that went away without GOODBYE: it exited (or closed its socket); not a hang."""
+        await wait_for_exit(proc, 1.0)
+        status = self.children.get(s.pid)
+        if status is None:
+            status = zombie_exit_status(s.pid)
+        if proc.alive():
+            what = "is still running"
+        elif status is not None:
+            what = f"exited ({describe_wait_status(status)})"
+        else:
+            what = "exited (exit status unknown: not a child of the monitor)"
+        log.warning("rank %d pid %d disconnected without shutdown_workload_monitoring(); the process %s",
+                    s.rank, s.pid, what)
+        proc.close()
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- status ----------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        now = self.clock.now()
+        s = self.session
+        out: dict[str, Any] = {
+            "monitor_pid": os.getpid(),
+            "socket": str(self.socket_path),
+            "uptime_s": now - self.started_at,
+            "sessions": self.sessions_started,
+            "hangs_detected": len(self.hangs),
+            "timeouts": self.timeouts.to_wire(),
+            "connected": s is not None,
+        }
+        if s is not None:
+            d = next_deadline(s)
+            out.update({
+                "rank": s.rank,
+                "pid": s.pid,
+                "phase": s.phase.value,
+                "session_age_s": now - s.started_at,
+                "heartbeats": s.heartbeats,
+                "since_last_heartbeat_s": None if s.last_heartbeat is None else now - s.last_heartbeat,
+                "open_sections": [
+                    {"name": sec.name, "elapsed_s": now - sec.opened_at, "timeout_s": sec.timeout,
+                     "warmup": sec.warmup}
+                    for sec in s.open_sections.values()
+                ],
+                "out_of_section_s": None if s.out_of_section_since is None else now - s.out_of_section_since,
+                "steps_started": s.steps_started,
+                "iteration": s.iteration,
+                "events": s.events,
+                "next_deadline": None if d is None else {
+                    "reason": d.reason.value, "section": d.section, "in_s": d.at - now, "timeout_s": d.timeout,
+                },
+            })
+        if self.hangs:
+            h = self.hangs[-1]
+            out["last_hang"] = {"rank": h.rank, "pid": h.pid, "message": h.describe(),
+                                "report": str(self.report_path(h.rank, h.pid))}
+        return out
+
+
+def _heartbeat(d: MonitorDaemon, s: Session, m: Any) -> None:
+    s.heartbeat(d.clock.now())
+
+
+def _open(d: MonitorDaemon, s: Session, m: wire.SectionOpen) -> None:
+    s.open_section(m.name, d.clock.now())
+
+
+def _close(d: MonitorDaemon, s: Session, m: wire.SectionClose) -> None:
+    s.close_section(m.name, d.clock.now())
+
+
+def _close_all(d: MonitorDaemon, s: Session, m: Any) -> None:
+    s.close_all_sections(d.clock.now())
+
+
+def _iteration(d: MonitorDaemon, s: Session, m: wire.Iteration) -> None:
+    s.set_iteration(m.iteration)
+
+
+_RANK_HANDLERS: dict[type, Any] = {
+    wire.Heartbeat: _heartbeat,
+    wire.SectionOpen: _open,
+    wire.SectionClose: _close,
+    wire.SectionCloseAll: _close_all,
+    wire.Iteration: _iteration,
+    wire.UpdateConfig: lambda d, s, m: d._update_config(s, m),
+    wire.Goodbye: lambda d, s, m: d._goodbye(s, m),
+    wire.Control: lambda d, s, m: d._control(s, m),
+}
+
+
+async def run_daemon(
+    config: FaultToleranceConfig,
+    socket_path: str | os.PathLike[str],
+    *,
+    command: list[str] | None = None,
+    ready: asyncio.Event | None = None,
+) -> int:
+    """Serve until SIGTERM/SIGINT (or until ``command``, if given, exits). Returns the exit code."""
+    daemon = MonitorDaemon(config, socket_path)
+    await daemon.startup()
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    stop_reason: list[str] = []
+
+    def on_signal(sig: signal.Signals) -> None:
+        stop_reason.append(f"received {sig.name}")
+        stop.set()
+
+    installed = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+        installed.append(sig)
+    code = 0
+    child: asyncio.subprocess.Process | None = None
+    try:
+        if ready is not None:
+            ready.set()
+        if command:
+            env = dict(os.environ)
+            from ft_client.env import RANK_MONITOR_SOCKET
+
+            env[RANK_MONITOR_SOCKET] = str(daemon.socket_path)
+            child = await asyncio.create_subprocess_exec(*command, env=env, start_new_session=True)
+            log.info("started %s as pid %d", command[0], child.pid)
+            daemon.children[child.pid] = None
+            waiter = loop.create_task(child.wait())
+            stopper = loop.create_task(stop.wait())
+            await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            stopper.cancel()
+            if waiter.done():
+                rc = waiter.result()
+                daemon.children[child.pid] = _returncode_to_status(rc)
+                code = rc if rc >= 0 else 128 - rc
+                stop_reason.append(f"command exited ({describe_wait_status(daemon.children[child.pid] or 0)})")
+                await asyncio.sleep(0)  # let the connection's EOF be processed first
+            else:
+                waiter.cancel()
+        else:
+            await stop.wait()
+    finally:
+        if child is not None and child.returncode is None:
+            try:
+                os.killpg(child.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                await asyncio.wait_for(child.wait(), config.termination_grace_time)
+            except asyncio.TimeoutError:
+                os.killpg(child.pid, signal.SIGKILL)
+                await child.wait()
+        await daemon.shutdown(stop_reason[0] if stop_reason else "stopped")
+        for sig in installed:
+            loop.remove_signal_handler(sig)
+    return code
+
+
+def _returncode_to_status(rc: int) -> int:
+    """asyncio returncode -> a waitpid-style status."""
+    return (-rc) & 0x7F if rc < 0 else (rc & 0xFF) << 8

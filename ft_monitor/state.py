@@ -1,0 +1,135 @@
+"""The state of one rank's monitoring session (pure: no I/O, no clock).
+
+A `Session` is created when a rank completes its handshake and dropped when its
+connection closes. Every mutating method takes the daemon's ``now`` (monotonic
+seconds) as an argument; nothing here reads a clock, a socket or a signal, so
+the whole life of a session is tested with plain numbers.
+
+Session phases (`Phase`) and their transitions::
+
+    ACTIVE --deadline passed (policy.check)--> HUNG --connection closed--> ENDED
+    ACTIVE --GOODBYE------------------------> CLOSING --connection closed--> ENDED
+    ACTIVE --connection closed without GOODBYE--------------------------> ENDED (exited)
+
+A HUNG session accepts no further progress: the hang is being acted upon.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from ft_client.timeouts import STEP_SECTION, WARMUP_SECTION, Timeouts
+
+MAX_OPEN_SECTIONS = 1024
+"""Open sections a rank may hold at once; more is a client bug or an attack."""
+
+
+class Phase(Enum):
+    ACTIVE = "active"
+    HUNG = "hung"
+    CLOSING = "closing"
+    ENDED = "ended"
+
+
+class SessionError(ValueError):
+    """A well-formed message that makes no sense in the session's state."""
+
+
+@dataclass(slots=True)
+class OpenSection:
+    name: str
+    opened_at: float
+    timeout: float | None
+    """The timeout that applies to this opening (for `step`: maybe the warm-up one)."""
+    warmup: bool = False
+
+
+@dataclass(slots=True)
+class Session:
+    rank: int
+    pid: int
+    started_at: float
+    timeouts: Timeouts
+    num_warmup_iterations: int = 0
+    phase: Phase = Phase.ACTIVE
+    last_heartbeat: float | None = None
+    heartbeats: int = 0
+    open_sections: dict[str, OpenSection] = field(default_factory=dict)
+    out_of_section_since: float | None = None
+    steps_started: int = 0
+    iteration: int | None = None
+    events: int = 0
+
+    def __post_init__(self) -> None:
+        if self.out_of_section_since is None and not self.open_sections:
+            self.out_of_section_since = self.started_at
+
+    # -- events ------------------------------------------------------------
+    def heartbeat(self, now: float) -> None:
+        self.events += 1
+        if self.phase is not Phase.ACTIVE:
+            return
+        self.last_heartbeat = now
+        self.heartbeats += 1
+
+    def open_section(self, name: str, now: float) -> None:
+        self.events += 1
+        if self.phase is not Phase.ACTIVE:
+            return
+        if name in self.open_sections:
+            raise SessionError(f"section {name!r} opened while already open")
+        if len(self.open_sections) >= MAX_OPEN_SECTIONS:
+            raise SessionError(f"more than {MAX_OPEN_SECTIONS} sections open at once")
+        warmup = False
+        timeout = self.timeouts.rank_section_timeouts.get(name)
+        if name == STEP_SECTION:
+            self.steps_started += 1
+            if (
+                WARMUP_SECTION in self.timeouts.rank_section_timeouts
+                and self.steps_started <= self.num_warmup_iterations
+            ):
+                timeout = self.timeouts.rank_section_timeouts[WARMUP_SECTION]
+                warmup = True
+        self.open_sections[name] = OpenSection(name, now, timeout, warmup)
+        self.out_of_section_since = None
+
+    def close_section(self, name: str, now: float) -> None:
+        self.events += 1
+        if self.phase is not Phase.ACTIVE:
+            return
+        if self.open_sections.pop(name, None) is None:
+            raise SessionError(f"section {name!r} closed while not open")
+        if not self.open_sections:
+            self.out_of_section_since = now
+
+    def close_all_sections(self, now: float) -> None:
+        self.events += 1
+        if self.phase is not Phase.ACTIVE:
+            return
+        if self.open_sections:
+            self.open_sections.clear()
+            self.out_of_section_since = now
+
+    def set_iteration(self, iteration: int) -> None:
+        self.events += 1
+        self.iteration = iteration
+
+    def set_timeouts(self, timeouts: Timeouts) -> None:
+        """New timeouts apply to sections opened from now on and to the running
+        heartbeat and out-of-section intervals; open sections keep the timeout
+        they were opened with, except that one with no timeout picks up a new one."""
+        self.timeouts = timeouts
+        for sec in self.open_sections.values():
+            if sec.timeout is None and not sec.warmup:
+                sec.timeout = timeouts.rank_section_timeouts.get(sec.name)
+
+    def goodbye(self) -> None:
+        if self.phase is Phase.ACTIVE:
+            self.phase = Phase.CLOSING
+
+    def mark_hung(self) -> None:
+        self.phase = Phase.HUNG
+
+    def end(self) -> None:
+        self.phase = Phase.ENDED

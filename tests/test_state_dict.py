@@ -1,0 +1,229 @@
+"""Checkpoint dict of learned timeouts: our version-1 format and nvidia-resiliency-ext's."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from ft_client.state_dict import (
+    FORMAT_VERSION,
+    LoadedState,
+    StateDictError,
+    from_state_dict,
+    overlay_learned,
+    to_state_dict,
+)
+from ft_client.timeouts import (
+    LEARNED_HB,
+    LEARNED_INITIAL_HB,
+    LEARNED_OUT_OF_SECTION,
+    Timeouts,
+    learned_section_key,
+)
+from ft_client.timeouts_calc import Observations, TimeoutsCalc, learn_hb_timeouts, learn_section_timeouts
+
+CONFIG = Timeouts(
+    initial_rank_heartbeat_timeout=600.0,
+    rank_heartbeat_timeout=60.0,
+    rank_section_timeouts={"step": 30.0, "ckpt": None},
+    rank_out_of_section_timeout=None,
+)
+OBS = Observations(initial_hb=10.0, hb_gap=2.0, out_of_section=1.0, sections={"step": 3.0, "ckpt": None})
+
+
+def learned_state() -> dict[str, Any]:
+    timeouts = learn_hb_timeouts(CONFIG, OBS)
+    timeouts = learn_section_timeouts(timeouts, OBS, selected_sections=["step"])
+    return to_state_dict(timeouts, OBS, 5.0)
+
+
+def test_state_dict_layout() -> None:
+    assert learned_state() == {
+        "format_version": 1,
+        "safety_factor": 5.0,
+        "timeouts": {
+            "initial_rank_heartbeat_timeout": 50.0,
+            "rank_heartbeat_timeout": 10.0,
+            "rank_section_timeouts": {"ckpt": None, "step": 15.0},
+            "rank_out_of_section_timeout": 5.0,
+            "learned": [
+                "initial_rank_heartbeat_timeout",
+                "rank_heartbeat_timeout",
+                "rank_out_of_section_timeout",
+                "section:step",
+            ],
+        },
+        "observations": {
+            "initial_hb": 10.0,
+            "hb_gap": 2.0,
+            "out_of_section": 1.0,
+            "sections": {"ckpt": None, "step": 3.0},
+        },
+    }
+
+
+def test_round_trip_through_json() -> None:
+    state = learned_state()
+    text = json.dumps(state, sort_keys=True)
+    loaded = from_state_dict(json.loads(text))
+    assert loaded.timeouts == from_state_dict(state).timeouts
+    assert loaded.observations == OBS
+    assert loaded.safety_factor == 5.0
+    assert to_state_dict(loaded.timeouts, loaded.observations, loaded.safety_factor) == state
+
+
+def test_identical_on_ranks_with_the_same_reduced_values() -> None:
+    a, b = TimeoutsCalc(["step", "ckpt"]), TimeoutsCalc(["ckpt", "step"])
+    for c, t in ((a, 1.0), (b, 3.0)):
+        c.start(0.0)
+        c.on_heartbeat(t)
+        c.on_heartbeat(t + 1.0)
+    reduced = [max(x, y) for x, y in zip(a.export_vector(5.0), b.export_vector(5.0))]
+    states = [
+        to_state_dict(learn_hb_timeouts(CONFIG, c.import_vector(reduced)), c.observations(5.0), c.safety_factor)
+        for c in (a, b)
+    ]
+    assert json.dumps(states[0]) == json.dumps(states[1])
+
+
+def test_empty_and_missing_keys_take_defaults() -> None:
+    assert from_state_dict({}) == LoadedState()
+    loaded = from_state_dict({"timeouts": {"rank_heartbeat_timeout": 7.0, "learned": ["rank_heartbeat_timeout"]}})
+    assert loaded.timeouts == Timeouts(rank_heartbeat_timeout=7.0, learned=frozenset({LEARNED_HB}))
+    assert loaded.observations == Observations()
+    assert loaded.safety_factor == 5.0
+
+
+def test_future_version_is_refused() -> None:
+    with pytest.raises(
+        StateDictError,
+        match=r"^ft state_dict format_version = 2: this ft_client reads format_version 1 only; "
+        r"load it with the ft_client version that wrote it$",
+    ):
+        from_state_dict({**learned_state(), "format_version": 2})
+    with pytest.raises(StateDictError, match=r"^ft state_dict format_version = True: "):
+        from_state_dict({"format_version": True})
+    assert FORMAT_VERSION == 1
+
+
+def test_unknown_keys_are_refused() -> None:
+    with pytest.raises(
+        StateDictError,
+        match=r"^ft state_dict has unknown key\(s\) extra: expected only format_version, safety_factor, timeouts, observations$",
+    ):
+        from_state_dict({**learned_state(), "extra": 1})
+    with pytest.raises(StateDictError, match=r"^ft state_dict observations has unknown key\(s\) gap: "):
+        from_state_dict({"observations": {"gap": 1.0}})
+    with pytest.raises(StateDictError, match=r"^ft state_dict: unknown timeout field\(s\): bogus$"):
+        from_state_dict({"timeouts": {"bogus": 1.0}})
+
+
+def test_bad_values_are_refused() -> None:
+    with pytest.raises(StateDictError, match=r"^ft state_dict = \[\]: must be a dict$"):
+        from_state_dict([])  # type: ignore[arg-type]
+    with pytest.raises(StateDictError, match=r"^ft state_dict: rank_heartbeat_timeout = -1: must be a number"):
+        from_state_dict({"timeouts": {"rank_heartbeat_timeout": -1}})
+    with pytest.raises(StateDictError, match=r"^ft state_dict observations.hb_gap = 'x': must be a number of seconds >= 0, or null$"):
+        from_state_dict({"observations": {"hb_gap": "x"}})
+    with pytest.raises(StateDictError, match=r"^ft state_dict: safety_factor = 0: must be a finite number > 0$"):
+        from_state_dict({"safety_factor": 0})
+    with pytest.raises(StateDictError, match=r"^ft state_dict timeouts.learned has 'section:ckpt', but that timeout has no value$"):
+        from_state_dict({"timeouts": {"rank_section_timeouts": {"ckpt": None}, "learned": ["section:ckpt"]}})
+    with pytest.raises(StateDictError, match=r"^ft state_dict timeouts.learned has 'nonsense': expected "):
+        from_state_dict({"timeouts": {"learned": ["nonsense"]}})
+
+
+# -- overlay: learned values from the checkpoint over the config ---------------------
+def test_learned_values_override_config_and_keep_marks() -> None:
+    loaded = from_state_dict(learned_state()).timeouts
+    config = Timeouts(
+        initial_rank_heartbeat_timeout=900.0,
+        rank_heartbeat_timeout=90.0,
+        rank_section_timeouts={"step": 40.0, "ckpt": 200.0},
+        rank_out_of_section_timeout=None,
+    )
+    merged = overlay_learned(config, loaded)
+    assert merged.initial_rank_heartbeat_timeout == 50.0
+    assert merged.rank_heartbeat_timeout == 10.0
+    assert dict(merged.rank_section_timeouts) == {"step": 15.0, "ckpt": 200.0}  # ckpt was configured, not learned
+    assert merged.rank_out_of_section_timeout == 5.0
+    assert merged.learned == loaded.learned
+    # the next calculation averages with the loaded values instead of replacing them
+    nxt = learn_hb_timeouts(merged, Observations(initial_hb=30.0, hb_gap=6.0))
+    assert (nxt.initial_rank_heartbeat_timeout, nxt.rank_heartbeat_timeout) == (100.0, 20.0)
+
+
+def test_learned_section_not_in_config_is_dropped() -> None:
+    loaded = Timeouts(rank_section_timeouts={"eval": 9.0}, learned=frozenset({learned_section_key("eval")}))
+    merged = overlay_learned(CONFIG, loaded)
+    assert merged == CONFIG
+
+
+def test_overlay_of_empty_state_is_the_config() -> None:
+    assert overlay_learned(CONFIG, from_state_dict({}).timeouts) == CONFIG
+
+
+# -- nvidia-resiliency-ext's RankMonitorClient.state_dict() --------------------------
+NVRX = {
+    "current_timeouts": {
+        "heartbeat": {"initial": 120.0, "subsequent": 30.0, "were_calculated": True},
+        "section": {
+            "section": {"step": 12.0, "ckpt": None, "eval": 80.0},
+            "out_of_section": 7.5,
+            "calculated_sections": ["eval", "step"],
+            "is_out_of_section_calculated": True,
+        },
+    }
+}
+
+
+def test_nvrx_state_is_loaded_as_learned() -> None:
+    loaded = from_state_dict(json.loads(json.dumps(NVRX)))
+    t = loaded.timeouts
+    assert (t.initial_rank_heartbeat_timeout, t.rank_heartbeat_timeout) == (120.0, 30.0)
+    assert dict(t.rank_section_timeouts) == {"step": 12.0, "ckpt": None, "eval": 80.0}
+    assert t.rank_out_of_section_timeout == 7.5
+    assert t.learned == {
+        LEARNED_INITIAL_HB,
+        LEARNED_HB,
+        LEARNED_OUT_OF_SECTION,
+        learned_section_key("step"),
+        learned_section_key("eval"),
+    }
+    assert loaded.observations == Observations()
+    merged = overlay_learned(CONFIG, t)
+    assert dict(merged.rank_section_timeouts) == {"step": 12.0, "ckpt": None}
+    assert merged.rank_out_of_section_timeout == 7.5
+
+
+def test_nvrx_partial_and_not_calculated() -> None:
+    only_sections = {"current_timeouts": {"section": {**NVRX["current_timeouts"]["section"], "is_out_of_section_calculated": False}}}
+    t = from_state_dict(only_sections).timeouts
+    assert t.learned == {learned_section_key("step"), learned_section_key("eval")}
+    assert t.rank_heartbeat_timeout is None
+    assert from_state_dict({"current_timeouts": {}}).timeouts == Timeouts()
+    hb_config = {"current_timeouts": {"heartbeat": {"initial": 1.0, "subsequent": 2.0, "were_calculated": False}}}
+    assert overlay_learned(CONFIG, from_state_dict(hb_config).timeouts) == CONFIG
+
+
+def test_nvrx_heartbeat_only_release() -> None:
+    # releases before sections kept the heartbeat fields directly under "current_timeouts"
+    old = {"current_timeouts": {"initial": 100.0, "subsequent": 20.0, "were_calculated": True}}
+    t = from_state_dict(old).timeouts
+    assert (t.initial_rank_heartbeat_timeout, t.rank_heartbeat_timeout) == (100.0, 20.0)
+    assert t.learned == {LEARNED_INITIAL_HB, LEARNED_HB}
+
+
+def test_nvrx_bad_shapes_are_refused() -> None:
+    with pytest.raises(StateDictError, match=r"^nvidia-resiliency-ext state_dict has unknown key\(s\) other: expected only current_timeouts$"):
+        from_state_dict({**NVRX, "other": 1})
+    with pytest.raises(StateDictError, match=r"^nvidia-resiliency-ext state_dict current_timeouts has unknown key\(s\) x: "):
+        from_state_dict({"current_timeouts": {"x": {}}})
+    with pytest.raises(StateDictError, match=r"^nvidia-resiliency-ext state_dict current_timeouts.section.calculated_sections names 'ckpt', but "):
+        from_state_dict({"current_timeouts": {"section": {"section": {"ckpt": None}, "calculated_sections": ["ckpt"]}}})
+    with pytest.raises(StateDictError, match=r"^nvidia-resiliency-ext state_dict: current_timeouts.heartbeat.initial = 0: must be"):
+        from_state_dict({"current_timeouts": {"heartbeat": {"initial": 0, "subsequent": 1.0, "were_calculated": True}}})
+    with pytest.raises(StateDictError, match=r"^ft state_dict current_timeouts = 3: must be a dict$"):
+        from_state_dict({"current_timeouts": 3})

@@ -36,6 +36,7 @@ from ft_client.timeouts_calc import DEFAULT_SAFETY_FACTOR, Observations, check_s
 
 FORMAT_VERSION = 1
 NVRX_STATE_KEY = "current_timeouts"
+_NVRX = "nvidia-resiliency-ext"
 _SECTION_PREFIX = learned_section_key("")
 _KEYS = ("format_version", "safety_factor", "timeouts", "observations")
 _OBS_KEYS = ("initial_hb", "hb_gap", "out_of_section", "sections")
@@ -144,9 +145,9 @@ def _check_learned(timeouts: Timeouts) -> None:
             raise StateDictError(f"ft state_dict timeouts.learned has {key!r}, but that timeout has no value")
 
 
-def _mapping(value: Any, what: str) -> Mapping[str, Any]:
+def _mapping(value: Any, what: str, source: str = "ft") -> Mapping[str, Any]:
     if not isinstance(value, Mapping):
-        raise StateDictError(f"ft state_dict {what} = {value!r}: must be a dict")
+        raise StateDictError(f"{source} state_dict {what} = {value!r}: must be a dict")
     return value
 
 
@@ -174,7 +175,7 @@ def _from_nvrx(state: Mapping[str, Any]) -> LoadedState:
         raise StateDictError(
             f"nvidia-resiliency-ext state_dict has unknown key(s) {', '.join(extra)}: expected only {NVRX_STATE_KEY}"
         )
-    current = _mapping(state[NVRX_STATE_KEY], NVRX_STATE_KEY)
+    current = _mapping(state[NVRX_STATE_KEY], NVRX_STATE_KEY, _NVRX)
     if set(current) & {"initial", "subsequent", "were_calculated"}:
         current = {"heartbeat": current}
     unknown = sorted(map(str, set(current) - {"heartbeat", "section"}))
@@ -186,10 +187,9 @@ def _from_nvrx(state: Mapping[str, Any]) -> LoadedState:
     changes: dict[str, Any] = {}
     learned: set[str] = set()
     try:
-        if "heartbeat" in current:
-            changes.update(_nvrx_heartbeat(_mapping(current["heartbeat"], f"{NVRX_STATE_KEY}.heartbeat"), learned))
-        if "section" in current:
-            changes.update(_nvrx_section(_mapping(current["section"], f"{NVRX_STATE_KEY}.section"), learned))
+        for kind, convert in (("heartbeat", _nvrx_heartbeat), ("section", _nvrx_section)):
+            if kind in current:
+                changes.update(convert(_mapping(current[kind], f"{NVRX_STATE_KEY}.{kind}", _NVRX), learned))
     except TimeoutsError as e:
         raise StateDictError(f"nvidia-resiliency-ext state_dict: {e}") from e
     return LoadedState(timeouts=Timeouts(learned=frozenset(learned), **changes))
@@ -219,11 +219,13 @@ def _nvrx_heartbeat(hb: Mapping[str, Any], learned: set[str]) -> dict[str, Any]:
 def _nvrx_section(sec: Mapping[str, Any], learned: set[str]) -> dict[str, Any]:
     what = f"{NVRX_STATE_KEY}.section"
     _check_keys(sec, ("section", "out_of_section", "calculated_sections", "is_out_of_section_calculated"), what)
-    raw = _mapping(sec.get("section") or {}, f"{what}.section")
+    raw = _mapping(sec.get("section") or {}, f"{what}.section", _NVRX)
     sections = {str(k): check_timeout(v, f"{what}.section[{k!r}]") for k, v in raw.items()}
     calculated = sec.get("calculated_sections") or []
     if not isinstance(calculated, (list, tuple, set, frozenset)) or not all(isinstance(n, str) for n in calculated):
-        raise StateDictError(f"nvidia-resiliency-ext state_dict {what}.calculated_sections = {calculated!r}: must be a list of names")
+        raise StateDictError(
+            f"nvidia-resiliency-ext state_dict {what}.calculated_sections = {calculated!r}: must be a list of names"
+        )
     for name in calculated:
         if sections.get(name) is None:
             raise StateDictError(

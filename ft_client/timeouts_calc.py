@@ -218,7 +218,10 @@ def hb_not_ready(obs: Observations) -> str | None:
     if obs.initial_hb is None:
         return "cannot learn the initial heartbeat timeout: no heartbeat has been sent since monitoring started"
     if obs.hb_gap is None:
-        return "cannot learn the heartbeat timeout: fewer than two heartbeats have been sent, so no interval between them is known"
+        return (
+            "cannot learn the heartbeat timeout: fewer than two heartbeats have been sent, "
+            "so no interval between them is known"
+        )
     if obs.initial_hb <= 0:
         return _zero_reason("initial heartbeat timeout")
     if obs.hb_gap <= 0:
@@ -230,7 +233,9 @@ def _selected(current: Timeouts, selected_sections: Collection[str] | None) -> l
     if selected_sections is None:
         return sorted(n for n in current.rank_section_timeouts if n != WARMUP_SECTION)
     if isinstance(selected_sections, str):
-        raise ValueError(f"selected_sections = {selected_sections!r}: must be a collection of section names, not one string")
+        raise ValueError(
+            f"selected_sections = {selected_sections!r}: must be a collection of section names, not one string"
+        )
     for name in selected_sections:
         if name == WARMUP_SECTION:
             raise ValueError(

@@ -306,10 +306,17 @@ _DECODERS: dict[int, tuple[int, Any]] = {
 }
 
 
+def _reject_ext(code: int, data: bytes) -> Any:
+    raise ProtocolError(f"msgpack extension type {code} is not allowed")
+
+
 def decode_body(body: bytes | memoryview) -> Message:
     """Decode one frame body (without its length prefix) into a message."""
     try:
-        obj = msgpack.unpackb(body, raw=False, strict_map_key=True, use_list=True)
+        # Extension types are refused; the timestamp extension (-1) becomes a plain float.
+        obj = msgpack.unpackb(body, raw=False, strict_map_key=True, use_list=True, ext_hook=_reject_ext, timestamp=1)
+    except ProtocolError:
+        raise
     except Exception as e:  # msgpack raises several unrelated types for garbage
         raise ProtocolError(f"body is not valid msgpack: {type(e).__name__}: {e}") from e
     if not isinstance(obj, list) or not obj:

@@ -26,7 +26,7 @@ from typing import Any, Awaitable, Callable
 
 from ft_monitor.clock import Clock, to_wall
 from ft_monitor.policy import Hang
-from ft_monitor.procinfo import ProcessHandle, group_exists, signal_group
+from ft_monitor.procinfo import ProcessHandle, descendants, group_exists, signal_group
 
 REPORT_VERSION = 1
 _POLL = 0.01
@@ -161,40 +161,70 @@ class HangExecutor:
 
     # -- (4) terminate ---------------------------------------------------------
     async def terminate(self, case: HangCase) -> None:
+        """SIGCONT + the termination signal, bounded grace, then SIGKILL.
+
+        A rank that leads its own process group (as launchers start ranks) is
+        signalled with its whole group; otherwise the rank and its descendants
+        are signalled one by one, so a shell or launcher that shares the rank's
+        group is never hit.
+        """
         proc, rank = case.process, case.hang.rank
         pgid = proc.pgid()
         if pgid is None:
             case.terminated_by = "already exited"
             case.actions.append("rank had already exited")
             return
-        group = pgid if pgid not in (0, 1, os.getpgrp()) else None
-        if group is None:
-            log.warning("rank %d pid %d shares the monitor's process group; signalling the rank alone",
-                        rank, proc.pid)
         term = signal.Signals(self.termination_signal)
-        self._signal(proc, group, signal.SIGCONT)
-        self._signal(proc, group, term)
-        target = f"process group {group}" if group is not None else f"pid {proc.pid}"
+        if pgid == proc.pid and pgid != os.getpgrp():
+            target = Target(group=pgid)
+        else:
+            target = Target(processes=[proc] + [ProcessHandle(p) for p in descendants(proc.pid)])
+        target.send(signal.SIGCONT)
+        target.send(term)
         case.actions.append(f"sent SIGCONT+{term.name} to {target}")
         log.warning("rank %d: sent %s to %s, grace %.1fs", rank, term.name, target, self.termination_grace_time)
         exited = await wait_for_exit(proc, self.termination_grace_time)
-        if exited and (group is None or not group_exists(group)):
+        if exited and not target.any_left():
             case.terminated_by = term.name
+            target.close()
             return
-        self._signal(proc, group, signal.SIGKILL)
+        target.send(signal.SIGKILL)
         case.terminated_by = term.name if exited else "SIGKILL"
         case.actions.append(f"sent SIGKILL to {target}")
         log.warning("rank %d: %s; sent SIGKILL to %s", rank,
-                    "rank exited, group members remained" if exited else
+                    "rank exited, other processes remained" if exited else
                     f"still running after {self.termination_grace_time:.1f}s", target)
         await wait_for_exit(proc, 5.0)
+        target.close()
 
-    @staticmethod
-    def _signal(proc: ProcessHandle, group: int | None, sig: int) -> None:
-        if group is not None:
-            signal_group(group, sig)  # also reaches members left after the leader exited
-        else:
-            proc.send(sig)
+
+class Target:
+    """What a termination signal goes to: a process group, or a list of processes."""
+
+    def __init__(self, group: int | None = None, processes: list[ProcessHandle] | None = None) -> None:
+        self.group = group
+        self.processes = processes or []
+
+    def send(self, sig: int) -> None:
+        if self.group is not None:
+            signal_group(self.group, sig)  # also reaches members left after the leader exited
+        for p in self.processes:
+            p.send(sig)
+
+    def any_left(self) -> bool:
+        if self.group is not None:
+            return group_exists(self.group)
+        return any(p.alive() for p in self.processes)
+
+    def close(self) -> None:
+        for p in self.processes[1:]:  # the first is the rank's handle, owned by the daemon
+            p.close()
+
+    def __str__(self) -> str:
+        if self.group is not None:
+            return f"process group {self.group}"
+        pids = [p.pid for p in self.processes]
+        return f"pid {pids[0]}" + (f" and its descendants {pids[1:]}" if len(pids) > 1 else "")
 
 
 def _size(path: Path) -> int:

@@ -150,3 +150,21 @@ def group_exists(pgid: int) -> bool:
         return False
     except PermissionError:
         return True
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (children, grandchildren, ...), from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        fields = _stat_fields(int(entry))
+        if fields and len(fields) > 1:
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    out: list[int] = []
+    stack = list(children.get(pid, []))
+    while stack:
+        child = stack.pop()
+        out.append(child)
+        stack.extend(children.get(child, []))
+    return out

@@ -24,7 +24,7 @@ from ft_client.timeouts import Timeouts, TimeoutsError
 from ft_monitor.clock import Clock, SystemClock
 from ft_monitor.config import FaultToleranceConfig
 from ft_monitor.executor import BeforeKill, HangCase, HangExecutor, wait_for_exit
-from ft_monitor.listener import bind_unix_listener, remove_socket_file
+from ft_monitor.listener import ListenerError, bind_unix_listener, remove_socket_file
 from ft_monitor.policy import Hang, check, next_deadline
 from ft_monitor.procinfo import (
     ProcessHandle,
@@ -148,19 +148,22 @@ class MonitorDaemon:
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
-        self.children: dict[int, int | None] = {}
-        """pid -> wait status for processes this daemon started (`serve -- CMD`)."""
+        self.children: dict[int, asyncio.Future[int]] = {}
+        """pid -> wait status (when known) of processes this daemon started (`serve -- CMD`)."""
         self.hang_handled = asyncio.Event()
+        self.no_rank = asyncio.Event()
+        """Set while no rank is connected."""
+        self.no_rank.set()
 
     # -- lifecycle -------------------------------------------------------------
     async def startup(self) -> None:
+        sock, self._inode = bind_unix_listener(self.socket_path)  # creates the private directory first
         try:
             self.report_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as e:
-            from ft_monitor.listener import ListenerError
-
+            sock.close()
+            remove_socket_file(self.socket_path, self._inode)
             raise ListenerError(f"cannot create report directory {self.report_dir}: {e.strerror}") from None
-        sock, self._inode = bind_unix_listener(self.socket_path)
         loop = asyncio.get_running_loop()
         self._server = await loop.create_unix_server(lambda: Connection(self), sock=sock)
         log.info("monitor pid %d serving %s (reports in %s)", os.getpid(), self.socket_path, self.report_dir)
@@ -231,6 +234,7 @@ class MonitorDaemon:
         conn.hello_done(msg.role)
         now = self.clock.now()
         self.rank_conn = conn
+        self.no_rank.clear()
         self.sessions_started += 1
         self.process = ProcessHandle(conn.pid)
         self.session = Session(
@@ -337,6 +341,7 @@ class MonitorDaemon:
         if conn is not self.rank_conn:
             return
         s, proc = self.session, self.process
+        self.no_rank.set()
         self.rank_conn = None
         self.session = None
         self.process = None
@@ -359,8 +364,14 @@ class MonitorDaemon:
     async def _report_exit(self, s: Session, proc: ProcessHandle) -> None:
         """A rank that went away without GOODBYE: it exited (or closed its socket); not a hang."""
         await wait_for_exit(proc, 1.0)
-        status = self.children.get(s.pid)
-        if status is None:
+        status: int | None = None
+        child = self.children.get(s.pid)
+        if child is not None:
+            try:
+                status = await asyncio.wait_for(asyncio.shield(child), 1.0)
+            except asyncio.TimeoutError:
+                pass
+        else:
             status = zombie_exit_status(s.pid)
         if proc.alive():
             what = "is still running"
@@ -485,17 +496,21 @@ async def run_daemon(
             env[RANK_MONITOR_SOCKET] = str(daemon.socket_path)
             child = await asyncio.create_subprocess_exec(*command, env=env, start_new_session=True)
             log.info("started %s as pid %d", command[0], child.pid)
-            daemon.children[child.pid] = None
+            exit_status: asyncio.Future[int] = loop.create_future()
+            daemon.children[child.pid] = exit_status
             waiter = loop.create_task(child.wait())
             stopper = loop.create_task(stop.wait())
             await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
             stopper.cancel()
             if waiter.done():
                 rc = waiter.result()
-                daemon.children[child.pid] = _returncode_to_status(rc)
+                exit_status.set_result(_returncode_to_status(rc))
                 code = rc if rc >= 0 else 128 - rc
-                stop_reason.append(f"command exited ({describe_wait_status(daemon.children[child.pid] or 0)})")
-                await asyncio.sleep(0)  # let the connection's EOF be processed first
+                stop_reason.append(f"command exited ({describe_wait_status(exit_status.result())})")
+                try:  # let the rank's disconnect be logged with its exit status
+                    await asyncio.wait_for(daemon.no_rank.wait(), 2.0)
+                except asyncio.TimeoutError:
+                    pass
             else:
                 waiter.cancel()
         else:

@@ -125,11 +125,17 @@ def test_bad_values_are_refused() -> None:
         from_state_dict([])  # type: ignore[arg-type]
     with pytest.raises(StateDictError, match=r"^ft state_dict: rank_heartbeat_timeout = -1: must be a number"):
         from_state_dict({"timeouts": {"rank_heartbeat_timeout": -1}})
-    with pytest.raises(StateDictError, match=r"^ft state_dict observations.hb_gap = 'x': must be a number of seconds >= 0, or null$"):
+    with pytest.raises(
+        StateDictError,
+        match=r"^ft state_dict observations.hb_gap = 'x': must be a number of seconds >= 0, or null$",
+    ):
         from_state_dict({"observations": {"hb_gap": "x"}})
     with pytest.raises(StateDictError, match=r"^ft state_dict: safety_factor = 0: must be a finite number > 0$"):
         from_state_dict({"safety_factor": 0})
-    with pytest.raises(StateDictError, match=r"^ft state_dict timeouts.learned has 'section:ckpt', but that timeout has no value$"):
+    with pytest.raises(
+        StateDictError,
+        match=r"^ft state_dict timeouts.learned has 'section:ckpt', but that timeout has no value$",
+    ):
         from_state_dict({"timeouts": {"rank_section_timeouts": {"ckpt": None}, "learned": ["section:ckpt"]}})
     with pytest.raises(StateDictError, match=r"^ft state_dict timeouts.learned has 'nonsense': expected "):
         from_state_dict({"timeouts": {"learned": ["nonsense"]}})
@@ -199,7 +205,8 @@ def test_nvrx_state_is_loaded_as_learned() -> None:
 
 
 def test_nvrx_partial_and_not_calculated() -> None:
-    only_sections = {"current_timeouts": {"section": {**NVRX["current_timeouts"]["section"], "is_out_of_section_calculated": False}}}
+    section = {**NVRX["current_timeouts"]["section"], "is_out_of_section_calculated": False}
+    only_sections = {"current_timeouts": {"section": section}}
     t = from_state_dict(only_sections).timeouts
     assert t.learned == {learned_section_key("step"), learned_section_key("eval")}
     assert t.rank_heartbeat_timeout is None
@@ -217,13 +224,28 @@ def test_nvrx_heartbeat_only_release() -> None:
 
 
 def test_nvrx_bad_shapes_are_refused() -> None:
-    with pytest.raises(StateDictError, match=r"^nvidia-resiliency-ext state_dict has unknown key\(s\) other: expected only current_timeouts$"):
+    with pytest.raises(
+        StateDictError,
+        match=r"^nvidia-resiliency-ext state_dict has unknown key\(s\) other: expected only current_timeouts$",
+    ):
         from_state_dict({**NVRX, "other": 1})
-    with pytest.raises(StateDictError, match=r"^nvidia-resiliency-ext state_dict current_timeouts has unknown key\(s\) x: "):
+    with pytest.raises(
+        StateDictError,
+        match=r"^nvidia-resiliency-ext state_dict current_timeouts has unknown key\(s\) x: ",
+    ):
         from_state_dict({"current_timeouts": {"x": {}}})
-    with pytest.raises(StateDictError, match=r"^nvidia-resiliency-ext state_dict current_timeouts.section.calculated_sections names 'ckpt', but "):
+    with pytest.raises(
+        StateDictError,
+        match=r"^nvidia-resiliency-ext state_dict current_timeouts.section.calculated_sections names 'ckpt', but ",
+    ):
         from_state_dict({"current_timeouts": {"section": {"section": {"ckpt": None}, "calculated_sections": ["ckpt"]}}})
-    with pytest.raises(StateDictError, match=r"^nvidia-resiliency-ext state_dict: current_timeouts.heartbeat.initial = 0: must be"):
+    with pytest.raises(
+        StateDictError,
+        match=r"^nvidia-resiliency-ext state_dict: current_timeouts.heartbeat.initial = 0: must be",
+    ):
         from_state_dict({"current_timeouts": {"heartbeat": {"initial": 0, "subsequent": 1.0, "were_calculated": True}}})
-    with pytest.raises(StateDictError, match=r"^ft state_dict current_timeouts = 3: must be a dict$"):
+    with pytest.raises(
+        StateDictError,
+        match=r"^nvidia-resiliency-ext state_dict current_timeouts = 3: must be a dict$",
+    ):
         from_state_dict({"current_timeouts": 3})

@@ -189,7 +189,10 @@ def test_vector_max_keeps_any_real_value_and_detects_all_missing() -> None:
 
 
 def test_import_vector_wrong_length() -> None:
-    with pytest.raises(ValueError, match=r"^observation vector has 2 values: expected 5 \(3 \+ one per section in \['ckpt', 'step'\]\)$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^observation vector has 2 values: expected 5 \(3 \+ one per section in \['ckpt', 'step'\]\)$",
+    ):
         calc().import_vector([1.0, 2.0])
 
 
@@ -220,11 +223,17 @@ def test_hb_timeouts_average_with_learned_values_over_three_runs() -> None:
 
 def test_hb_not_enough_data() -> None:
     assert hb_not_ready(observed(initial=1.0, gap=1.0)) is None
-    with pytest.raises(NotEnoughDataError, match=r"^cannot learn the initial heartbeat timeout: no heartbeat has been sent"):
+    with pytest.raises(
+        NotEnoughDataError,
+        match=r"^cannot learn the initial heartbeat timeout: no heartbeat has been sent",
+    ):
         learn_hb_timeouts(CONFIG, observed())
     with pytest.raises(NotEnoughDataError, match=r"^cannot learn the heartbeat timeout: fewer than two heartbeats"):
         learn_hb_timeouts(CONFIG, observed(initial=1.0))
-    with pytest.raises(NotEnoughDataError, match=r"^cannot learn the heartbeat timeout: the longest observed interval is 0 s"):
+    with pytest.raises(
+        NotEnoughDataError,
+        match=r"^cannot learn the heartbeat timeout: the longest observed interval is 0 s",
+    ):
         learn_hb_timeouts(CONFIG, observed(initial=1.0, gap=0.0))
     assert isinstance(NotEnoughDataError("x"), ValueError)
 
@@ -298,7 +307,10 @@ def test_bad_selection_is_a_usage_error_not_missing_data() -> None:
     obs = observed(oos=1.0, step=1.0, ckpt=1.0)
     with pytest.raises(ValueError, match=r"^selected_sections contains 'warmup': it is not a section of its own"):
         sections_not_ready(CONFIG, obs, selected_sections=["warmup"])
-    with pytest.raises(ValueError, match=r"^selected_sections contains 'eval': only sections listed in rank_section_timeouts"):
+    with pytest.raises(
+        ValueError,
+        match=r"^selected_sections contains 'eval': only sections listed in rank_section_timeouts",
+    ):
         learn_section_timeouts(CONFIG, obs, selected_sections=["eval"])
     with pytest.raises(ValueError, match=r"^selected_sections = 'step': must be a collection of section names"):
         learn_section_timeouts(CONFIG, obs, selected_sections="step")

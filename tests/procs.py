@@ -1,0 +1,185 @@
+"""Real-process helpers for end-to-end tests: start a daemon, start ranks, wait on
+what they print or write. Every wait is bounded and polls for an event (a socket
+that answers, a line, a file), never a bare sleep."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, TypeVar
+
+from ft_client import wire
+from ft_client.transport import TransportError, connect
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKERS = ROOT / "tests" / "workers"
+T = TypeVar("T")
+
+
+def wait_until(predicate: Callable[[], T], timeout: float, what: str, interval: float = 0.01) -> T:
+    """Poll ``predicate`` until it returns something truthy; fail after ``timeout`` seconds."""
+    end = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def short_tmpdir() -> Path:
+    """A private (0700) directory with a short path: AF_UNIX paths are limited to 107 bytes."""
+    d = Path(tempfile.mkdtemp(prefix="ft-", dir="/tmp"))
+    os.chmod(d, 0o700)
+    return d
+
+
+def ping(sock_path: Path, timeout: float = 1.0) -> bool:
+    try:
+        t, _ = connect(str(sock_path), timeout, wire.Role.OBSERVER, -1)
+    except (OSError, TransportError):
+        return False
+    try:
+        return isinstance(t.request(wire.PING), wire.Pong)
+    except TransportError:
+        return False
+    finally:
+        t.close()
+
+
+def status(sock_path: Path) -> dict[str, Any]:
+    t, _ = connect(str(sock_path), 5.0, wire.Role.OBSERVER, -1)
+    try:
+        reply = t.request(wire.STATUS)
+    finally:
+        t.close()
+    assert isinstance(reply, wire.StatusReply), reply
+    return reply.status
+
+
+class Daemon:
+    def __init__(self, directory: Path, *flags: str, cmd: list[str] | None = None,
+                 env: dict[str, str] | None = None, name: str = "rank0.sock") -> None:
+        self.dir = directory
+        self.socket = directory / name
+        self.report_dir = directory / "reports"
+        self.log_path = directory / "monitor.log"
+        argv = [sys.executable, "-m", "ft_monitor.cli", "serve", "--socket", str(self.socket), *flags]
+        if cmd:
+            argv += ["--", *cmd]
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                     env={**os.environ, **(env or {})}, start_new_session=True)
+
+    def wait_ready(self, timeout: float = 20.0) -> "Daemon":
+        def ready() -> bool:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"daemon exited with {self.proc.returncode}:\n{self.log()}")
+            return ping(self.socket)
+
+        wait_until(ready, timeout, f"daemon at {self.socket}")
+        return self
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def wait_log(self, text: str, timeout: float = 20.0) -> str:
+        wait_until(lambda: text in self.log(), timeout, f"{text!r} in the monitor log")
+        return self.log()
+
+    def report(self, timeout: float = 20.0) -> dict[str, Any]:
+        """The hang report, once the daemon has finished acting (terminated_by is set)."""
+        def done() -> dict[str, Any] | None:
+            for p in self.report_dir.glob("*-hang.json"):
+                data = json.loads(p.read_text())
+                if data.get("terminated_by"):
+                    return data
+            return None
+
+        return wait_until(done, timeout, "a finished hang report")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self._log.close()
+        return self.proc.returncode
+
+
+class Rank:
+    """A tests/workers/rank.py process in its own session (as launchers start ranks)."""
+
+    def __init__(self, scenario: str, sock: Path, *args: str, stdin: bool = False) -> None:
+        env = {**os.environ, "FT_RANK_MONITOR_IPC_SOCKET": str(sock), "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, str(WORKERS / "rank.py"), scenario, *args],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.PIPE if stdin else None,
+            env=env, cwd=ROOT, start_new_session=True, text=True,
+        )
+        self.lines: list[str] = []
+
+    def wait_line(self, prefix: str, timeout: float = 20.0) -> str:
+        end = time.monotonic() + timeout
+        assert self.proc.stdout is not None
+        while True:
+            for line in self.lines:
+                if line.startswith(prefix):
+                    return line
+            left = end - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"timed out waiting for {prefix!r}; got {self.lines}")
+            ready, _, _ = select.select([self.proc.stdout], [], [], left)
+            if ready:
+                line = self.proc.stdout.readline()
+                if not line:
+                    raise AssertionError(f"rank exited ({self.proc.wait()}) before {prefix!r}; "
+                                         f"stderr: {self.proc.stderr.read() if self.proc.stderr else ''}")
+                self.lines.append(line.strip())
+
+    def wait(self, timeout: float = 30.0) -> int:
+        return self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(5)
+        for f in (self.proc.stdout, self.proc.stderr, self.proc.stdin):
+            if f is not None:
+                f.close()
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        return state != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def raw_client(sock_path: Path) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(5.0)
+    s.connect(str(sock_path))
+    return s
+
+
+def cleanup_dir(d: Path) -> None:
+    shutil.rmtree(d, ignore_errors=True)

@@ -1,0 +1,104 @@
+"""A rank process for end-to-end tests: connects, does a few steps, then does what it is told.
+
+    python tests/workers/rank.py SCENARIO [--steps N]
+
+Prints one line per milestone ("connected pid=...", "steps done", ...) and flushes,
+so tests wait on lines instead of sleeping.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import signal
+import sys
+import time
+
+from ft_client import RankMonitorClient
+
+
+def say(line: str) -> None:
+    print(line, flush=True)
+
+
+def hang_in_sleep() -> None:
+    time.sleep(600)
+
+
+def hang_in_c_call_holding_gil() -> None:
+    libc = ctypes.PyDLL(None)  # PyDLL keeps the GIL during the call
+    while True:  # a signal handler interrupts sleep(3); a real hang does not end
+        libc.sleep(600)
+
+
+def stop_myself() -> None:
+    os.kill(os.getpid(), signal.SIGSTOP)
+    time.sleep(600)
+
+
+def spawn_data_loader_child() -> int:
+    pid = os.fork()
+    if pid == 0:
+        try:
+            time.sleep(600)
+        finally:
+            os._exit(0)
+    return pid
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("scenario")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--socket", default=None)
+    args = p.parse_args()
+
+    client = RankMonitorClient(args.socket)
+    client.init_workload_monitoring()
+    say(f"connected pid={os.getpid()}")
+    for _ in range(args.steps):
+        with client.section("step"):
+            time.sleep(0.01)
+        client.send_heartbeat()
+    say("steps done")
+
+    s = args.scenario
+    if s == "sleep":
+        client.start_section("step")
+        hang_in_sleep()
+    elif s == "gil":
+        client.start_section("step")
+        hang_in_c_call_holding_gil()
+    elif s == "stop":
+        client.start_section("step")
+        stop_myself()
+    elif s == "children":
+        child = spawn_data_loader_child()
+        say(f"child pid={child}")
+        client.start_section("step")
+        hang_in_sleep()
+    elif s == "ignore-term":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        client.start_section("step")
+        hang_in_sleep()
+    elif s == "no-heartbeat":
+        hang_in_sleep()
+    elif s == "clean":
+        client.shutdown_workload_monitoring()
+        say("shutdown")
+    elif s == "clean-open-section":
+        client.start_section("step")
+        client.shutdown_workload_monitoring()
+        say("shutdown")
+    elif s == "exit3":
+        sys.exit(3)
+    elif s == "wait-stdin":
+        sys.stdin.readline()
+        client.shutdown_workload_monitoring()
+    else:
+        raise SystemExit(f"unknown scenario {s}")
+
+
+if __name__ == "__main__":
+    main()

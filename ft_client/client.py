@@ -23,7 +23,26 @@ from typing import Any, Callable, TypeVar
 from ft_client import env, wire
 from ft_client.errors import RankMonitorClientError
 from ft_client.stackdump import StackDumper
-from ft_client.timeouts import HeartbeatTimeouts, SectionTimeouts, Timeouts, TimeoutsError, section_needs_ipc
+from ft_client.state_dict import from_state_dict, overlay_learned, to_state_dict
+from ft_client.sync import max_across_ranks
+from ft_client.timeouts import (
+    WARMUP_SECTION,
+    HeartbeatTimeouts,
+    SectionTimeouts,
+    Timeouts,
+    TimeoutsError,
+    section_needs_ipc,
+)
+from ft_client.timeouts_calc import (
+    DEFAULT_SAFETY_FACTOR,
+    NotEnoughDataError,
+    Observations,
+    TimeoutsCalc,
+    hb_not_ready,
+    learn_hb_timeouts,
+    learn_section_timeouts,
+    sections_not_ready,
+)
 from ft_client.transport import Transport, TransportError, connect
 
 log = logging.getLogger("ft_client")
@@ -79,6 +98,11 @@ class RankMonitorClient:
         self._sync_sections = False
         self._raise_on_lost = False
         self._dumper = StackDumper()
+        self._calc = TimeoutsCalc()
+        self._observed = Observations()  # as agreed by the last cross-rank reduction
+        self._safety_factor = DEFAULT_SAFETY_FACTOR
+        self._min_learned = 0.0
+        self._to_load: Timeouts | None = None  # learned values loaded before init
         self.rank = env.rank_from_env()
 
     # -- lifecycle -------------------------------------------------------------
@@ -119,7 +143,17 @@ class RankMonitorClient:
             self._sync_sections = not s.get("skip_section_response", True)
             self._raise_on_lost = s.get("on_monitor_lost") == "raise"
             transport.timeout = float(s.get("client_request_timeout", transport.timeout))
-            self._set_timeouts(Timeouts.from_wire(s["timeouts"]))
+            self._safety_factor = float(s.get("safety_factor", DEFAULT_SAFETY_FACTOR))
+            self._min_learned = float(s.get("min_learned_timeout", 0.0))
+            configured = Timeouts.from_wire(s["timeouts"])
+            self._set_timeouts(configured)
+            self._calc = TimeoutsCalc(
+                (n for n in configured.rank_section_timeouts if n != WARMUP_SECTION), self._safety_factor
+            )
+            self._calc.start(self._clock())
+            if self._to_load is not None:  # load_state_dict() came first: push at the handshake
+                loaded, self._to_load = self._to_load, None
+                self.set_timeouts(overlay_learned(self._timeouts, loaded))
             dump_path = s.get("stack_dump_path")
             if dump_path:
                 try:
@@ -155,6 +189,7 @@ class RankMonitorClient:
             if t is None:
                 self._not_connected()
                 return
+            self._calc.on_heartbeat(self._clock())
             try:
                 t.send_event(wire.HEARTBEAT_FRAME)
             except TransportError as e:
@@ -169,6 +204,7 @@ class RankMonitorClient:
                 self._not_connected()  # raises unless the monitor was lost and we carry on
                 self._open[name] = False
                 return
+            self._calc.on_section_open(name, self._clock())
             send = name in self._ipc
             self._open[name] = send
             if send:
@@ -182,6 +218,7 @@ class RankMonitorClient:
             sent = self._open.pop(name, None)
             if sent is None:
                 raise RankMonitorClientError(f"section {name!r} is not open; start_section({name!r}) first")
+            self._calc.on_section_close(name, self._clock())
             t = self._transport
             if t is None:
                 self._not_connected()
@@ -196,6 +233,7 @@ class RankMonitorClient:
         """Close every open section, here and in the monitor."""
         with self._lock:
             self._open.clear()
+            self._calc.on_close_all(self._clock())
             t = self._transport
             if t is None:
                 self._not_connected()
@@ -250,6 +288,88 @@ class RankMonitorClient:
             if not sent and name in self._ipc and t is not None:
                 self._open[name] = True
                 self._event(t, wire.section_open_frame(name))
+
+    # -- learned timeouts ------------------------------------------------------
+    def calculate_and_set_hb_timeouts(self, skip_if_not_ready: bool = False) -> bool:
+        """Learn the heartbeat timeouts from what this run observed and put them in force.
+
+        A collective when torch.distributed is initialized: every rank must call
+        it, and all end with the same timeouts (element-wise MAX over ranks).
+        Returns False when there is not enough data and ``skip_if_not_ready``;
+        otherwise raises NotEnoughDataError saying what is missing.
+        """
+        obs = self._reduce_observations()
+        reason = hb_not_ready(obs)
+        if reason is not None:
+            if skip_if_not_ready:
+                return False
+            raise NotEnoughDataError(reason)
+        self._apply_learned(learn_hb_timeouts(self._timeouts, obs, self._safety_factor, self._min_learned))
+        return True
+
+    def calculate_and_set_section_timeouts(
+        self,
+        selected_sections: list[str] | None = None,
+        calc_out_of_section: bool = True,
+        skip_if_not_ready: bool = False,
+    ) -> bool:
+        """Learn section timeouts (all listed ones, or ``selected_sections``) and, with
+        ``calc_out_of_section``, the out-of-section timeout. Collective, like
+        calculate_and_set_hb_timeouts."""
+        obs = self._reduce_observations()
+        try:
+            reason = sections_not_ready(self._timeouts, obs, selected_sections, calc_out_of_section)
+        except ValueError as e:
+            raise RankMonitorClientError(str(e)) from None
+        if reason is not None:
+            if skip_if_not_ready:
+                return False
+            raise NotEnoughDataError(reason)
+        self._apply_learned(
+            learn_section_timeouts(self._timeouts, obs, self._safety_factor, selected_sections, calc_out_of_section,
+                                   self._min_learned)
+        )
+        return True
+
+    def _reduce_observations(self) -> Observations:
+        if not self.is_initialized:
+            raise RankMonitorClientError(self._why_not_connected())
+        with self._lock:
+            vector = self._calc.export_vector(self._clock())
+        reduced = max_across_ranks(vector)  # outside the lock: other threads keep reporting
+        with self._lock:
+            self._observed = self._calc.import_vector(reduced)
+            return self._observed
+
+    def _apply_learned(self, timeouts: Timeouts) -> None:
+        if self._transport is None:  # monitor lost (and on_monitor_lost=warn): keep them locally
+            self._set_timeouts(timeouts)
+            return
+        self.set_timeouts(timeouts)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Learned timeouts and the observations behind them: plain JSON data, the same
+        on every rank after a calculate_and_set_* call. Put it in the checkpoint."""
+        with self._lock:
+            return to_state_dict(self._timeouts, self._observed, self._safety_factor)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Put learned timeouts from a checkpoint in force (before or after
+        init_workload_monitoring()). Accepts this client's format and the
+        ``{"current_timeouts": ...}`` dict of nvidia-resiliency-ext."""
+        try:
+            loaded = from_state_dict(state_dict)
+        except ValueError as e:
+            raise RankMonitorClientError(f"cannot load the ft state_dict: {e}") from None
+        with self._lock:
+            self._observed = loaded.observations
+            if self._transport is None:
+                if self._lost_reason is not None:
+                    self._set_timeouts(overlay_learned(self._timeouts, loaded.timeouts))
+                else:
+                    self._to_load = loaded.timeouts
+                return
+            self.set_timeouts(overlay_learned(self._timeouts, loaded.timeouts))
 
     # -- internals -------------------------------------------------------------
     @staticmethod

@@ -25,6 +25,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Collection, Iterable, Mapping, Sequence
 
+from ft_client.errors import RankMonitorClientError
 from ft_client.timeouts import (
     LEARNED_HB,
     LEARNED_INITIAL_HB,
@@ -44,7 +45,7 @@ no rank observed it."""
 _HEADER = 3  # initial heartbeat, heartbeat gap, out-of-section; then sections
 
 
-class NotEnoughDataError(ValueError):
+class NotEnoughDataError(RankMonitorClientError, ValueError):
     """A learned timeout was asked for before anything it needs was observed."""
 
 
@@ -202,11 +203,12 @@ class TimeoutsCalc:
 
 
 # -- calculation ---------------------------------------------------------------
-def _merge(current: Timeouts, key: str, old: float | None, observed: float, safety_factor: float) -> float:
+def _merge(current: Timeouts, key: str, old: float | None, observed: float, safety_factor: float,
+           floor: float) -> float:
     new = observed * safety_factor
     if key in current.learned and old is not None:
-        return (old + new) / 2.0
-    return new
+        new = (old + new) / 2.0
+    return max(new, floor)
 
 
 def _zero_reason(what: str) -> str:
@@ -275,8 +277,11 @@ def sections_not_ready(
     return None
 
 
-def learn_hb_timeouts(current: Timeouts, obs: Observations, safety_factor: float = DEFAULT_SAFETY_FACTOR) -> Timeouts:
-    """New initial and subsequent heartbeat timeouts; raises NotEnoughDataError."""
+def learn_hb_timeouts(
+    current: Timeouts, obs: Observations, safety_factor: float = DEFAULT_SAFETY_FACTOR, floor: float = 0.0
+) -> Timeouts:
+    """New initial and subsequent heartbeat timeouts, none below ``floor`` seconds;
+    raises NotEnoughDataError."""
     reason = hb_not_ready(obs)
     if reason is not None:
         raise NotEnoughDataError(reason)
@@ -284,9 +289,11 @@ def learn_hb_timeouts(current: Timeouts, obs: Observations, safety_factor: float
     factor = check_safety_factor(safety_factor)
     return current.with_updates(
         initial_rank_heartbeat_timeout=_merge(
-            current, LEARNED_INITIAL_HB, current.initial_rank_heartbeat_timeout, obs.initial_hb, factor
+            current, LEARNED_INITIAL_HB, current.initial_rank_heartbeat_timeout, obs.initial_hb, factor, floor
         ),
-        rank_heartbeat_timeout=_merge(current, LEARNED_HB, current.rank_heartbeat_timeout, obs.hb_gap, factor),
+        rank_heartbeat_timeout=_merge(
+            current, LEARNED_HB, current.rank_heartbeat_timeout, obs.hb_gap, factor, floor
+        ),
         learned=current.learned | {LEARNED_INITIAL_HB, LEARNED_HB},
     )
 
@@ -297,10 +304,11 @@ def learn_section_timeouts(
     safety_factor: float = DEFAULT_SAFETY_FACTOR,
     selected_sections: Collection[str] | None = None,
     calc_out_of_section: bool = True,
+    floor: float = 0.0,
 ) -> Timeouts:
     """New timeouts for the selected sections (None: every configured one but
-    `warmup`) and, if `calc_out_of_section`, the out-of-section timeout.
-    Others are kept. Raises NotEnoughDataError."""
+    `warmup`) and, if `calc_out_of_section`, the out-of-section timeout, none
+    below ``floor`` seconds. Others are kept. Raises NotEnoughDataError."""
     reason = sections_not_ready(current, obs, selected_sections, calc_out_of_section)
     if reason is not None:
         raise NotEnoughDataError(reason)
@@ -311,12 +319,12 @@ def learn_section_timeouts(
         observed = obs.sections[name]
         assert observed is not None
         key = learned_section_key(name)
-        sections[name] = _merge(current, key, sections[name], observed, factor)
+        sections[name] = _merge(current, key, sections[name], observed, factor, floor)
         learned.add(key)
     oos = current.rank_out_of_section_timeout
     if calc_out_of_section:
         assert obs.out_of_section is not None
-        oos = _merge(current, LEARNED_OUT_OF_SECTION, oos, obs.out_of_section, factor)
+        oos = _merge(current, LEARNED_OUT_OF_SECTION, oos, obs.out_of_section, factor, floor)
         learned.add(LEARNED_OUT_OF_SECTION)
     return current.with_updates(
         rank_section_timeouts=sections, rank_out_of_section_timeout=oos, learned=frozenset(learned)

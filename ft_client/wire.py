@@ -203,7 +203,10 @@ def _frame(body: list[Any]) -> bytes:
 def _check_name(name: str) -> None:
     if not isinstance(name, str):
         raise ProtocolError(f"section name must be a string, got {type(name).__name__}")
-    size = len(name.encode("utf-8", "surrogatepass"))
+    try:
+        size = len(name.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise ProtocolError(f"section name {name!r} is not valid UTF-8 text") from None
     if not 0 < size <= MAX_NAME_BYTES:
         raise ProtocolError(f"section name must be 1..{MAX_NAME_BYTES} bytes of UTF-8, got {size} bytes")
 

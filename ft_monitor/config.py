@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
 from ft_client import env as ft_env
 from ft_client.timeouts import Timeouts, check_timeout
@@ -98,6 +98,7 @@ class FaultToleranceConfig(BaseModel):
     rank_out_of_section_timeout: float | None = None
     num_warmup_iterations: int = 5
     safety_factor: float = 5.0
+    min_learned_timeout: float = 1.0
     rank_termination_signal: signal.Signals = signal.SIGTERM
     termination_grace_time: float = 5.0
     stack_dump_signal: signal.Signals = signal.SIGUSR2
@@ -156,7 +157,8 @@ class FaultToleranceConfig(BaseModel):
             raise ValueError("must be a number >= 1.0 (a factor below 1 makes timeouts shorter than observed)")
         return float(v)
 
-    @field_validator("termination_grace_time", "stack_dump_timeout", "client_request_timeout", mode="before")
+    @field_validator("termination_grace_time", "stack_dump_timeout", "client_request_timeout", "min_learned_timeout",
+                     mode="before")
     @classmethod
     def _duration(cls, v: Any) -> Any:
         v = _number_words(v)
@@ -174,6 +176,20 @@ class FaultToleranceConfig(BaseModel):
         if sig in (signal.SIGSTOP, signal.SIGCONT):
             raise ValueError(f"{sig.name} cannot be used here")
         return sig
+
+    @model_validator(mode="after")
+    def _distinct_signals(self) -> "FaultToleranceConfig":
+        if self.stack_dump_signal == self.rank_termination_signal:
+            raise ValueError(
+                f"stack_dump_signal = {self.stack_dump_signal.name} is also rank_termination_signal: "
+                "the dump signal must not stop the rank; choose another (default SIGUSR2)"
+            )
+        if self.stack_dump_signal in (signal.SIGTERM, signal.SIGINT, signal.SIGKILL):
+            raise ValueError(
+                f"stack_dump_signal = {self.stack_dump_signal.name} would stop the rank instead of dumping its "
+                "stack; use SIGUSR1, SIGUSR2 or a real-time signal"
+            )
+        return self
 
     @field_validator("skip_section_response", mode="before")
     @classmethod
@@ -364,8 +380,8 @@ def load_config(
                 )
             merged[key] = value
             origin[key] = _origin_label(source, key)
-    if ignored and log is not None:
-        log.warning("ignored nvidia-resiliency-ext setting(s) with no meaning here: %s", ", ".join(sorted(set(ignored))))
+    if ignored:
+        (log or logging.getLogger("ft_monitor.config")).warning("ignored nvidia-resiliency-ext setting(s) with no meaning here: %s", ", ".join(sorted(set(ignored))))
     try:
         return FaultToleranceConfig(**merged)
     except ValidationError as e:
@@ -383,7 +399,11 @@ def _origin_label(source: str, key: str) -> str:
 def _format_validation_error(e: ValidationError, values: Mapping[str, Any], origin: Mapping[str, str]) -> str:
     lines = []
     for err in e.errors():
-        field = str(err["loc"][0]) if err["loc"] else "?"
+        if not err["loc"]:  # a rule across fields
+            msg = err["msg"].removeprefix("Value error, ")
+            lines.append(f"invalid settings: {msg}")
+            continue
+        field = str(err["loc"][0])
         value = values.get(field, err.get("input"))
         rule = err["msg"]
         if rule.startswith("Value error, "):

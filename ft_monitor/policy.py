@@ -28,7 +28,8 @@ class Deadline:
     at: float
     reason: Reason
     since: float
-    """Last progress: the moment the timeout started counting (the hang onset)."""
+    """The moment the timeout started counting: the last progress (the hang onset),
+    or when the timeout was set, if later."""
     timeout: float
     section: str | None = None
 
@@ -71,25 +72,23 @@ def deadlines(s: Session) -> list[Deadline]:
         return []
     out: list[Deadline] = []
     t = s.timeouts
+    floor = s.timeouts_since
     if s.last_heartbeat is None:
         if t.initial_rank_heartbeat_timeout is not None:
-            out.append(
-                Deadline(s.started_at + t.initial_rank_heartbeat_timeout, Reason.INITIAL_HEARTBEAT,
-                         s.started_at, t.initial_rank_heartbeat_timeout)
-            )
+            since = max(s.started_at, floor)
+            out.append(Deadline(since + t.initial_rank_heartbeat_timeout, Reason.INITIAL_HEARTBEAT, since,
+                                t.initial_rank_heartbeat_timeout))
     elif t.rank_heartbeat_timeout is not None:
-        out.append(
-            Deadline(s.last_heartbeat + t.rank_heartbeat_timeout, Reason.HEARTBEAT,
-                     s.last_heartbeat, t.rank_heartbeat_timeout)
-        )
+        since = max(s.last_heartbeat, floor)
+        out.append(Deadline(since + t.rank_heartbeat_timeout, Reason.HEARTBEAT, since, t.rank_heartbeat_timeout))
     for sec in s.open_sections.values():
         if sec.timeout is not None:
-            out.append(Deadline(sec.opened_at + sec.timeout, Reason.SECTION, sec.opened_at, sec.timeout, sec.name))
+            out.append(Deadline(sec.counted_from + sec.timeout, Reason.SECTION, sec.counted_from, sec.timeout,
+                                sec.name))
     if s.out_of_section_since is not None and t.rank_out_of_section_timeout is not None:
-        out.append(
-            Deadline(s.out_of_section_since + t.rank_out_of_section_timeout, Reason.OUT_OF_SECTION,
-                     s.out_of_section_since, t.rank_out_of_section_timeout)
-        )
+        since = max(s.out_of_section_since, floor)
+        out.append(Deadline(since + t.rank_out_of_section_timeout, Reason.OUT_OF_SECTION, since,
+                            t.rank_out_of_section_timeout))
     return out
 
 

@@ -254,6 +254,7 @@ class MonitorDaemon:
             "on_monitor_lost": self.config.on_monitor_lost,
             "client_request_timeout": self.config.client_request_timeout,
             "safety_factor": self.config.safety_factor,
+            "min_learned_timeout": self.config.min_learned_timeout,
         }))
         log.info("rank %d pid %d connected (session %d)", msg.rank, conn.pid, self.sessions_started)
 
@@ -272,7 +273,7 @@ class MonitorDaemon:
             self.rank_conn.send(wire.Error(wire.ErrorCode.BAD_REQUEST, str(e)))
             return
         self.timeouts = timeouts
-        session.set_timeouts(timeouts)
+        session.set_timeouts(timeouts, self.clock.now())
         log.info("rank %d: timeouts now %s", session.rank, timeouts.to_wire())
         assert self.rank_conn is not None
         self.rank_conn.send(wire.ConfigOk(timeouts.to_wire()))

@@ -43,6 +43,12 @@ class OpenSection:
     timeout: float | None
     """The timeout that applies to this opening (for `step`: maybe the warm-up one)."""
     warmup: bool = False
+    counted_from: float = 0.0
+    """When the timeout started counting: the opening, or the moment a timeout was
+    first set for a section opened without one."""
+
+    def __post_init__(self) -> None:
+        self.counted_from = max(self.counted_from, self.opened_at)
 
 
 @dataclass(slots=True)
@@ -60,10 +66,15 @@ class Session:
     steps_started: int = 0
     iteration: int | None = None
     events: int = 0
+    timeouts_since: float = 0.0
+    """When the timeouts in force were set. A running heartbeat or out-of-section
+    interval is timed from no earlier than this, so a tighter timeout learned
+    mid-run never fires for time spent before it existed."""
 
     def __post_init__(self) -> None:
         if self.out_of_section_since is None and not self.open_sections:
             self.out_of_section_since = self.started_at
+        self.timeouts_since = max(self.timeouts_since, self.started_at)
 
     # -- events ------------------------------------------------------------
     def heartbeat(self, now: float) -> None:
@@ -115,14 +126,17 @@ class Session:
         self.events += 1
         self.iteration = iteration
 
-    def set_timeouts(self, timeouts: Timeouts) -> None:
-        """New timeouts apply to sections opened from now on and to the running
-        heartbeat and out-of-section intervals; open sections keep the timeout
-        they were opened with, except that one with no timeout picks up a new one."""
+    def set_timeouts(self, timeouts: Timeouts, now: float) -> None:
+        """New timeouts apply to sections opened from now on, and to the running
+        heartbeat and out-of-section intervals counted from ``now`` at the
+        earliest. Open sections keep the timeout they were opened with, except
+        that one opened without a timeout picks up the new one, counted from now."""
         self.timeouts = timeouts
+        self.timeouts_since = now
         for sec in self.open_sections.values():
             if sec.timeout is None and not sec.warmup:
                 sec.timeout = timeouts.rank_section_timeouts.get(sec.name)
+                sec.counted_from = now
 
     def goodbye(self) -> None:
         if self.phase is Phase.ACTIVE:

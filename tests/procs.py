@@ -73,7 +73,7 @@ class Daemon:
         self.dir = directory
         self.socket = directory / name
         self.report_dir = directory / "reports"
-        self.log_path = directory / "monitor.log"
+        self.log_path = directory / f"{Path(name).stem}.log"
         argv = [sys.executable, "-m", "ft_monitor.cli", "serve", "--socket", str(self.socket), *flags]
         if cmd:
             argv += ["--", *cmd]
@@ -97,10 +97,10 @@ class Daemon:
         wait_until(lambda: text in self.log(), timeout, f"{text!r} in the monitor log")
         return self.log()
 
-    def report(self, timeout: float = 20.0) -> dict[str, Any]:
-        """The hang report, once the daemon has finished acting (terminated_by is set)."""
+    def report(self, timeout: float = 20.0, rank: int | None = None) -> dict[str, Any]:
+        """The hang report (of ``rank``, if given), once the daemon has finished acting."""
         def done() -> dict[str, Any] | None:
-            for p in self.report_dir.glob("*-hang.json"):
+            for p in self.report_dir.glob(f"rank{'' if rank is None else rank}*-hang.json"):
                 data = json.loads(p.read_text())
                 if data.get("terminated_by"):
                     return data

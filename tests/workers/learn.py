@@ -49,7 +49,8 @@ def main() -> None:
                 hang_in_step()
             time.sleep(args.step_sleep * (rank + 1))
             dist.all_reduce(torch.ones(1))
-        client.send_heartbeat()
+        if i % 2 == 1:  # heartbeats every other step: the heartbeat timeout is the looser one
+            client.send_heartbeat()
     if args.hang_step >= 0:  # the other ranks stop here without a collective
         client.shutdown_workload_monitoring()
         return

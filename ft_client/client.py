@@ -26,6 +26,7 @@ from ft_client.stackdump import StackDumper
 from ft_client.state_dict import from_state_dict, overlay_learned, to_state_dict
 from ft_client.sync import max_across_ranks
 from ft_client.timeouts import (
+    STEP_SECTION,
     WARMUP_SECTION,
     HeartbeatTimeouts,
     SectionTimeouts,
@@ -50,6 +51,8 @@ log = logging.getLogger("ft_client")
 F = TypeVar("F", bound=Callable[..., Any])
 
 CONNECT_TIMEOUT = 10.0
+ITERATION_REPORT_INTERVAL = 1.0
+"""Seconds between iteration reports to the monitor (the launcher's progress tracking)."""
 
 
 class _Section:
@@ -103,6 +106,8 @@ class RankMonitorClient:
         self._safety_factor = DEFAULT_SAFETY_FACTOR
         self._min_learned = 0.0
         self._to_load: Timeouts | None = None  # learned values loaded before init
+        self._iteration = 0  # completed `step` sections, across runs (kept in state_dict)
+        self._iteration_sent_at = -ITERATION_REPORT_INTERVAL
         self.rank = env.rank_from_env()
 
     # -- lifecycle -------------------------------------------------------------
@@ -122,7 +127,7 @@ class RankMonitorClient:
                     "set it) or pass socket_path="
                 )
             info = {"pid": os.getpid(), "local_rank": os.environ.get(env.LOCAL_RANK),
-                    "restart": os.environ.get(env.RESTART_COUNT)}
+                    "restart": os.environ.get(env.RESTART_COUNT), "error_file": os.environ.get(env.ERROR_FILE)}
             try:
                 transport, hello = connect(path, CONNECT_TIMEOUT, wire.Role.RANK, self.rank, info)
             except FileNotFoundError:
@@ -172,6 +177,7 @@ class RankMonitorClient:
             t = self._transport
             if t is not None:
                 try:
+                    t.send_event(wire.encode(wire.Iteration(self._iteration)))
                     t.send_event(wire.encode(wire.GOODBYE))
                     t.flush()
                 except TransportError:
@@ -218,7 +224,8 @@ class RankMonitorClient:
             sent = self._open.pop(name, None)
             if sent is None:
                 raise RankMonitorClientError(f"section {name!r} is not open; start_section({name!r}) first")
-            self._calc.on_section_close(name, self._clock())
+            now = self._clock()
+            self._calc.on_section_close(name, now)
             t = self._transport
             if t is None:
                 self._not_connected()
@@ -228,6 +235,11 @@ class RankMonitorClient:
                 if frame is None:
                     frame = self._close_frames[name] = self._section_frame(name, wire.section_close_frame)
                 self._event(t, frame)
+            if name == STEP_SECTION:
+                self._iteration += 1
+                if now - self._iteration_sent_at >= ITERATION_REPORT_INTERVAL:
+                    self._iteration_sent_at = now
+                    self._event(t, wire.encode(wire.Iteration(self._iteration)))
 
     def end_all_sections(self) -> None:
         """Close every open section, here and in the monitor."""
@@ -252,6 +264,13 @@ class RankMonitorClient:
     @property
     def section_timeouts(self) -> SectionTimeouts:
         return self._timeouts.sections
+
+    @property
+    def iteration(self) -> int:
+        """Training iterations so far: completed `step` sections, counted on from the
+        checkpoint loaded with load_state_dict(). Reported to the monitor about once a
+        second; the launcher uses it to tell restarts that make progress from ones that don't."""
+        return self._iteration
 
     @property
     def timeouts(self) -> Timeouts:
@@ -351,7 +370,7 @@ class RankMonitorClient:
         """Learned timeouts and the observations behind them: plain JSON data, the same
         on every rank after a calculate_and_set_* call. Put it in the checkpoint."""
         with self._lock:
-            return to_state_dict(self._timeouts, self._observed, self._safety_factor)
+            return to_state_dict(self._timeouts, self._observed, self._safety_factor, self._iteration)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Put learned timeouts from a checkpoint in force (before or after
@@ -363,6 +382,7 @@ class RankMonitorClient:
             raise RankMonitorClientError(f"cannot load the ft state_dict: {e}") from None
         with self._lock:
             self._observed = loaded.observations
+            self._iteration = loaded.iteration
             if self._transport is None:
                 if self._lost_reason is not None:
                     self._set_timeouts(overlay_learned(self._timeouts, loaded.timeouts))

@@ -18,6 +18,8 @@ CONFIG_ENV_PREFIX = "FT_"
 RANK = "RANK"
 LOCAL_RANK = "LOCAL_RANK"
 RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
+ERROR_FILE = "TORCHELASTIC_ERROR_FILE"
+"""Where torchelastic wants this worker's error.json; its directory is the attempt's per-rank directory."""
 
 
 def rank_from_env(default: int = 0) -> int:

@@ -9,6 +9,7 @@ nvidia-resiliency-ext's ``RankMonitorClient.state_dict()``. Layout, version 1::
       "timeouts": {...Timeouts.to_wire()...},       # in force, with "learned"
       "observations": {"initial_hb": 12.5, "hb_gap": 2.0, "out_of_section": 0.4,
                        "sections": {"ckpt": 30.1, "step": 1.9}},   # null = not observed
+      "iteration": 1200,                            # completed `step` sections
     }
 
 Plain JSON types only, keys sorted where order could differ, so ranks that
@@ -38,7 +39,7 @@ FORMAT_VERSION = 1
 NVRX_STATE_KEY = "current_timeouts"
 _NVRX = "nvidia-resiliency-ext"
 _SECTION_PREFIX = learned_section_key("")
-_KEYS = ("format_version", "safety_factor", "timeouts", "observations")
+_KEYS = ("format_version", "safety_factor", "timeouts", "observations", "iteration")
 _OBS_KEYS = ("initial_hb", "hb_gap", "out_of_section", "sections")
 
 
@@ -54,10 +55,15 @@ class LoadedState:
     timeouts: Timeouts = field(default_factory=Timeouts)
     observations: Observations = field(default_factory=Observations)
     safety_factor: float = DEFAULT_SAFETY_FACTOR
+    iteration: int = 0
+    """Training iterations (completed `step` sections) as of the checkpoint."""
 
 
-def to_state_dict(timeouts: Timeouts, observations: Observations, safety_factor: float) -> dict[str, Any]:
-    """The version-1 checkpoint dict for the timeouts in force and the observations behind them."""
+def to_state_dict(
+    timeouts: Timeouts, observations: Observations, safety_factor: float, iteration: int = 0
+) -> dict[str, Any]:
+    """The version-1 checkpoint dict for the timeouts in force, the observations behind
+    them, and the training iteration (completed `step` sections) reached."""
     wire = timeouts.to_wire()
     wire["rank_section_timeouts"] = dict(sorted(wire["rank_section_timeouts"].items()))
     return {
@@ -70,6 +76,7 @@ def to_state_dict(timeouts: Timeouts, observations: Observations, safety_factor:
             "out_of_section": observations.out_of_section,
             "sections": dict(sorted(observations.sections.items())),
         },
+        "iteration": iteration,
     }
 
 
@@ -95,7 +102,10 @@ def from_state_dict(state: Mapping[str, Any]) -> LoadedState:
     except ValueError as e:
         raise StateDictError(f"ft state_dict: {e}") from e
     _check_learned(timeouts)
-    return LoadedState(timeouts, _observations(state.get("observations") or {}), safety_factor)
+    iteration = state.get("iteration", 0)
+    if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
+        raise StateDictError(f"ft state_dict iteration = {iteration!r}: must be a whole number >= 0")
+    return LoadedState(timeouts, _observations(state.get("observations") or {}), safety_factor, iteration)
 
 
 def overlay_learned(configured: Timeouts, loaded: Timeouts) -> Timeouts:

@@ -23,7 +23,9 @@ msgpack. The body is an array whose first element is the message type tag::
     PONG           [13]                                reply
     GOODBYE        [14]                                fire-and-forget (clean shutdown)
     ITERATION      [15, iteration]                     fire-and-forget (training progress)
-    CONTROL        [16, action, reason]                request  -> CONFIG_OK | ERROR
+    CONTROL        [16, action, reason]                request  -> ACK | ERROR   (rank -> launcher)
+    HANG_NOTICE    [17, notice]                        request  -> ACK | ERROR   (monitor -> launcher)
+    ACK            [18, detail]                        reply
 
 Nothing here unpickles or evaluates anything: msgpack with ``raw=False`` and
 ``strict_map_key=True`` yields only None, bool, int, float, str, bytes, list, dict.
@@ -65,6 +67,8 @@ class MsgType(IntEnum):
     GOODBYE = 14
     ITERATION = 15
     CONTROL = 16
+    HANG_NOTICE = 17
+    ACK = 18
 
 
 class Role:
@@ -72,6 +76,7 @@ class Role:
 
     RANK = "rank"  # the training process; one at a time per daemon
     OBSERVER = "observer"  # `ft-monitor status` and tools: STATUS/PING only
+    MONITOR = "monitor"  # a monitor daemon talking to the launcher (HANG_NOTICE)
 
 
 class ErrorCode:
@@ -174,10 +179,20 @@ class Control:
     reason: str
 
 
+@dataclass(frozen=True, slots=True)
+class HangNotice:
+    notice: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Ack:
+    detail: dict[str, Any]
+
+
 Message = (
     Hello | HelloOk | Error | Heartbeat | SectionOpen | SectionClose | SectionCloseAll
     | UpdateConfig | ConfigOk | Status | StatusReply | Ping | Pong | Goodbye | Iteration
-    | Control
+    | Control | HangNotice | Ack
 )
 
 # Singletons for the messages without fields: decoding them allocates nothing.
@@ -240,6 +255,8 @@ _ENCODERS: dict[type, Any] = {
     Goodbye: lambda m: [MsgType.GOODBYE],
     Iteration: lambda m: [MsgType.ITERATION, m.iteration],
     Control: lambda m: [MsgType.CONTROL, m.action, m.reason],
+    HangNotice: lambda m: [MsgType.HANG_NOTICE, m.notice],
+    Ack: lambda m: [MsgType.ACK, m.detail],
 }
 
 HEARTBEAT_FRAME = _frame([MsgType.HEARTBEAT])
@@ -306,6 +323,8 @@ _DECODERS: dict[int, tuple[int, Any]] = {
     MsgType.GOODBYE: (0, lambda f: GOODBYE),
     MsgType.ITERATION: (1, lambda f: Iteration(_int(f[0], "iteration"))),
     MsgType.CONTROL: (2, lambda f: Control(_str(f[0], "action"), _str(f[1], "reason"))),
+    MsgType.HANG_NOTICE: (1, lambda f: HangNotice(_dict(f[0], "notice"))),
+    MsgType.ACK: (1, lambda f: Ack(_dict(f[0], "detail"))),
 }
 
 

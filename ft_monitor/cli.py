@@ -23,7 +23,7 @@ EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
 
-LOG_FORMAT = "%(asctime)s ft-monitor[%(process)d] %(levelname)s %(message)s"
+from ft_monitor.server_log import LOG_FORMAT
 
 
 def _new_loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop]:
@@ -52,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--loop", choices=("auto", "asyncio", "uvloop"), default="auto",
                        help="event loop (default: uvloop when installed)")
     serve.add_argument("--log-file", default=None, help="also write the log to this file")
+    serve.add_argument("--launcher-socket", default=None, help=argparse.SUPPRESS)  # set by ft-launcher
     add_config_flags(serve)
     serve.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS: a rank process to start and watch")
 
@@ -94,7 +95,8 @@ def _serve(args: argparse.Namespace) -> int:
     logging.getLogger().setLevel(config.log_level)
     try:
         with asyncio.Runner(loop_factory=loop_factory) as runner:
-            return runner.run(run_daemon(config, args.socket, command=command or None))
+            return runner.run(run_daemon(config, args.socket, command=command or None,
+                                         launcher_socket=args.launcher_socket))
     except ListenerError as e:
         print(f"ft-monitor: {e}", file=sys.stderr)
         return EXIT_FAILURE

@@ -52,7 +52,6 @@ IGNORED_NVRX_FIELDS = frozenset(
         "gpu_memory_tolerance_mb",
         "gpu_memory_poll_interval",
         "check_remaining_processes",
-        "min_progress_iterations",
         "checkpoint_iteration_file",
         "install_exception_hook",
         "attribution_endpoint",
@@ -108,6 +107,9 @@ class FaultToleranceConfig(BaseModel):
     log_level: int = logging.INFO
     on_monitor_lost: str = "warn"
     client_request_timeout: float = 10.0
+    launcher_response_timeout: float = 10.0
+    max_no_progress_cycles: int = 3
+    min_progress_iterations: int = 1
 
     # -- rules -----------------------------------------------------------------
     @field_validator(
@@ -141,7 +143,7 @@ class FaultToleranceConfig(BaseModel):
                 raise ValueError(f"section {name!r} = {value!r}: {_TIMEOUT_RULE}") from None
         return out
 
-    @field_validator("num_warmup_iterations", mode="before")
+    @field_validator("num_warmup_iterations", "max_no_progress_cycles", "min_progress_iterations", mode="before")
     @classmethod
     def _warmup(cls, v: Any) -> Any:
         v = _number_words(v)
@@ -158,7 +160,7 @@ class FaultToleranceConfig(BaseModel):
         return float(v)
 
     @field_validator("termination_grace_time", "stack_dump_timeout", "client_request_timeout", "min_learned_timeout",
-                     mode="before")
+                     "launcher_response_timeout", mode="before")
     @classmethod
     def _duration(cls, v: Any) -> Any:
         v = _number_words(v)

@@ -62,8 +62,10 @@ class HangExecutor:
         termination_signal: int,
         termination_grace_time: float,
         before_kill: BeforeKill | None = None,
+        launcher_response_timeout: float = 10.0,
     ) -> None:
         self.clock = clock
+        self.launcher_response_timeout = launcher_response_timeout
         self.stack_dump_signal = stack_dump_signal
         self.stack_dump_timeout = stack_dump_timeout
         self.termination_signal = termination_signal
@@ -79,14 +81,24 @@ class HangExecutor:
         self.write_report(case)
         await self.dump_stack(case)
         self.write_report(case)
-        launcher_acts = False
         if self.before_kill is not None:
             try:
                 launcher_acts = await self.before_kill(case)
             except Exception:  # the launcher being gone must not stop the kill
                 log.exception("rank %d: telling the launcher failed; terminating the rank here", h.rank)
-        if not launcher_acts:
-            await self.terminate(case)
+                launcher_acts = False
+            if launcher_acts:
+                case.actions.append("launcher notified; it stops the worker group")
+                self.write_report(case)
+                wait = self.launcher_response_timeout + self.termination_grace_time
+                if await wait_for_exit(case.process, wait):
+                    case.terminated_by = "launcher"
+                    self.write_report(case)
+                    return case
+                log.error("rank %d: still running %.1fs after the launcher was told; terminating it here",
+                          h.rank, wait)
+                case.actions.append(f"launcher did not stop the rank within {wait:.1f}s")
+        await self.terminate(case)
         self.write_report(case)
         return case
 

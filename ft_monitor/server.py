@@ -21,9 +21,9 @@ from typing import Any
 
 from ft_client import wire
 from ft_client.timeouts import Timeouts, TimeoutsError
-from ft_monitor.clock import Clock, SystemClock
+from ft_monitor.clock import Clock, SystemClock, to_wall
 from ft_monitor.config import FaultToleranceConfig
-from ft_monitor.executor import BeforeKill, HangCase, HangExecutor, wait_for_exit
+from ft_monitor.executor import HangCase, HangExecutor, wait_for_exit
 from ft_monitor.listener import ListenerError, bind_unix_listener, remove_socket_file
 from ft_monitor.policy import Hang, check, next_deadline
 from ft_monitor.procinfo import (
@@ -32,6 +32,7 @@ from ft_monitor.procinfo import (
     peer_credentials,
     zombie_exit_status,
 )
+from ft_monitor.server_log import LOG_FORMAT
 from ft_monitor.state import Phase, Session, SessionError
 
 log = logging.getLogger("ft_monitor.server")
@@ -122,12 +123,17 @@ class MonitorDaemon:
         socket_path: str | os.PathLike[str],
         *,
         clock: Clock | None = None,
-        before_kill: BeforeKill | None = None,
+        launcher_socket: str | None = None,
     ) -> None:
         self.config = config
         self.socket_path = Path(socket_path).absolute()
         self.clock = clock or SystemClock()
         self.report_dir = Path(config.report_dir) if config.report_dir else self.socket_path.parent / "reports"
+        self.session_dir = self.report_dir
+        """Where this session's hang report, stack dump and monitor log go: report_dir, or,
+        when report_dir is not set and the rank runs under torchelastic, its attempt
+        directory (beside torch's error.json)."""
+        self.launcher_socket = launcher_socket
         self.timeouts: Timeouts = config.timeouts()
         self.executor = HangExecutor(
             clock=self.clock,
@@ -135,13 +141,18 @@ class MonitorDaemon:
             stack_dump_timeout=config.stack_dump_timeout,
             termination_signal=config.rank_termination_signal,
             termination_grace_time=config.termination_grace_time,
-            before_kill=before_kill,
+            before_kill=self._tell_launcher if launcher_socket else None,
+            launcher_response_timeout=config.launcher_response_timeout,
         )
         self.rank_conn: Connection | None = None
         self.session: Session | None = None
         self.process: ProcessHandle | None = None
         self.sessions_started = 0
         self.hangs: list[Hang] = []
+        self.iteration_high: int | None = None
+        """The highest training iteration any session reported (progress across restarts)."""
+        self.error_file: str | None = None
+        self._session_log: logging.Handler | None = None
         self.started_at = self.clock.now()
         self._server: asyncio.AbstractServer | None = None
         self._inode = 0
@@ -185,6 +196,7 @@ class MonitorDaemon:
         if self.process is not None:
             self.process.close()
         remove_socket_file(self.socket_path, self._inode)
+        self._close_session_log()
 
     # -- messages --------------------------------------------------------------
     def dispatch(self, conn: Connection, msg: wire.Message) -> None:
@@ -241,6 +253,7 @@ class MonitorDaemon:
             rank=msg.rank, pid=conn.pid, started_at=now, timeouts=self.timeouts,
             num_warmup_iterations=self.config.num_warmup_iterations,
         )
+        self._open_session_dir(msg)
         dump_path = self.dump_path(msg.rank, conn.pid)
         conn.send(wire.HelloOk(wire.PROTOCOL_VERSION, {
             "rank": msg.rank,
@@ -258,11 +271,58 @@ class MonitorDaemon:
         }))
         log.info("rank %d pid %d connected (session %d)", msg.rank, conn.pid, self.sessions_started)
 
+    def _open_session_dir(self, msg: wire.Hello) -> None:
+        error_file = msg.info.get("error_file")
+        self.error_file = error_file if isinstance(error_file, str) and error_file else None
+        self.session_dir = self.report_dir
+        if self.config.report_dir is None and self.error_file:
+            attempt_dir = Path(self.error_file).parent
+            if attempt_dir.is_dir():
+                self.session_dir = attempt_dir
+        if self.session_dir != self.report_dir and self._session_log is None:
+            try:
+                handler = logging.FileHandler(self.session_dir / "monitor.log")
+            except OSError as e:
+                log.warning("cannot write the monitor log in %s: %s", self.session_dir, e)
+            else:
+                handler.setFormatter(logging.Formatter(LOG_FORMAT))
+                logging.getLogger().addHandler(handler)
+                self._session_log = handler
+
+    def _close_session_log(self) -> None:
+        if self._session_log is not None:
+            logging.getLogger().removeHandler(self._session_log)
+            self._session_log.close()
+            self._session_log = None
+
     def dump_path(self, rank: int, pid: int) -> Path:
-        return self.report_dir / f"rank{rank}-pid{pid}-stack.txt"
+        return self.session_dir / f"rank{rank}-pid{pid}-stack.txt"
 
     def report_path(self, rank: int, pid: int) -> Path:
-        return self.report_dir / f"rank{rank}-pid{pid}-hang.json"
+        return self.session_dir / f"rank{rank}-pid{pid}-hang.json"
+
+    async def _tell_launcher(self, case: HangCase) -> bool:
+        from ft_monitor.launcher_link import notify_launcher
+
+        h = case.hang
+        assert self.launcher_socket is not None
+        notice = {
+            "rank": h.rank,
+            "pid": h.pid,
+            "reason": h.reason.value,
+            "section": h.section,
+            "message": h.describe(),
+            "elapsed_s": h.elapsed,
+            "timeout_s": h.timeout,
+            "onset_time": to_wall(self.clock, h.onset),
+            "detected_time": to_wall(self.clock, h.detected_at),
+            "iteration": h.iteration,
+            "report": str(case.report_path),
+            "stack_dump": str(case.dump_path) if case.dump_path else None,
+            "stack_dump_captured": case.dump_captured,
+            "error_file": self.error_file,
+        }
+        return await notify_launcher(self.launcher_socket, h.rank, notice, self.config.launcher_response_timeout)
 
     def _update_config(self, session: Session, msg: wire.UpdateConfig) -> None:
         try:
@@ -336,6 +396,8 @@ class MonitorDaemon:
     async def _handle_hang(self, case: HangCase) -> None:
         await self.executor.handle(case)
         self.hang_handled.set()
+        if self.rank_conn is None:
+            self._close_session_log()
 
     # -- disconnects -----------------------------------------------------------
     def disconnected(self, conn: Connection) -> None:
@@ -355,6 +417,7 @@ class MonitorDaemon:
             log.info("rank %d pid %d shut down monitoring cleanly", s.rank, s.pid)
             if proc is not None:
                 proc.close()
+            self._close_session_log()
         elif phase is Phase.HUNG:
             log.info("rank %d pid %d (hung) disconnected", s.rank, s.pid)
             # the hang task still uses the process handle; it is closed with the daemon
@@ -383,6 +446,8 @@ class MonitorDaemon:
         log.warning("rank %d pid %d disconnected without shutdown_workload_monitoring(); the process %s",
                     s.rank, s.pid, what)
         proc.close()
+        if self.rank_conn is None:
+            self._close_session_log()
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -399,6 +464,7 @@ class MonitorDaemon:
             "uptime_s": now - self.started_at,
             "sessions": self.sessions_started,
             "hangs_detected": len(self.hangs),
+            "iteration_high": self.iteration_high,
             "timeouts": self.timeouts.to_wire(),
             "connected": s is not None,
         }
@@ -449,6 +515,8 @@ def _close_all(d: MonitorDaemon, s: Session, m: Any) -> None:
 
 def _iteration(d: MonitorDaemon, s: Session, m: wire.Iteration) -> None:
     s.set_iteration(m.iteration)
+    if d.iteration_high is None or m.iteration > d.iteration_high:
+        d.iteration_high = m.iteration
 
 
 _RANK_HANDLERS: dict[type, Any] = {
@@ -469,9 +537,10 @@ async def run_daemon(
     *,
     command: list[str] | None = None,
     ready: asyncio.Event | None = None,
+    launcher_socket: str | None = None,
 ) -> int:
     """Serve until SIGTERM/SIGINT (or until ``command``, if given, exits). Returns the exit code."""
-    daemon = MonitorDaemon(config, socket_path)
+    daemon = MonitorDaemon(config, socket_path, launcher_socket=launcher_socket)
     await daemon.startup()
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()

@@ -61,7 +61,17 @@ def test_state_dict_layout() -> None:
             "out_of_section": 1.0,
             "sections": {"ckpt": None, "step": 3.0},
         },
+        "iteration": 0,
     }
+
+
+def test_iteration_round_trips_and_is_checked() -> None:
+    state = to_state_dict(Timeouts(), Observations(), 5.0, iteration=1200)
+    assert state["iteration"] == 1200
+    assert from_state_dict(state).iteration == 1200
+    assert from_state_dict({}).iteration == 0
+    with pytest.raises(StateDictError, match=r"^ft state_dict iteration = -1: must be a whole number >= 0$"):
+        from_state_dict({**state, "iteration": -1})
 
 
 def test_round_trip_through_json() -> None:

@@ -34,6 +34,8 @@ ALL_MESSAGES: list[wire.Message] = [
     wire.Iteration(0),
     wire.Iteration(2**40),
     wire.Control("shutdown_workload_monitoring", "user asked"),
+    wire.HangNotice({"rank": 1, "message": "section 'step' open for 12.3 s, timeout 10.0 s", "onset_time": 1.5}),
+    wire.Ack({}),
 ]
 
 
@@ -273,7 +275,7 @@ def test_body_must_be_a_non_empty_array(obj: Any, kind: str) -> None:
         decode_all(packed(obj))
 
 
-@pytest.mark.parametrize(("tag", "shown"), [(0, "0"), (17, "17"), (-1, "-1"), (4.0, "4.0"), (True, "True"),
+@pytest.mark.parametrize(("tag", "shown"), [(0, "0"), (99, "99"), (-1, "-1"), (4.0, "4.0"), (True, "True"),
                                             ("HEARTBEAT", "'HEARTBEAT'"), (None, "None"), (2**64 - 1, str(2**64 - 1))])
 def test_unknown_type_tag(tag: Any, shown: str) -> None:
     with pytest.raises(ProtocolError, match=rf"^unknown message type {shown}$"):

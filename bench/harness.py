@@ -79,6 +79,7 @@ class Figure:
             "loop": self.loop,
             "unit": self.unit,
             **self.stats(),
+            "percentiles": percentiles(self.samples),
             "value": self.value,
             "target": self.target,
             "met": self.verdict(),
@@ -92,6 +93,14 @@ def summarize(samples: Sequence[float]) -> dict[str, float | int | None]:
     s = sorted(samples)
     n = len(s)
     return {"n": n, "median": _pct(s, 50), "p99": _pct(s, 99), "min": s[0], "max": s[-1]}
+
+
+def percentiles(samples: Sequence[float]) -> dict[str, float]:
+    """The shape of the distribution, for the JSON (the samples themselves are not kept)."""
+    if not samples:
+        return {}
+    s = sorted(samples)
+    return {f"p{q:g}": _pct(s, q) for q in (1, 5, 10, 25, 50, 75, 90, 95, 99, 99.9)}
 
 
 def _pct(sorted_samples: Sequence[float], q: float) -> float:
@@ -164,6 +173,15 @@ def read_kb(pid: int, key: str = "VmRSS") -> int:
             if line.startswith(key + ":"):
                 return int(line.split()[1])
     raise KeyError(key)
+
+
+def private_kb(pid: int) -> int | None:
+    """Memory only this process holds (USS: Private_Clean + Private_Dirty of /proc/PID/smaps_rollup)."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            return sum(int(line.split()[1]) for line in f if line.startswith(("Private_Clean:", "Private_Dirty:")))
+    except OSError:
+        return None
 
 
 def maps_mention(pid: int, word: str) -> bool:

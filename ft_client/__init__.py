@@ -21,10 +21,13 @@ lazily, for the cross-rank reduction of learned timeouts.
 
 from ft_client.errors import RankMonitorClientError
 from ft_client.timeouts import HeartbeatTimeouts, SectionTimeouts, Timeouts
+from ft_client.workload import WorkloadAction, WorkloadControlRequest
 
 __all__ = [
     "RankMonitorClient",
     "RankMonitorClientError",
+    "WorkloadAction",
+    "WorkloadControlRequest",
     "HeartbeatTimeouts",
     "SectionTimeouts",
     "Timeouts",

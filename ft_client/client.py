@@ -45,13 +45,14 @@ from ft_client.timeouts_calc import (
     sections_not_ready,
 )
 from ft_client.transport import Transport, TransportError, connect
+from ft_client.workload import WorkloadAction, WorkloadControlRequest
 
 log = logging.getLogger("ft_client")
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 CONNECT_TIMEOUT = 10.0
-ITERATION_REPORT_INTERVAL = 1.0
+ITERATION_REPORT_INTERVAL = 0.2
 """Seconds between iteration reports to the monitor (the launcher's progress tracking)."""
 
 
@@ -268,8 +269,8 @@ class RankMonitorClient:
     @property
     def iteration(self) -> int:
         """Training iterations so far: completed `step` sections, counted on from the
-        checkpoint loaded with load_state_dict(). Reported to the monitor about once a
-        second; the launcher uses it to tell restarts that make progress from ones that don't."""
+        checkpoint loaded with load_state_dict(). Reported to the monitor at most five
+        times a second; the launcher uses it to tell restarts that make progress from ones that don't."""
         return self._iteration
 
     @property
@@ -390,6 +391,37 @@ class RankMonitorClient:
                     self._to_load = loaded.timeouts
                 return
             self.set_timeouts(overlay_learned(self._timeouts, loaded.timeouts))
+
+    # -- workload control ------------------------------------------------------
+    def send_workload_control_request(
+        self, request: WorkloadControlRequest | WorkloadAction | str, description: str = ""
+    ) -> None:
+        """Ask ft-launcher to act now: Continue, ExcludeThisNode or ShutdownWorkload.
+
+        Goes straight to the launcher ($FT_LAUNCHER_IPC_SOCKET), request/reply;
+        returns once the launcher has accepted it.
+        """
+        if isinstance(request, WorkloadControlRequest):
+            action, description = request.action, request.description or description
+        else:
+            action = WorkloadAction.parse(request)
+        path = os.environ.get(env.LAUNCHER_SOCKET)
+        if not path:
+            raise RankMonitorClientError(
+                f"no launcher socket: {env.LAUNCHER_SOCKET} is not set (run under ft-launcher to use workload control)"
+            )
+        try:
+            t, _ = connect(path, CONNECT_TIMEOUT, wire.Role.RANK, self.rank)
+        except (TransportError, OSError) as e:
+            raise RankMonitorClientError(f"cannot reach the launcher at {path}: {e}") from None
+        try:
+            reply = t.request(wire.Control(action.value, description))
+        except TransportError as e:
+            raise RankMonitorClientError(f"launcher did not accept {action.value}: {e}") from None
+        finally:
+            t.close()
+        if not isinstance(reply, wire.Ack):
+            raise RankMonitorClientError(f"launcher refused {action.value}: {reply}")
 
     # -- internals -------------------------------------------------------------
     @staticmethod

@@ -97,7 +97,7 @@ class FaultToleranceConfig(BaseModel):
     rank_out_of_section_timeout: float | None = None
     num_warmup_iterations: int = 5
     safety_factor: float = 5.0
-    min_learned_timeout: float = 1.0
+    min_learned_timeout: float = 5.0
     rank_termination_signal: signal.Signals = signal.SIGTERM
     termination_grace_time: float = 5.0
     stack_dump_signal: signal.Signals = signal.SIGUSR2

@@ -93,6 +93,7 @@ class HangExecutor:
                 wait = self.launcher_response_timeout + self.termination_grace_time
                 if await wait_for_exit(case.process, wait):
                     case.terminated_by = "launcher"
+                    log.warning("rank %d: stopped by the launcher", h.rank)
                     self.write_report(case)
                     return case
                 log.error("rank %d: still running %.1fs after the launcher was told; terminating it here",

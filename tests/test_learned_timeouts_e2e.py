@@ -21,7 +21,7 @@ WORLD = 4
 STEP_SLEEP = 0.1  # x rank+1: the slowest step x 5 stays above the 1 s floor on learned timeouts
 CONFIG = ("--ft-rank-section-timeouts", "step:100,ckpt:100", "--ft-rank-out-of-section-timeout", "100",
           "--ft-rank-heartbeat-timeout", "100", "--ft-initial-rank-heartbeat-timeout", "100",
-          "--ft-stack-dump-timeout", "2", "--ft-termination-grace-time", "2")
+          "--ft-stack-dump-timeout", "2", "--ft-termination-grace-time", "2", "--ft-min-learned-timeout", "1")
 
 
 def _free_port() -> int:

@@ -121,7 +121,7 @@ def test_future_version_is_refused() -> None:
 def test_unknown_keys_are_refused() -> None:
     with pytest.raises(
         StateDictError,
-        match=r"^ft state_dict has unknown key\(s\) extra: expected only format_version, safety_factor, timeouts, observations$",
+        match=r"^ft state_dict has unknown key\(s\) extra: expected only format_version, safety_factor, timeouts, observations, iteration$",
     ):
         from_state_dict({**learned_state(), "extra": 1})
     with pytest.raises(StateDictError, match=r"^ft state_dict observations has unknown key\(s\) gap: "):

@@ -1,0 +1,199 @@
+#!/usr/bin/env python3
+"""Run the benchmark set, print a markdown table, save JSON.
+
+    bench/run.py [--quick | --smoke] [--out FILE.json] [--loop auto|asyncio|uvloop|both] [--only NAME,...]
+
+--quick finishes in under a minute, the full set in a few minutes; --smoke runs
+every benchmark with minimal iterations (< 30 s, for tests/test_bench.py; its
+figures mean nothing). --loop picks the daemon's event loop: figures 1, 4 and 5
+run once per loop (`both` = uvloop and the stdlib loop), the others with the
+first. Default: `both` for the full set, `auto` (what `ft-monitor serve` picks)
+otherwise. See bench/README.md for what each figure means.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parent.parent
+VENV_PY = ROOT / ".venv" / "bin" / "python"
+
+if __name__ == "__main__":
+    if VENV_PY.exists() and Path(sys.prefix).resolve() != (ROOT / ".venv").resolve():
+        os.execv(str(VENV_PY), [str(VENV_PY), *sys.argv])  # the project's interpreter, wherever we were started
+    sys.path.insert(0, str(ROOT))
+
+from bench import client_cost, detection, import_time, ingest, stalled, startup  # noqa: E402
+from bench.harness import Figure, Mode, resolve_loop  # noqa: E402
+
+# name -> (runs once per loop?, runner)
+BENCHMARKS: dict[str, tuple[bool, Callable[..., list[Figure]]]] = {
+    "import_time": (False, lambda mode, loop: import_time.run(mode)),
+    "startup": (True, startup.run),
+    "client_cost": (True, client_cost.run),
+    "stalled": (False, stalled.run),
+    "ingest": (True, ingest.run),
+    "detection": (False, detection.run),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench/run.py", description=__doc__.split("\n\n")[0])
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="fewer iterations: under a minute")
+    size.add_argument("--smoke", action="store_true", help="minimal iterations (tests only; figures meaningless)")
+    p.add_argument("--out", default=None, help="JSON file to write (default bench/results/<mode>-<time>.json)")
+    p.add_argument("--loop", choices=("auto", "asyncio", "uvloop", "both"), default=None,
+                   help="daemon event loop(s); default both for the full set, auto otherwise")
+    p.add_argument("--only", default=None, help=f"comma-separated subset of: {', '.join(BENCHMARKS)}")
+    args = p.parse_args(argv)
+
+    mode = Mode("smoke" if args.smoke else "quick" if args.quick else "full")
+    loop_arg = args.loop or ("both" if mode.name == "full" else "auto")
+    loops = ["uvloop", "asyncio"] if loop_arg == "both" else [resolve_loop(loop_arg)]
+    selected = list(BENCHMARKS) if not args.only else [n.strip() for n in args.only.split(",") if n.strip()]
+    unknown = [n for n in selected if n not in BENCHMARKS]
+    if unknown:
+        p.error(f"unknown benchmark(s) {', '.join(unknown)}; choose from {', '.join(BENCHMARKS)}")
+
+    started = time.time()
+    t0 = time.monotonic()
+    machine = machine_info(loops)
+    figures: list[Figure] = []
+    timings: dict[str, float] = {}
+    for name in selected:
+        per_loop, runner = BENCHMARKS[name]
+        for loop in (loops if per_loop else loops[:1]):
+            print(f"bench: {name} ({loop}) ...", file=sys.stderr, flush=True)
+            t = time.monotonic()
+            figures += runner(mode, loop)
+            timings[f"{name}/{loop}"] = round(time.monotonic() - t, 2)
+    machine["loadavg_end"] = _loadavg()
+
+    table = markdown_table(figures)
+    print(table)
+    result = {
+        "schema": 1,
+        "mode": mode.name,
+        "loop": loop_arg,
+        "loops": loops,
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
+        "duration_s": round(time.monotonic() - t0, 2),
+        "benchmark_seconds": timings,
+        "machine": machine,
+        "figures": [f.to_json() for f in figures],
+        "table": table,
+    }
+    out = Path(args.out) if args.out else ROOT / "bench" / "results" / \
+        f"{mode.name}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(started))}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"\nbench: {len(figures)} figures in {result['duration_s']:.0f} s; JSON written to {out}",
+          file=sys.stderr)
+    return 0
+
+
+# -- machine ---------------------------------------------------------------------
+def machine_info(loops: list[str]) -> dict[str, Any]:
+    from importlib import metadata
+
+    def version(pkg: str) -> str | None:
+        try:
+            return metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            return None
+
+    return {
+        "cpu_model": _cpu_model(),
+        "cores": os.cpu_count(),
+        "cores_usable": len(os.sched_getaffinity(0)),
+        "python": platform.python_version(),
+        "python_impl": platform.python_implementation(),
+        "torch": version("torch"),  # from package metadata: importing torch here would skew nothing but time
+        "uvloop": version("uvloop"),
+        "msgpack": version("msgpack"),
+        "pydantic": version("pydantic"),
+        "kernel": platform.release(),
+        "loop": loops[0],
+        "loops": loops,
+        "loadavg_start": _loadavg(),
+        "git_commit": _git("rev-parse", "HEAD"),
+        "git_dirty": _git_dirty(),
+    }
+
+
+def _cpu_model() -> str | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def _loadavg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def _git(*args: str) -> str | None:
+    try:  # read-only; --no-optional-locks: never touch the index
+        out = subprocess.run(["git", "--no-optional-locks", *args], capture_output=True, text=True, cwd=ROOT,
+                             timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def _git_dirty() -> bool | None:
+    out = _git("status", "--porcelain", "--untracked-files=no")
+    return None if out is None else bool(out)
+
+
+# -- table -----------------------------------------------------------------------
+def markdown_table(figures: list[Figure]) -> str:
+    rows = ["| what | median | p99 | min-max | target | met? |", "|---|---|---|---|---|---|"]
+    for f in figures:
+        s = f.stats()
+        what = f.what + (f" [{f.loop}]" if f.loop else "")
+        if s["n"]:
+            med, p99 = _fmt(s["median"], f.unit), _fmt(s["p99"], f.unit)
+            rng = f"{_fmt(s['min'], f.unit)}-{_fmt(s['max'], f.unit)}"
+            if s["n"] == 1:
+                p99 = rng = "-"
+        else:
+            med, p99, rng = str(f.value), "-", "-"
+        met = f.verdict()
+        rows.append(f"| {what} | {med} | {p99} | {rng} | {f.target} | "
+                    f"{'-' if met is None else 'yes' if met else '**NO**'} |")
+    return "\n".join(rows)
+
+
+def _fmt(v: float | None, unit: str) -> str:
+    if v is None:
+        return "-"
+    if unit == "ev/s":
+        return f"{v / 1000:.0f}k ev/s"
+    if unit == "us":
+        return f"{v:.2f} us" if v < 100 else f"{v:.0f} us"
+    if unit == "ms":
+        return f"{v:.1f} ms"
+    if unit == "MB":
+        return f"{v:.1f} MB"
+    return f"{v:g} {unit}".strip()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

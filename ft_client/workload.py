@@ -1,0 +1,34 @@
+"""Workload control requests: a rank asks the launcher to continue, drop this node, or stop.
+
+Names follow nvidia-resiliency-ext (`WorkloadAction`, `WorkloadControlRequest`) so
+code written for it keeps working.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class WorkloadAction(Enum):
+    Continue = "Continue"
+    """Nothing to do (acknowledged and logged)."""
+    ExcludeThisNode = "ExcludeThisNode"
+    """Stop this node's workers and leave the job; other nodes go on if the rendezvous allows."""
+    ShutdownWorkload = "ShutdownWorkload"
+    """Stop every node, with no further restarts."""
+
+    @classmethod
+    def parse(cls, value: "WorkloadAction | str") -> "WorkloadAction":
+        if isinstance(value, WorkloadAction):
+            return value
+        for action in cls:
+            if str(value).lower() == action.value.lower():
+                return action
+        raise ValueError(f"unknown workload action {value!r}: use one of {', '.join(a.value for a in cls)}")
+
+
+@dataclass(frozen=True)
+class WorkloadControlRequest:
+    action: WorkloadAction
+    description: str = ""

@@ -1,0 +1,336 @@
+"""FtLocalElasticAgent: torch's LocalElasticAgent plus the monitors.
+
+Overrides only what the monitors need, and calls torch for everything else:
+
+* `_start_workers`: every worker's environment gains FT_RANK_MONITOR_IPC_SOCKET
+  (its own daemon) and FT_LAUNCHER_IPC_SOCKET;
+* `_monitor_workers`: before asking torch about process exits, act on what the
+  launcher socket received: a hang notice fails the attempt with a synthesized
+  error.json (root cause = the hung rank), a workload request stops the job or
+  this node; dead daemons are restarted; progress is tracked per attempt;
+* `_stop_workers`: the grace period is termination_grace_time, and whatever is
+  left of each worker's process group after torch's stop is SIGKILLed;
+* `_rendezvous`: timed, for the restart breakdown.
+
+Checked against torch 2.13 (the agent API it relies on is unchanged across
+torch 2.x: `_start_workers`, `_monitor_workers`, `_stop_workers`, `_rendezvous`,
+`_remaining_restarts`, `_pcontext`, `start_processes(envs=...)`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from torch.distributed.elastic.agent.server import local_elastic_agent as _lea
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+from ft_client import env as ft_env
+from ft_client.workload import WorkloadAction
+from ft_monitor.config import FaultToleranceConfig
+from ft_monitor.launcher import exit_codes
+from ft_monitor.launcher.control import EventKind, LauncherEvent, LauncherServer
+from ft_monitor.launcher.monitors import MonitorPool
+from ft_monitor.launcher.progress import ProgressTracker
+from ft_monitor.launcher.rootcause import hang_error_data, read_stack, write_error_file
+
+log = logging.getLogger("ft_monitor.launcher")
+
+SHUTDOWN_KEY = "ft_launcher/shutdown"
+SHUTDOWN_ACKS_KEY = "ft_launcher/shutdown_acks"
+HANG_KEY = "ft_launcher/hang/{}"
+STORE_POLL_INTERVAL = 1.0
+ATTRIBUTION_WINDOW = 0.5
+"""Seconds a launcher waits, on several nodes, for the other nodes' hang reports of the
+same rendezvous round: ranks waiting in a collective for a hung rank on another node
+time out too, and only the earliest onset is the hung rank."""
+
+
+@dataclass
+class RestartTiming:
+    """Where the time went between a hang's detection and all ranks running again."""
+
+    rank: int
+    message: str
+    detected: float  # wall clock, from the daemon
+    notice_received: float
+    stop_began: float | None = None
+    stopped: float | None = None
+    rendezvous_done: float | None = None
+    workers_started: float | None = None
+    first_step: float | None = None
+
+    def breakdown(self) -> dict[str, float | None]:
+        def d(a: float | None, b: float | None) -> float | None:
+            return None if a is None or b is None else round(b - a, 3)
+
+        return {
+            "notify": d(self.detected, self.notice_received),
+            "to_stop": d(self.notice_received, self.stop_began),
+            "stop": d(self.stop_began, self.stopped),
+            "rendezvous": d(self.stopped, self.rendezvous_done),
+            "worker_start": d(self.rendezvous_done, self.workers_started),
+            "first_step": d(self.workers_started, self.first_step),
+            "total": d(self.detected, self.first_step),
+        }
+
+
+@dataclass
+class FtRuntime:
+    """The monitors' side of the launcher, shared by the agent and the CLI."""
+
+    config: FaultToleranceConfig
+    monitors: MonitorPool
+    server: LauncherServer
+    tracker: ProgressTracker
+    outcome: int | None = None
+    """An exit code decided by the monitors (no progress, shutdown, excluded), else None."""
+    outcome_message: str = ""
+    hangs: list[dict[str, Any]] = field(default_factory=list)
+    restarts: list[RestartTiming] = field(default_factory=list)
+    worker_pgids: set[int] = field(default_factory=set)
+
+    def worker_env(self, local_rank: int) -> dict[str, str]:
+        return {
+            ft_env.RANK_MONITOR_SOCKET: str(self.monitors.socket(local_rank)),
+            ft_env.LAUNCHER_SOCKET: self.server.path,
+        }
+
+
+@contextlib.contextmanager
+def _worker_env(ft: FtRuntime) -> Iterator[None]:
+    """Add the FT_* variables to each worker's environment as torch starts them."""
+    original = _lea.start_processes
+
+    def start_processes(*args: Any, **kwargs: Any) -> Any:
+        envs = kwargs.get("envs")
+        if envs is None:
+            raise RuntimeError("ft-launcher: torch's start_processes was called without envs=; "
+                               "this torch version is not supported")
+        for local_rank, worker_env in envs.items():
+            worker_env.update(ft.worker_env(local_rank))
+        return original(*args, **kwargs)
+
+    _lea.start_processes = start_processes
+    try:
+        yield
+    finally:
+        _lea.start_processes = original
+
+
+class FtLocalElasticAgent(_lea.LocalElasticAgent):
+    def __init__(self, *args: Any, ft: FtRuntime, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.ft = ft
+        self._store_checked = 0.0
+        self._pending_first_step: RestartTiming | None = None
+        self._pending_error: tuple[str, dict[str, Any]] | None = None
+
+    # -- start ---------------------------------------------------------------
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        super()._rendezvous(worker_group)
+        if self.ft.restarts and self.ft.restarts[-1].rendezvous_done is None:
+            self.ft.restarts[-1].rendezvous_done = time.time()
+
+    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        self.ft.monitors.check()
+        with _worker_env(self.ft):
+            pids = super()._start_workers(worker_group)
+        self.ft.worker_pgids = set(pids.values())  # torch starts each worker in its own session
+        if self.ft.restarts and self.ft.restarts[-1].workers_started is None:
+            timing = self.ft.restarts[-1]
+            timing.workers_started = time.time()
+            self._pending_first_step = timing
+        return pids
+
+    # -- watch ---------------------------------------------------------------
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        ft = self.ft
+        ft.monitors.check()
+        self._note_first_step()
+        # Several ranks may be reported at once (those waiting in a collective for the
+        # hung one time out too): the earliest onset is the hung rank.
+        events = sorted(ft.server.drain(), key=lambda e: (e.kind is not EventKind.HANG,
+                                                          e.notice.get("onset_time") or 0.0))
+        for event in events:
+            result = self._on_event(worker_group, event)
+            if result is not None:
+                return result
+        result = self._check_shared_shutdown(worker_group)
+        if result is not None:
+            return result
+        result = super()._monitor_workers(worker_group)
+        if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
+            self._attempt_ended()
+        return result
+
+    def _on_event(self, wg: WorkerGroup, event: LauncherEvent) -> RunResult | None:
+        if event.kind is EventKind.HANG:
+            return self._on_hang(wg, event.notice)
+        assert event.action is not None
+        log.warning("ft-launcher: rank %d requests %s: %s", event.rank, event.action.value, event.reason or "-")
+        if event.action is WorkloadAction.Continue:
+            return None
+        if event.action is WorkloadAction.ShutdownWorkload:
+            self._publish_shutdown(wg, f"rank {event.rank}: {event.reason}")
+            return self._stop_for_good(wg, exit_codes.SHUTDOWN_REQUESTED,
+                                       f"workload shutdown requested by rank {event.rank}: {event.reason}")
+        return self._stop_for_good(wg, exit_codes.NODE_EXCLUDED,
+                                   f"rank {event.rank} asked to exclude this node: {event.reason}")
+
+    def _on_hang(self, wg: WorkerGroup, notice: dict[str, Any]) -> RunResult | None:
+        worker = next((w for w in wg.workers if w.id == notice["pid"]), None)
+        if worker is None:  # a worker of an attempt already stopped
+            log.info("ft-launcher: ignoring a hang notice for pid %s, not a current worker", notice["pid"])
+            return None
+        received = time.time()
+        log.error("ft-launcher: rank %d (local rank %d, pid %d) hung: %s; stopping the worker group",
+                  worker.global_rank, worker.local_rank, worker.id, notice.get("message"))
+        first = self._first_hang_across_nodes(wg, notice)
+        victim_of = first if first.get("rank") != notice.get("rank") else None
+        if victim_of is not None:
+            log.error("ft-launcher: rank %s on %s hung first (%s); rank %d here was waiting for it",
+                      victim_of.get("rank"), victim_of.get("host"), victim_of.get("message"), worker.global_rank)
+        error_file = notice.get("error_file") or str(self.ft.monitors.run_dir / f"hang-error-{worker.id}.json")
+        data = hang_error_data(notice, read_stack(notice.get("stack_dump") if notice.get("stack_dump_captured")
+                                                  else None), victim_of)
+        try:
+            write_error_file(error_file, data)
+        except OSError as e:
+            log.error("ft-launcher: cannot write %s: %s", error_file, e)
+        failure = ProcessFailure(local_rank=worker.local_rank, pid=worker.id, exitcode=-int(signal.SIGTERM),
+                                 error_file=error_file)
+        self.ft.hangs.append({**notice, "error_file": error_file, "local_rank": worker.local_rank,
+                              "attempt": self._attempt(),
+                              "victim_of": None if victim_of is None else victim_of.get("rank")})
+        self._pending_error = (error_file, data)
+        self.ft.restarts.append(RestartTiming(worker.global_rank, str(notice.get("message")),
+                                              float(notice.get("detected_time") or received), received))
+        self._attempt_ended()
+        return RunResult(state=WorkerState.FAILED, failures={worker.global_rank: failure})
+
+    def _first_hang_across_nodes(self, wg: WorkerGroup, notice: dict[str, Any]) -> dict[str, Any]:
+        """Publish this node's hang in the rendezvous store (keys are per round) and return
+        the earliest-onset hang any node reported within ATTRIBUTION_WINDOW."""
+        mine = {"rank": notice.get("rank"), "onset_time": notice.get("onset_time") or 0.0,
+                "message": notice.get("message"), "host": socket.gethostname()}
+        store = wg.store
+        if store is None or wg.group_world_size <= 1:
+            return mine
+        keys = [HANG_KEY.format(r) for r in range(wg.group_world_size)]
+        seen = [mine]
+        try:
+            store.set(keys[wg.group_rank], json.dumps(mine).encode())
+            end = time.monotonic() + ATTRIBUTION_WINDOW
+            pending = [k for i, k in enumerate(keys) if i != wg.group_rank]
+            while pending and time.monotonic() < end:
+                for key in [k for k in pending if store.check([k])]:
+                    seen.append(json.loads(store.get(key).decode()))
+                    pending.remove(key)
+                if pending:
+                    time.sleep(0.05)
+        except Exception as e:  # noqa: BLE001 - attribution is best effort
+            log.warning("ft-launcher: could not compare hangs with other nodes: %s", e)
+        return min(seen, key=lambda h: h["onset_time"])
+
+    def _attempt(self) -> int:
+        return self._worker_group.spec.max_restarts - self._remaining_restarts
+
+    def _attempt_ended(self) -> None:
+        """An attempt failed: stop restarting if restarts make no progress."""
+        iterations = [st.get("iteration_high") for st in self.ft.monitors.statuses().values() if st]
+        known = [i for i in iterations if isinstance(i, int)]
+        high = max(known) if known else None
+        if self.ft.tracker.attempt_ended(high) and self._remaining_restarts > 0:
+            self.ft.outcome = exit_codes.NO_PROGRESS
+            self.ft.outcome_message = self.ft.tracker.describe()
+            log.error("ft-launcher: %s; not restarting again", self.ft.outcome_message)
+            self._remaining_restarts = 0
+
+    def _stop_for_good(self, wg: WorkerGroup, code: int, message: str) -> RunResult:
+        self.ft.outcome = code
+        self.ft.outcome_message = message
+        self._remaining_restarts = 0
+        worker = wg.workers[0]
+        failure = ProcessFailure(local_rank=worker.local_rank, pid=worker.id, exitcode=0, error_file="<N/A>")
+        failure.message = message
+        return RunResult(state=WorkerState.FAILED, failures={worker.global_rank: failure})
+
+    # -- shutdown across nodes (through the rendezvous store) -----------------
+    def _publish_shutdown(self, wg: WorkerGroup, reason: str) -> None:
+        store = wg.store
+        if store is None:
+            return
+        try:
+            store.set(SHUTDOWN_KEY, reason.encode())
+            others = wg.group_world_size - 1
+            end = time.monotonic() + 10.0
+            while others > 0 and time.monotonic() < end and store.add(SHUTDOWN_ACKS_KEY, 0) < others:
+                time.sleep(0.05)  # the store outlives this node only while we wait for the others to see it
+        except Exception as e:  # noqa: BLE001 - the store may be gone; this node stops regardless
+            log.warning("ft-launcher: could not publish the shutdown to other nodes: %s", e)
+
+    def _check_shared_shutdown(self, wg: WorkerGroup) -> RunResult | None:
+        now = time.monotonic()
+        if wg.store is None or wg.group_world_size <= 1 or now - self._store_checked < STORE_POLL_INTERVAL:
+            return None
+        self._store_checked = now
+        try:
+            if not wg.store.check([SHUTDOWN_KEY]):
+                return None
+            reason = wg.store.get(SHUTDOWN_KEY).decode()
+            wg.store.add(SHUTDOWN_ACKS_KEY, 1)
+        except Exception:  # noqa: BLE001 - the store host may be gone
+            return None
+        return self._stop_for_good(wg, exit_codes.SHUTDOWN_REQUESTED, f"workload shutdown requested by {reason}")
+
+    # -- stop ----------------------------------------------------------------
+    def _stop_workers(self, worker_group: WorkerGroup, *args: Any, **kwargs: Any) -> None:
+        timing = self.ft.restarts[-1] if self.ft.restarts and self.ft.restarts[-1].stop_began is None else None
+        if timing is not None:
+            timing.stop_began = time.time()
+        if self._pcontext is not None:
+            grace = max(1, int(round(self.ft.config.termination_grace_time)))
+            self._pcontext.close(signal.SIGTERM, grace)
+        kill_leftover_groups(self.ft.worker_pgids)
+        super()._stop_workers(worker_group, *args, **kwargs)
+        if timing is not None:
+            timing.stopped = time.time()
+        pending = self._pending_error
+        if pending is not None:  # a dying worker may have written its own error.json over ours
+            write_error_file(*pending)
+            self._pending_error = None
+
+    def _note_first_step(self) -> None:
+        timing = self._pending_first_step
+        if timing is None:
+            return
+        statuses = self.ft.monitors.statuses()
+        if all(st and st.get("connected") and (st.get("steps_started") or st.get("heartbeats"))
+               for st in statuses.values()):
+            timing.first_step = time.time()
+            self._pending_first_step = None
+            b = timing.breakdown()
+            log.warning("ft-launcher: all ranks running again %.2fs after rank %d's hang was detected "
+                        "(notify %.3fs, wait %.3fs, stop %.3fs, rendezvous %.3fs, worker start %.3fs, "
+                        "first step %.3fs)", b["total"] or 0, timing.rank, b["notify"] or 0, b["to_stop"] or 0,
+                        b["stop"] or 0, b["rendezvous"] or 0, b["worker_start"] or 0, b["first_step"] or 0)
+
+
+def kill_leftover_groups(pgids: set[int]) -> None:
+    """SIGKILL whatever is left in the workers' process groups (data-loader children included)."""
+    for pgid in pgids:
+        if pgid in (0, 1, os.getpgrp()):
+            continue
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass

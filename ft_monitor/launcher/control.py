@@ -1,0 +1,145 @@
+"""The launcher socket: where daemons report hangs and ranks ask for workload actions.
+
+A small threaded Unix-socket server in the launcher process, speaking the same
+framed msgpack protocol as the daemons (ft_client.wire). It decides nothing: it
+validates each request, acknowledges it, and queues an event for the agent's
+monitor loop (`LauncherServer.events`), which acts on it at its next tick
+(every --monitor-interval seconds). Peers must have the launcher's uid.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import socket
+import socketserver
+import threading
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from ft_client import wire
+from ft_client.workload import WorkloadAction
+from ft_monitor.procinfo import peer_credentials
+
+log = logging.getLogger("ft_monitor.launcher")
+
+READ_TIMEOUT = 10.0
+
+
+class EventKind(Enum):
+    HANG = "hang"
+    CONTROL = "control"
+
+
+@dataclass(frozen=True)
+class LauncherEvent:
+    kind: EventKind
+    rank: int
+    pid: int
+    """The sender's pid (SO_PEERCRED): the monitor's for HANG, the rank's for CONTROL."""
+    notice: dict[str, Any] = field(default_factory=dict)
+    action: WorkloadAction | None = None
+    reason: str = ""
+
+
+class _Handler(socketserver.BaseRequestHandler):
+    server: "_Server"
+
+    def handle(self) -> None:
+        sock: socket.socket = self.request
+        sock.settimeout(READ_TIMEOUT)
+        cred = peer_credentials(sock)
+        if cred.uid != os.geteuid():
+            log.warning("launcher socket: refused pid %d with uid %d", cred.pid, cred.uid)
+            self._send(wire.Error(wire.ErrorCode.FORBIDDEN, f"peer uid {cred.uid} differs from the launcher's"))
+            return
+        try:
+            hello = wire.read_frame_blocking(self._recv_exact)
+            if not isinstance(hello, wire.Hello) or hello.version != wire.PROTOCOL_VERSION:
+                self._send(wire.Error(wire.ErrorCode.PROTOCOL, "expected HELLO with protocol version "
+                                                               f"{wire.PROTOCOL_VERSION}"))
+                return
+            self._send(wire.HelloOk(wire.PROTOCOL_VERSION, {"launcher_pid": os.getpid()}))
+            while True:
+                msg = wire.read_frame_blocking(self._recv_exact)
+                self._send(self.server.owner.accept(msg, hello, cred.pid))
+        except (EOFError, ConnectionError, TimeoutError, OSError):
+            return
+        except wire.ProtocolError as e:
+            log.warning("launcher socket: closing connection from pid %d: %s", cred.pid, e)
+            self._send(wire.Error(wire.ErrorCode.PROTOCOL, str(e)))
+
+    def _recv_exact(self, n: int) -> bytes:
+        chunks = []
+        while n:
+            chunk = self.request.recv(n)
+            if not chunk:
+                raise EOFError
+            chunks.append(chunk)
+            n -= len(chunk)
+        return b"".join(chunks)
+
+    def _send(self, msg: wire.Message) -> None:
+        try:
+            self.request.sendall(wire.encode(msg))
+        except OSError:
+            pass
+
+
+class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
+    owner: "LauncherServer"
+
+
+class LauncherServer:
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.events: queue.Queue[LauncherEvent] = queue.Queue()
+        old = os.umask(0o177)
+        try:
+            self._server = _Server(path, _Handler)
+        finally:
+            os.umask(old)
+        self._server.owner = self
+        self._thread = threading.Thread(target=self._server.serve_forever, name="ft-launcher-socket", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    def accept(self, msg: wire.Message, hello: wire.Hello, peer_pid: int) -> wire.Message:
+        """Validate one request, queue its event, and return the reply (runs on a server thread)."""
+        if isinstance(msg, wire.HangNotice) and hello.role == wire.Role.MONITOR:
+            notice = msg.notice
+            rank = notice.get("rank")
+            if not isinstance(rank, int) or not isinstance(notice.get("pid"), int):
+                return wire.Error(wire.ErrorCode.BAD_REQUEST, "a hang notice needs integer 'rank' and 'pid'")
+            self.events.put(LauncherEvent(EventKind.HANG, rank, peer_pid, notice=dict(notice)))
+            return wire.Ack({"action": "stop_and_restart_worker_group"})
+        if isinstance(msg, wire.Control) and hello.role == wire.Role.RANK:
+            try:
+                action = WorkloadAction.parse(msg.action)
+            except ValueError as e:
+                return wire.Error(wire.ErrorCode.BAD_REQUEST, str(e))
+            self.events.put(LauncherEvent(EventKind.CONTROL, hello.rank, peer_pid, action=action, reason=msg.reason))
+            return wire.Ack({"action": action.value})
+        if isinstance(msg, wire.Ping):
+            return wire.PONG
+        return wire.Error(wire.ErrorCode.BAD_REQUEST, f"{type(msg).__name__} is not accepted from a {hello.role}")
+
+    def drain(self) -> list[LauncherEvent]:
+        out = []
+        while True:
+            try:
+                out.append(self.events.get_nowait())
+            except queue.Empty:
+                return out

@@ -1,0 +1,14 @@
+"""ft-launcher's exit codes: distinct, documented (docs/launcher.md)."""
+
+SUCCESS = 0
+"""Every worker finished successfully."""
+WORKERS_FAILED = 1
+"""Workers failed (crash or hang) and the restart budget (--max-restarts) is spent."""
+LAUNCHER_ERROR = 2
+"""Bad arguments or configuration, or the launcher itself failed."""
+NO_PROGRESS = 3
+"""The training iteration did not advance for max_no_progress_cycles consecutive attempts."""
+SHUTDOWN_REQUESTED = 4
+"""A rank asked to shut the workload down (WorkloadAction.ShutdownWorkload)."""
+NODE_EXCLUDED = 5
+"""A rank asked that this node leave the job (WorkloadAction.ExcludeThisNode)."""

@@ -1,0 +1,179 @@
+"""`ft-launcher`: torchrun's command line plus the --ft-* settings.
+
+Parses with torchrun's own parser (every torchrun flag keeps its meaning), adds
+``--ft-cfg-path`` and ``--ft-<field>`` for every FaultToleranceConfig field,
+starts the launcher socket and the monitors, then runs torchrun's launch path
+with FtLocalElasticAgent in place of LocalElasticAgent. Exit codes are in
+exit_codes.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+from ft_monitor.config import ConfigError, FaultToleranceConfig, add_config_flags, cli_overrides, load_config
+from ft_monitor.launcher import exit_codes
+
+log = logging.getLogger("ft_monitor.launcher")
+
+SHARED_STORE_OPT_OUT = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from torch.distributed.run import get_args_parser
+
+    parser = get_args_parser()
+    parser.prog = "ft-launcher"
+    parser.description = ("torchrun with a hang monitor beside every rank: hung or crashed ranks are detected, "
+                          "dumped and the job restarted. Every torchrun flag keeps its meaning.")
+    add_config_flags(parser, with_cfg_path=True)
+    parser.add_argument("--ft-summary-json", default=None, metavar="FILE",
+                        help="write what happened (hangs, restart timings, exit code) to FILE as JSON")
+    return parser
+
+
+def daemon_args(cfg_path: str | None, cli: dict[str, Any]) -> list[str]:
+    """The daemon's flags: the same config file and --ft-* values the launcher got."""
+    out = ["--config", str(Path(cfg_path).absolute())] if cfg_path else []
+    for name, value in cli.items():
+        out += [f"--ft-{name.replace('_', '-')}", str(value)]
+    return out
+
+
+@contextlib.contextmanager
+def _agent_swapped_in(ft: Any) -> Iterator[None]:
+    """torch's launch_agent builds `LocalElasticAgent(...)`; make that ours for this run."""
+    import torch.distributed.launcher.api as launcher_api
+
+    from ft_monitor.launcher.agent import FtLocalElasticAgent
+
+    original = launcher_api.LocalElasticAgent
+    launcher_api.LocalElasticAgent = functools.partial(FtLocalElasticAgent, ft=ft)  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        launcher_api.LocalElasticAgent = original  # type: ignore[misc]
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="[ft-launcher] %(asctime)s %(levelname)s %(message)s")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    cli = cli_overrides(args)
+    try:
+        config = load_config(args.ft_cfg_path, os.environ, cli, log=log)
+    except ConfigError as e:
+        print(f"ft-launcher: {e}", file=sys.stderr)
+        return exit_codes.LAUNCHER_ERROR
+    logging.getLogger("ft_monitor").setLevel(config.log_level)
+    # torch >= 2.4 shares the agent's rendezvous TCPStore with the workers, with no
+    # per-attempt key prefix: after a restart, gloo reads the previous attempt's peer
+    # addresses and fails ("connectFullMesh failed ... Connection refused") or hangs.
+    # torch's own opt-out gives every attempt a fresh store hosted by its rank 0.
+    os.environ.setdefault(SHARED_STORE_OPT_OUT, "1")
+    return launch(args, config, daemon_args(args.ft_cfg_path, cli), args.ft_summary_json)
+
+
+def launch(args: argparse.Namespace, config: FaultToleranceConfig, monitor_args: list[str],
+           summary_json: str | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import determine_local_world_size
+    from torch.distributed.run import run as torch_run
+
+    from ft_monitor.launcher.agent import FtRuntime, kill_leftover_groups
+    from ft_monitor.launcher.control import LauncherServer
+    from ft_monitor.launcher.monitors import MonitorPool
+    from ft_monitor.launcher.progress import ProgressTracker
+
+    run_dir = Path(tempfile.mkdtemp(prefix="ft-launcher-", dir="/tmp"))
+    os.chmod(run_dir, 0o700)
+    server = LauncherServer(str(run_dir / "launcher.sock"))
+    server.start()
+    monitors = MonitorPool(run_dir, determine_local_world_size(args.nproc_per_node), server.path, monitor_args)
+    ft = FtRuntime(config, monitors, server,
+                   ProgressTracker(config.max_no_progress_cycles, config.min_progress_iterations))
+    code = exit_codes.SUCCESS
+    try:
+        monitors.start()
+        with _agent_swapped_in(ft):
+            torch_run(args)
+    except ChildFailedError as e:
+        _report_root_cause(e)
+        code = ft.outcome if ft.outcome is not None else exit_codes.WORKERS_FAILED
+    except SignalException as e:
+        log.warning("ft-launcher: stopped by %s", e.sigval.name)
+        code = 128 + int(e.sigval)
+    except RuntimeError as e:
+        log.error("ft-launcher: %s", e)
+        code = exit_codes.LAUNCHER_ERROR
+    finally:
+        kill_leftover_groups(ft.worker_pgids)
+        monitors.stop(config.termination_grace_time)
+        server.stop()
+        shutil.rmtree(run_dir, ignore_errors=True)
+    _print_summary(ft, code)
+    if summary_json:
+        _write_summary(ft, code, summary_json)
+    return code
+
+
+def _report_root_cause(e: Any) -> None:
+    """What torchrun shows (its failure table), and the root cause's error file for a parent launcher."""
+    from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+    print(str(e), file=sys.stderr)
+    if not e.failures:
+        return
+    _, failure = e.get_first_failure()
+    if os.path.isfile(failure.error_file):
+        handler = get_error_handler()
+        handler.initialize()
+        handler.dump_error_file(failure.error_file, failure.exitcode)
+
+
+def _print_summary(ft: Any, code: int) -> None:
+    if not ft.hangs and ft.outcome is None and not ft.monitors.restarts:
+        return
+    lines = ["", "ft-launcher summary:"]
+    for hang, timing in zip(ft.hangs, ft.restarts):
+        b = timing.breakdown()
+        delay = hang.get("elapsed_s", 0.0) - hang.get("timeout_s", 0.0)
+        lines.append(f"  attempt {hang['attempt']}: rank {hang['rank']} (local rank {hang['local_rank']}, pid "
+                     f"{hang['pid']}) hung: {hang['message']}; caught {delay * 1000:.0f} ms after its timeout")
+        if hang.get("stack_dump_captured"):
+            lines.append(f"    stack dump: {hang['stack_dump']}")
+        lines.append(f"    error file: {hang['error_file']}")
+        if b["total"] is not None:
+            lines.append(f"    all ranks running again {b['total']:.2f} s after detection: "
+                         + ", ".join(f"{k} {v:.3f}s" for k, v in b.items() if k != "total" and v is not None))
+    if ft.monitors.restarts:
+        lines.append(f"  monitors restarted: {ft.monitors.restarts}")
+    if ft.outcome is not None:
+        lines.append(f"  stopped: {ft.outcome_message}")
+    lines.append(f"  exit code {code}")
+    print("\n".join(lines), file=sys.stderr)
+
+
+def _write_summary(ft: Any, code: int, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump({"exit_code": code, "hangs": ft.hangs, "restarts": [t.breakdown() for t in ft.restarts],
+                   "monitor_restarts": ft.monitors.restarts, "outcome": ft.outcome_message}, f, indent=2)
+
+
+def entrypoint() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    entrypoint()

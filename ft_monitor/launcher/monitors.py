@@ -1,0 +1,126 @@
+"""One `ft-monitor serve` daemon per local rank, owned by the launcher.
+
+Daemons are separate processes (they never import torch), started before the
+first workers, ready (their socket answers) before any worker starts, and kept
+across worker restarts. A daemon that dies is started again and the event is
+logged. Each daemon gets the launcher's config flags and socket, and dies with
+the launcher (parent-death signal) if the launcher is killed outright.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ft_client import wire
+from ft_client.transport import TransportError, connect
+
+log = logging.getLogger("ft_monitor.launcher")
+
+READY_TIMEOUT = 30.0
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
+def query(socket_path: str | os.PathLike[str], timeout: float = 2.0) -> dict[str, Any] | None:
+    """A daemon's STATUS, or None if it does not answer."""
+    try:
+        t, _ = connect(str(socket_path), timeout, wire.Role.OBSERVER, -1)
+    except (OSError, TransportError):
+        return None
+    try:
+        reply = t.request(wire.STATUS)
+        return reply.status if isinstance(reply, wire.StatusReply) else None
+    except TransportError:
+        return None
+    finally:
+        t.close()
+
+
+class MonitorPool:
+    def __init__(self, run_dir: Path, nproc: int, launcher_socket: str, daemon_args: list[str]) -> None:
+        self.run_dir = run_dir
+        self.nproc = nproc
+        self.launcher_socket = launcher_socket
+        self.daemon_args = daemon_args
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        self.restarts = 0
+
+    def socket(self, local_rank: int) -> Path:
+        return self.run_dir / f"monitor{local_rank}.sock"
+
+    def log_path(self, local_rank: int) -> Path:
+        return self.run_dir / f"monitor{local_rank}.log"
+
+    def _spawn(self, local_rank: int) -> subprocess.Popen[bytes]:
+        argv = [sys.executable, "-m", "ft_monitor.cli", "serve", "--socket", str(self.socket(local_rank)),
+                "--launcher-socket", self.launcher_socket, *self.daemon_args]
+        with open(self.log_path(local_rank), "ab") as out:
+            return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True, preexec_fn=_die_with_parent)
+
+    def start(self) -> None:
+        for lr in range(self.nproc):
+            self.procs[lr] = self._spawn(lr)
+        for lr in range(self.nproc):
+            self._wait_ready(lr)
+        log.info("ft-launcher: %d monitor(s) ready in %s", self.nproc, self.run_dir)
+
+    def _wait_ready(self, local_rank: int) -> None:
+        proc = self.procs[local_rank]
+        end = time.monotonic() + READY_TIMEOUT
+        while time.monotonic() < end:
+            if proc.poll() is not None:
+                raise RuntimeError(f"monitor for local rank {local_rank} exited with {proc.returncode} at start; "
+                                   f"see {self.log_path(local_rank)}:\n{self._tail(local_rank)}")
+            if query(self.socket(local_rank), 1.0) is not None:
+                return
+            time.sleep(0.01)
+        raise RuntimeError(f"monitor for local rank {local_rank} not ready within {READY_TIMEOUT:.0f}s; "
+                           f"see {self.log_path(local_rank)}")
+
+    def _tail(self, local_rank: int) -> str:
+        try:
+            return "".join(self.log_path(local_rank).read_text().splitlines(True)[-10:])
+        except OSError:
+            return ""
+
+    def check(self) -> None:
+        """Restart any daemon that died (logged)."""
+        for lr, proc in list(self.procs.items()):
+            if proc.poll() is None:
+                continue
+            self.restarts += 1
+            log.error("ft-launcher: monitor for local rank %d (pid %d) died with %s; restarting it",
+                      lr, proc.pid, proc.returncode)
+            self.procs[lr] = self._spawn(lr)
+            self._wait_ready(lr)
+            log.warning("ft-launcher: monitor for local rank %d restarted as pid %d", lr, self.procs[lr].pid)
+
+    def statuses(self) -> dict[int, dict[str, Any] | None]:
+        return {lr: query(self.socket(lr)) for lr in range(self.nproc)}
+
+    def stop(self, grace: float = 5.0) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        end = time.monotonic() + grace
+        for proc in self.procs.values():
+            try:
+                proc.wait(max(0.0, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)

@@ -1,0 +1,72 @@
+"""bench/ stays runnable: `bench/run.py --smoke` runs every benchmark with minimal
+iterations against real processes and writes the JSON the full set writes.
+Nothing here asserts on the figures themselves (those are for bench/, not tests)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.harness import Figure, summarize
+from bench.run import markdown_table
+from tests.procs import ROOT
+
+FIGURE_KEYS = {"id", "what", "loop", "unit", "n", "median", "p99", "min", "max", "percentiles", "value", "target", "met",
+               "details"}
+MACHINE_KEYS = {"cpu_model", "cores", "python", "torch", "loop", "loops", "uvloop", "msgpack", "kernel"}
+EXPECTED_IDS = {
+    "import.ft_client", "import.client", "import.heavy",
+    "daemon.ready", "daemon.rss_ready", "daemon.no_torch", "daemon.rss_after_events", "daemon.rss_growth",
+    "stalled.call", "stalled.not_blocked",
+    "ingest.one", "ingest.one.no_loss", "ingest.pairs", "ingest.pairs.no_loss",
+    "detect.heartbeat.default", "detect.section.default", "detect.out_of_section.default",
+    "detect.heartbeat.no_dump", "detect.section.no_dump", "detect.out_of_section.no_dump",
+}
+CLIENT_KEYS = {"heartbeat.b2b", "section.b2b", "unmonitored.b2b", "heartbeat.paced", "section.paced",
+               "unmonitored.paced", "ping.b2b", "set_timeouts.b2b", "ping.paced"}
+
+
+@pytest.mark.e2e
+def test_smoke_run_writes_the_expected_json(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "run.py"), "--smoke", "--out", str(out)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=110)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("| what | median | p99 | min-max | target | met? |"), proc.stdout
+
+    data = json.loads(out.read_text())
+    assert data["schema"] == 1 and data["mode"] == "smoke"
+    assert MACHINE_KEYS <= set(data["machine"]), data["machine"]
+    assert data["machine"]["loop"] in ("uvloop", "asyncio")
+    figures = data["figures"]
+    for f in figures:
+        assert set(f) == FIGURE_KEYS, f
+        assert f["met"] in (True, False, None)
+    ids = {f["id"] for f in figures}
+    assert EXPECTED_IDS <= ids, EXPECTED_IDS - ids
+    client = {i.split(".", 2)[2] for i in ids if i.startswith("client.")}
+    assert CLIENT_KEYS <= client, CLIENT_KEYS - client
+    measured = [f for f in figures if f["n"]]
+    assert all(f["median"] is not None and f["min"] <= f["median"] <= f["max"] for f in measured)
+
+
+def test_percentiles_interpolate_between_ranks() -> None:
+    s = summarize([4.0, 1.0, 3.0, 2.0])
+    assert s == {"n": 4, "median": 2.5, "p99": pytest.approx(3.97), "min": 1.0, "max": 4.0}
+    assert summarize([])["median"] is None
+
+
+def test_table_marks_missed_targets() -> None:
+    ok = Figure(id="a", what="fast", unit="us", samples=[1.0, 2.0], target="p50 <= 2 us", limit=2.0)
+    slow = Figure(id="b", what="slow", unit="us", samples=[3.0], target="p50 <= 2 us", limit=2.0)
+    rate = Figure(id="c", what="rate", unit="ev/s", samples=[400_000.0], target=">= 300k", limit=300_000, op=">=")
+    flag = Figure(id="d", what="flag", unit="", value="none", target="none", met=True)
+    table = markdown_table([ok, slow, rate, flag]).splitlines()
+    assert table[2] == "| fast | 1.50 us | 1.99 us | 1.00 us-2.00 us | p50 <= 2 us | yes |"
+    assert table[3].endswith("| **NO** |")
+    assert table[4].endswith("| yes |")
+    assert table[5] == "| flag | none | - | - | none | yes |"

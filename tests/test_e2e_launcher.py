@@ -1,0 +1,217 @@
+"""End-to-end: real ft-launcher processes running examples/train_ddp.py (DDP on gloo)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from ft_monitor.launcher import exit_codes
+from tests.procs import ROOT, cleanup_dir, short_tmpdir, wait_until
+
+pytestmark = pytest.mark.e2e
+
+TRAIN = str(ROOT / "examples" / "train_ddp.py")
+FT_FLAGS = ["--ft-cfg-path", str(ROOT / "examples" / "ft.yaml"), "--ft-termination-grace-time", "2"]
+
+
+@pytest.fixture
+def workdir() -> Iterator[Path]:
+    d = short_tmpdir()
+    yield d
+    cleanup_dir(d)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Launcher:
+    """An ft-launcher process; everything it starts inherits a unique marker in its environment."""
+
+    def __init__(self, workdir: Path, *args: str, train_args: tuple[str, ...] = (), name: str = "launcher",
+                 launcher_flags: tuple[str, ...] = ("--standalone",)) -> None:
+        self.marker = uuid.uuid4().hex
+        self.out_path = workdir / f"{name}.out"
+        self.summary_path = workdir / f"{name}-summary.json"
+        self.log_dir = workdir / f"{name}-logs"
+        argv = [sys.executable, "-m", "ft_monitor.launcher.main", *launcher_flags, "--nproc-per-node", "2",
+                "--log-dir", str(self.log_dir), "--ft-summary-json", str(self.summary_path), *FT_FLAGS, *args,
+                TRAIN, "--ckpt-dir", str(workdir / "ckpt"), *train_args]
+        self._out = open(self.out_path, "w")
+        self.proc = subprocess.Popen(argv, stdout=self._out, stderr=subprocess.STDOUT, cwd=ROOT,
+                                     env={**os.environ, "FT_TEST_MARKER": self.marker}, start_new_session=True)
+
+    def wait(self, timeout: float = 240) -> int:
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            self._out.close()
+
+    def output(self) -> str:
+        return self.out_path.read_text()
+
+    def summary(self) -> dict:
+        return json.loads(self.summary_path.read_text())
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+
+def job_processes(marker: str) -> list[int]:
+    """Live processes carrying the job's marker (the launcher, monitors, workers and their children)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                environ = f.read()
+            with open(f"/proc/{entry}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if f"FT_TEST_MARKER={marker}".encode() in environ and state != "Z":
+            pids.append(int(entry))
+    return pids
+
+
+def test_hung_rank_is_caught_dumped_and_the_job_resumes_from_its_checkpoint(workdir: Path) -> None:
+    la = Launcher(workdir, "--max-restarts", "2", train_args=("--hang", "rank=1,step=12,attempt=0"))
+    try:
+        assert la.wait() == exit_codes.SUCCESS, la.output()
+    finally:
+        la.kill()
+    out = la.output()
+    assert "[rank 1] attempt 1: resumed at step 10" in out
+    assert "[rank 0] attempt 1: finished 30 steps" in out
+    summary = la.summary()
+    (hang,) = summary["hangs"]
+    assert hang["rank"] == 1 and hang["attempt"] == 0 and hang["section"] == "step"
+    assert hang["stack_dump_captured"]
+    # the learned step timeout (from the checkpoints) is what caught it, not the 60 s in ft.yaml
+    assert hang["timeout_s"] < 60
+    assert "write_metrics_to_stuck_filesystem" in Path(hang["stack_dump"]).read_text()
+    # torchrun's attempt layout, with the hang report, the dump and the monitor's log beside error.json
+    attempt_dir = Path(hang["error_file"]).parent
+    assert attempt_dir.name == "1" and attempt_dir.parent.name == "attempt_0"
+    names = {p.name for p in attempt_dir.iterdir()}
+    assert {"error.json", "monitor.log", Path(hang["stack_dump"]).name, Path(hang["report"]).name} <= names
+    error = json.loads(Path(hang["error_file"]).read_text())
+    assert int(error["message"]["extraInfo"]["timestamp"]) == int(hang["onset_time"])
+    assert "RankHang: section 'step' open for" in error["message"]["message"]
+    (restart,) = summary["restarts"]
+    assert restart["total"] is not None
+    assert "all ranks running again" in out and "ft-launcher summary:" in out
+
+
+def test_restart_budget_exhausted_reports_the_hung_rank_as_root_cause(workdir: Path) -> None:
+    la = Launcher(workdir, "--max-restarts", "0", train_args=("--hang", "rank=1,step=12,attempt=0"))
+    try:
+        assert la.wait() == exit_codes.WORKERS_FAILED, la.output()
+    finally:
+        la.kill()
+    out = la.output()
+    root = out.split("Root Cause (first observed failure):", 1)[1]
+    assert "rank      : 1" in root.split("\n\n")[0] or "rank      : 1 " in root
+    assert "RankHang: section 'step' open for" in root
+    assert "write_metrics_to_stuck_filesystem" in root
+
+
+def test_crashed_rank_restarts_the_job(workdir: Path) -> None:
+    # a crash is torch's usual path: the attempt fails, the group restarts from the checkpoint
+    la = Launcher(workdir, "--max-restarts", "1", train_args=("--crash", "rank=0,step=7,attempt=0"))
+    try:
+        assert la.wait() == exit_codes.SUCCESS, la.output()
+    finally:
+        la.kill()
+    out = la.output()
+    assert "[rank 0] attempt 1: resumed at step 5" in out
+    assert "[rank 1] attempt 1: finished 30 steps" in out
+
+
+def test_no_progress_stops_restarting_early(workdir: Path) -> None:
+    la = Launcher(workdir, "--max-restarts", "6", "--ft-max-no-progress-cycles", "2",
+                  train_args=("--hang", "rank=1,step=12,attempt=-1"))
+    try:
+        assert la.wait() == exit_codes.NO_PROGRESS, la.output()
+    finally:
+        la.kill()
+    summary = la.summary()
+    assert len(summary["hangs"]) == 3  # attempt 0 progressed to 12; attempts 1 and 2 did not
+    assert "did not advance past" in summary["outcome"]
+
+
+def test_workload_shutdown_request_stops_without_restart(workdir: Path) -> None:
+    la = Launcher(workdir, "--max-restarts", "3", train_args=("--shutdown-at", "3"))
+    try:
+        assert la.wait() == exit_codes.SHUTDOWN_REQUESTED, la.output()
+    finally:
+        la.kill()
+    out = la.output()
+    assert "requests ShutdownWorkload" in out
+    assert "attempt 1" not in out
+
+
+def test_launcher_sigterm_leaves_no_process_of_the_job(workdir: Path) -> None:
+    la = Launcher(workdir, "--max-restarts", "3", train_args=("--steps", "100000"))
+    try:
+        wait_until(lambda: "timeouts in force" in la.output(), 120, "workers to start")
+        assert len(job_processes(la.marker)) >= 5  # launcher, 2 monitors, 2 workers
+        la.proc.send_signal(signal.SIGTERM)
+        rc = la.wait(120)
+        assert rc == 128 + signal.SIGTERM, la.output()
+        left = job_processes(la.marker)
+        assert left == [], f"processes of the job still alive: {left}"
+    finally:
+        la.kill()
+
+
+def test_a_monitor_killed_mid_run_is_restarted(workdir: Path) -> None:
+    la = Launcher(workdir, "--max-restarts", "1", train_args=("--steps", "80"))
+    try:
+        wait_until(lambda: "timeouts in force" in la.output(), 120, "workers to start")
+        monitors = [p for p in job_processes(la.marker)
+                    if b"monitor0.sock" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        assert len(monitors) == 1
+        os.kill(monitors[0], signal.SIGKILL)
+        assert la.wait() == exit_codes.SUCCESS, la.output()
+    finally:
+        la.kill()
+    out = la.output()
+    assert "monitor for local rank 0" in out and "restarting it" in out
+    assert la.summary()["monitor_restarts"] == 1
+
+
+def test_two_nodes_hang_on_one_restarts_both_and_completes(workdir: Path) -> None:
+    port = _free_port()
+    common = ("--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+              "--rdzv-id", "ft-two-nodes")
+    train = ("--hang", "rank=3,step=12,attempt=0")
+    a = Launcher(workdir, "--max-restarts", "2", train_args=train, name="node0", launcher_flags=common)
+    b = Launcher(workdir, "--max-restarts", "2", train_args=train, name="node1", launcher_flags=common)
+    try:
+        assert a.wait() == exit_codes.SUCCESS, a.output()
+        assert b.wait() == exit_codes.SUCCESS, b.output()
+    finally:
+        a.kill()
+        b.kill()
+    hangs = a.summary()["hangs"] + b.summary()["hangs"]
+    # rank 3 hung; a rank on the other node waiting for it in the step's collective may
+    # time out too, and is then reported as its victim, not as a second hang
+    assert [h["rank"] for h in hangs if h["victim_of"] is None] == [3]
+    assert all(h["victim_of"] == 3 for h in hangs if h["rank"] != 3)
+    both = a.output() + b.output()
+    assert "finished 30 steps" in both and "resumed at step 10" in both

@@ -192,66 +192,54 @@ class RankMonitorClient:
     # -- progress --------------------------------------------------------------
     def send_heartbeat(self) -> None:
         with self._lock:
-            t = self._transport
-            if t is None:
-                self._not_connected()
-                return
+            t = self._transport or self._not_connected()
             self._calc.on_heartbeat(self._clock())
-            try:
-                t.send_event(wire.HEARTBEAT_FRAME)
-            except TransportError as e:
-                self._lost(e)
+            if t is not None:
+                self._event(t, wire.HEARTBEAT_FRAME)
 
     def start_section(self, name: str) -> None:
         with self._lock:
             if name in self._open:
                 raise RankMonitorClientError(f"section {name!r} is already open; end_section({name!r}) first")
-            t = self._transport
-            if t is None:
-                self._not_connected()  # raises unless the monitor was lost and we carry on
-                self._open[name] = False
-                return
+            t = self._transport or self._not_connected()
             self._calc.on_section_open(name, self._clock())
-            send = name in self._ipc
+            send = t is not None and name in self._ipc
             self._open[name] = send
             if send:
                 frame = self._open_frames.get(name)
                 if frame is None:
                     frame = self._open_frames[name] = self._section_frame(name, wire.section_open_frame)
-                self._event(t, frame)
+                self._event(t, frame)  # type: ignore[arg-type]
 
     def end_section(self, name: str) -> None:
         with self._lock:
             sent = self._open.pop(name, None)
             if sent is None:
                 raise RankMonitorClientError(f"section {name!r} is not open; start_section({name!r}) first")
+            t = self._transport or self._not_connected()
             now = self._clock()
             self._calc.on_section_close(name, now)
-            t = self._transport
+            if name == STEP_SECTION:
+                self._iteration += 1
             if t is None:
-                self._not_connected()
                 return
             if sent:
                 frame = self._close_frames.get(name)
                 if frame is None:
                     frame = self._close_frames[name] = self._section_frame(name, wire.section_close_frame)
                 self._event(t, frame)
-            if name == STEP_SECTION:
-                self._iteration += 1
-                if now - self._iteration_sent_at >= ITERATION_REPORT_INTERVAL:
-                    self._iteration_sent_at = now
-                    self._event(t, wire.encode(wire.Iteration(self._iteration)))
+            if name == STEP_SECTION and now - self._iteration_sent_at >= ITERATION_REPORT_INTERVAL:
+                self._iteration_sent_at = now
+                self._event(t, wire.encode(wire.Iteration(self._iteration)))
 
     def end_all_sections(self) -> None:
         """Close every open section, here and in the monitor."""
         with self._lock:
+            t = self._transport or self._not_connected()
             self._open.clear()
             self._calc.on_close_all(self._clock())
-            t = self._transport
-            if t is None:
-                self._not_connected()
-                return
-            self._event(t, _CLOSE_ALL_FRAME)
+            if t is not None:
+                self._event(t, _CLOSE_ALL_FRAME)
 
     def section(self, name: str) -> _Section:
         """``with client.section("step"): ...`` or ``@client.section("step")``."""
@@ -447,9 +435,8 @@ class RankMonitorClient:
         return "workload monitoring is not initialized: call init_workload_monitoring() first"
 
     def _not_connected(self) -> None:
-        if self._lost_reason is None:
-            raise RankMonitorClientError(self._why_not_connected())
-        if self._raise_on_lost:
+        """No transport: an error before init (or when configured to raise), else carry on."""
+        if self._lost_reason is None or self._raise_on_lost:
             raise RankMonitorClientError(self._why_not_connected())
 
     def _lost(self, e: TransportError) -> None:

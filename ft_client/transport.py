@@ -16,14 +16,18 @@ caller decides whether that is fatal (see RankMonitorClient's on_monitor_lost).
 from __future__ import annotations
 
 import errno
+import os
 import socket
 import struct
 import threading
+import time
 
 from ft_client import wire
 
 MAX_PENDING = 1 << 20
 """Bytes of events kept while the daemon does not read, before giving up on it."""
+REPLY_SPIN_SECONDS = 200e-6
+"""How long a request polls for its reply before blocking (see _recv_spinning)."""
 
 
 class TransportError(Exception):
@@ -123,12 +127,25 @@ class Transport:
     def _recv_exact(self, n: int) -> bytes:
         chunks = []
         while n:
-            chunk = self._sock.recv(n)
+            chunk = self._recv_spinning(n)
             if not chunk:
                 raise TransportError("monitor closed the connection")
             chunks.append(chunk)
             n -= len(chunk)
         return b"".join(chunks)
+
+    def _recv_spinning(self, n: int) -> bytes:
+        """A reply usually arrives within tens of microseconds: poll for it briefly,
+        yielding the CPU, before sleeping in recv(); a sleeping reader pays a wake-up
+        (a cross-CPU interrupt) on top of the daemon's work."""
+        end = time.perf_counter() + REPLY_SPIN_SECONDS
+        while True:
+            try:
+                return self._sock.recv(n, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                if time.perf_counter() >= end:
+                    return self._sock.recv(n)
+                os.sched_yield()
 
     def flush(self) -> None:
         """Send buffered events, blocking up to the timeout."""

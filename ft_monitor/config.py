@@ -159,13 +159,21 @@ class FaultToleranceConfig(BaseModel):
             raise ValueError("must be a number >= 1.0 (a factor below 1 makes timeouts shorter than observed)")
         return float(v)
 
-    @field_validator("termination_grace_time", "stack_dump_timeout", "client_request_timeout", "min_learned_timeout",
+    @field_validator("termination_grace_time", "stack_dump_timeout", "min_learned_timeout",
                      "launcher_response_timeout", mode="before")
     @classmethod
     def _duration(cls, v: Any) -> Any:
         v = _number_words(v)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
             raise ValueError("must be a number of seconds >= 0")
+        return float(v)
+
+    @field_validator("client_request_timeout", mode="before")
+    @classmethod
+    def _positive_duration(cls, v: Any) -> Any:
+        v = _number_words(v)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise ValueError("must be a number of seconds > 0 (a request must not wait forever)")
         return float(v)
 
     @field_validator("rank_termination_signal", "stack_dump_signal", mode="before")
@@ -198,6 +206,8 @@ class FaultToleranceConfig(BaseModel):
     def _bool(cls, v: Any) -> Any:
         if isinstance(v, bool):
             return v
+        if isinstance(v, int) and v in (0, 1):
+            return bool(v)
         if isinstance(v, str) and v.strip().lower() in _TRUE | _FALSE:
             return v.strip().lower() in _TRUE
         raise ValueError("must be true or false")

@@ -39,8 +39,6 @@ log = logging.getLogger("ft_monitor.server")
 
 HELLO_TIMEOUT = 10.0
 """A connection that has not completed its handshake by then is closed."""
-MAX_BUFFERED = 4 * wire.MAX_FRAME
-"""Unparsed bytes allowed per connection (a frame in progress plus slack)."""
 
 
 class Connection(asyncio.Protocol):
@@ -78,8 +76,6 @@ class Connection(asyncio.Protocol):
                 daemon.dispatch(self, msg)
                 if self.closing:
                     return
-            if self.decoder.buffered > MAX_BUFFERED:
-                raise wire.ProtocolError(f"{self.decoder.buffered} bytes buffered without a complete frame")
         except wire.ProtocolError as e:
             log.warning("closing connection from pid %d: protocol error: %s", self.pid, e)
             self.fail(wire.ErrorCode.PROTOCOL, str(e))
@@ -332,18 +328,22 @@ class MonitorDaemon:
             assert self.rank_conn is not None
             self.rank_conn.send(wire.Error(wire.ErrorCode.BAD_REQUEST, str(e)))
             return
+        if timeouts != self.timeouts:
+            log.info("rank %d: timeouts now %s", session.rank, timeouts.to_wire())
         self.timeouts = timeouts
         session.set_timeouts(timeouts, self.clock.now())
-        log.info("rank %d: timeouts now %s", session.rank, timeouts.to_wire())
         assert self.rank_conn is not None
         self.rank_conn.send(wire.ConfigOk(timeouts.to_wire()))
 
     def _goodbye(self, session: Session, msg: wire.Goodbye) -> None:
+        """Clean shutdown: the session ends now, so the rank may connect again at once."""
         if session.open_sections:
             log.warning("rank %d pid %d shut down with section(s) still open: %s",
                         session.rank, session.pid, ", ".join(session.open_sections))
         session.goodbye()
-        self._cancel_timer()
+        assert self.rank_conn is not None
+        self.rank_conn.role = wire.Role.OBSERVER  # what it may still send: STATUS, PING
+        self.disconnected(self.rank_conn)
 
     def _control(self, session: Session, msg: wire.Control) -> None:
         assert self.rank_conn is not None
@@ -401,6 +401,7 @@ class MonitorDaemon:
 
     # -- disconnects -----------------------------------------------------------
     def disconnected(self, conn: Connection) -> None:
+        """The rank's connection closed, or it said GOODBYE."""
         if conn is not self.rank_conn:
             return
         s, proc = self.session, self.process

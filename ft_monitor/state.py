@@ -130,7 +130,10 @@ class Session:
         """New timeouts apply to sections opened from now on, and to the running
         heartbeat and out-of-section intervals counted from ``now`` at the
         earliest. Open sections keep the timeout they were opened with, except
-        that one opened without a timeout picks up the new one, counted from now."""
+        that one opened without a timeout picks up the new one, counted from now.
+        Timeouts equal to those in force change nothing."""
+        if timeouts == self.timeouts:
+            return
         self.timeouts = timeouts
         self.timeouts_since = now
         for sec in self.open_sections.values():

@@ -337,3 +337,33 @@ def test_client_without_socket_variable_names_it(monkeypatch: pytest.MonkeyPatch
 def test_client_with_nothing_listening_names_the_path(workdir: Path) -> None:
     with pytest.raises(RankMonitorClientError, match=rf"^no monitor listens at {workdir}/nope.sock"):
         RankMonitorClient(str(workdir / "nope.sock")).init_workload_monitoring()
+
+
+def test_reinit_right_after_shutdown_is_not_refused(daemon: Daemon) -> None:
+    c = RankMonitorClient(str(daemon.socket))
+    for _ in range(3):
+        c.init_workload_monitoring()
+        c.send_heartbeat()
+        c.shutdown_workload_monitoring()
+
+
+def test_training_goes_on_when_the_monitor_dies(workdir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    d = Daemon(workdir, "--ft-rank-section-timeouts", "step:30").wait_ready()
+    c = RankMonitorClient(str(d.socket))
+    c.init_workload_monitoring()
+    try:
+        c.start_section("step")
+        c.end_section("step")
+        d.proc.send_signal(signal.SIGKILL)
+        d.proc.wait(10)
+        with caplog.at_level("WARNING", logger="ft_client"):
+            for _ in range(200):  # the first sends after the death notice it; none raises
+                with c.section("step"):
+                    pass
+                c.send_heartbeat()
+        lost = [r for r in caplog.records if "training continues without hang detection" in r.getMessage()]
+        assert len(lost) == 1
+        assert c.iteration == 201  # steps are still counted (they go into the checkpoint)
+    finally:
+        c.shutdown_workload_monitoring()
+        d.stop()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import signal
 import threading
 import time
 from typing import Any, Callable, TypeVar
@@ -52,6 +53,9 @@ log = logging.getLogger("ft_client")
 F = TypeVar("F", bound=Callable[..., Any])
 
 CONNECT_TIMEOUT = 10.0
+RECONNECT_INTERVAL = 1.0
+"""Seconds between attempts to reach a lost monitor again (from the hot path, so cheap)."""
+RECONNECT_TIMEOUT = 0.5
 ITERATION_REPORT_INTERVAL = 0.2
 """Seconds between iteration reports to the monitor (the launcher's progress tracking)."""
 
@@ -109,6 +113,8 @@ class RankMonitorClient:
         self._to_load: Timeouts | None = None  # learned values loaded before init
         self._iteration = 0  # completed `step` sections, across runs (kept in state_dict)
         self._iteration_sent_at = -ITERATION_REPORT_INTERVAL
+        self._path = ""
+        self._reconnect_tried = -RECONNECT_INTERVAL
         self.rank = env.rank_from_env()
 
     # -- lifecycle -------------------------------------------------------------
@@ -127,10 +133,8 @@ class RankMonitorClient:
                     f"no monitor socket: set {env.RANK_MONITOR_SOCKET} (ft-launcher and `ft-monitor serve -- CMD` "
                     "set it) or pass socket_path="
                 )
-            info = {"pid": os.getpid(), "local_rank": os.environ.get(env.LOCAL_RANK),
-                    "restart": os.environ.get(env.RESTART_COUNT), "error_file": os.environ.get(env.ERROR_FILE)}
             try:
-                transport, hello = connect(path, CONNECT_TIMEOUT, wire.Role.RANK, self.rank, info)
+                transport, hello = connect(path, CONNECT_TIMEOUT, wire.Role.RANK, self.rank, _hello_info())
             except FileNotFoundError:
                 raise RankMonitorClientError(
                     f"no monitor listens at {path} (from {self._path_origin(socket_path)}): the socket file does not "
@@ -142,17 +146,8 @@ class RankMonitorClient:
                 ) from None
             except (TransportError, OSError) as e:
                 raise RankMonitorClientError(f"cannot connect to the monitor at {path}: {e}") from None
-            s = hello.session
-            self._session = s
-            self._transport = transport
-            self._lost_reason = None
-            self._sync_sections = not s.get("skip_section_response", True)
-            self._raise_on_lost = s.get("on_monitor_lost") == "raise"
-            transport.timeout = float(s.get("client_request_timeout", transport.timeout))
-            self._safety_factor = float(s.get("safety_factor", DEFAULT_SAFETY_FACTOR))
-            self._min_learned = float(s.get("min_learned_timeout", 0.0))
-            configured = Timeouts.from_wire(s["timeouts"])
-            self._set_timeouts(configured)
+            self._path = path
+            configured = self._adopt(transport, hello)
             self._calc = TimeoutsCalc(
                 (n for n in configured.rank_section_timeouts if n != WARMUP_SECTION), self._safety_factor
             )
@@ -160,12 +155,52 @@ class RankMonitorClient:
             if self._to_load is not None:  # load_state_dict() came first: push at the handshake
                 loaded, self._to_load = self._to_load, None
                 self.set_timeouts(overlay_learned(self._timeouts, loaded))
-            dump_path = s.get("stack_dump_path")
-            if dump_path:
-                try:
-                    self._dumper.enable(int(s["stack_dump_signal"]), dump_path)
-                except OSError as e:
-                    log.warning("rank %d: cannot open stack dump file %s: %s", self.rank, dump_path, e)
+            _die_with_launcher()
+
+    def _adopt(self, transport: Transport, hello: wire.HelloOk) -> Timeouts:
+        """Take a new connection's session (config from the monitor); return its configured timeouts."""
+        s = hello.session
+        self._session = s
+        self._transport = transport
+        self._lost_reason = None
+        self._sync_sections = not s.get("skip_section_response", True)
+        self._raise_on_lost = s.get("on_monitor_lost") == "raise"
+        transport.timeout = float(s.get("client_request_timeout", transport.timeout))
+        self._safety_factor = float(s.get("safety_factor", DEFAULT_SAFETY_FACTOR))
+        self._min_learned = float(s.get("min_learned_timeout", 0.0))
+        configured = Timeouts.from_wire(s["timeouts"])
+        self._set_timeouts(configured)
+        dump_path = s.get("stack_dump_path")
+        if dump_path:
+            try:
+                self._dumper.enable(int(s["stack_dump_signal"]), dump_path)
+            except OSError as e:
+                log.warning("rank %d: cannot open stack dump file %s: %s", self.rank, dump_path, e)
+        return configured
+
+    def _reconnect(self) -> Transport | None:
+        """After the monitor was lost: try its socket again (at most once a second). A
+        restarted monitor gets this rank's learned timeouts and open sections back."""
+        now = self._clock()
+        if now - self._reconnect_tried < RECONNECT_INTERVAL:
+            return None
+        self._reconnect_tried = now
+        try:
+            transport, hello = connect(self._path, RECONNECT_TIMEOUT, wire.Role.RANK, self.rank, _hello_info())
+        except (TransportError, OSError):
+            return None
+        mine = self._timeouts
+        open_sections = list(self._open)
+        self._open = dict.fromkeys(open_sections, False)
+        configured = self._adopt(transport, hello)  # re-sends opens the monitor must know about
+        try:
+            if mine.learned:
+                self.set_timeouts(overlay_learned(configured, mine))
+            self._event(transport, wire.encode(wire.Iteration(self._iteration)))
+        except RankMonitorClientError:
+            return self._transport
+        log.warning("rank %d: reconnected to the monitor at %s; hang detection resumed", self.rank, self._path)
+        return self._transport
 
     def _path_origin(self, arg: str | None) -> str:
         if arg or self._socket_path:
@@ -434,10 +469,12 @@ class RankMonitorClient:
             return f"the monitor connection was lost: {self._lost_reason}"
         return "workload monitoring is not initialized: call init_workload_monitoring() first"
 
-    def _not_connected(self) -> None:
-        """No transport: an error before init (or when configured to raise), else carry on."""
+    def _not_connected(self) -> Transport | None:
+        """No transport: an error before init (or when configured to raise); else carry on,
+        trying now and then to reach the monitor again."""
         if self._lost_reason is None or self._raise_on_lost:
             raise RankMonitorClientError(self._why_not_connected())
+        return self._reconnect()
 
     def _lost(self, e: TransportError) -> None:
         """The monitor went away: warn once and keep training, or raise if configured."""
@@ -448,7 +485,33 @@ class RankMonitorClient:
         self._lost_reason = reason
         if self._raise_on_lost:
             raise RankMonitorClientError(f"rank {self.rank}: {reason}") from e
-        log.warning("rank %d: %s; training continues without hang detection", self.rank, reason)
+        log.warning("rank %d: %s; training continues without hang detection until the monitor is back",
+                    self.rank, reason)
+        self._reconnect_tried = self._clock()
+
+
+def _hello_info() -> dict[str, Any]:
+    return {"pid": os.getpid(), "local_rank": os.environ.get(env.LOCAL_RANK),
+            "restart": os.environ.get(env.RESTART_COUNT), "error_file": os.environ.get(env.ERROR_FILE)}
+
+
+def _die_with_launcher() -> None:
+    """Under ft-launcher, exit (SIGTERM) if the launcher itself is killed: a worker whose
+    launcher is gone can only hold its GPU. Linux only; best effort."""
+    launcher_pid = os.environ.get(env.LAUNCHER_PID)
+    if not launcher_pid or not launcher_pid.isdigit() or os.getppid() != int(launcher_pid):
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(launcher_pid):  # it died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+_PR_SET_PDEATHSIG = 1
 
 
 _CLOSE_ALL_FRAME = wire.encode(wire.SECTION_CLOSE_ALL)

@@ -12,6 +12,8 @@ RANK_MONITOR_SOCKET = "FT_RANK_MONITOR_IPC_SOCKET"
 """Path of the rank's monitor daemon socket (set for each worker)."""
 LAUNCHER_SOCKET = "FT_LAUNCHER_IPC_SOCKET"
 """Path of the launcher's socket, where daemons report hangs (set by ft-launcher)."""
+LAUNCHER_PID = "FT_LAUNCHER_PID"
+"""The launcher's pid: a worker started by it dies with it (parent-death signal)."""
 CONFIG_ENV_PREFIX = "FT_"
 """`FT_<FIELD>` overrides a FaultToleranceConfig field (see ft_monitor.config)."""
 # torchrun's own variables, read by the client to label its session.

@@ -108,6 +108,7 @@ class FaultToleranceConfig(BaseModel):
     on_monitor_lost: str = "warn"
     client_request_timeout: float = 10.0
     launcher_response_timeout: float = 10.0
+    handshake_timeout: float = 10.0
     max_no_progress_cycles: int = 3
     min_progress_iterations: int = 1
 
@@ -168,7 +169,7 @@ class FaultToleranceConfig(BaseModel):
             raise ValueError("must be a number of seconds >= 0")
         return float(v)
 
-    @field_validator("client_request_timeout", mode="before")
+    @field_validator("client_request_timeout", "handshake_timeout", mode="before")
     @classmethod
     def _positive_duration(cls, v: Any) -> Any:
         v = _number_words(v)

@@ -37,8 +37,9 @@ from ft_monitor.state import Phase, Session, SessionError
 
 log = logging.getLogger("ft_monitor.server")
 
-HELLO_TIMEOUT = 10.0
-"""A connection that has not completed its handshake by then is closed."""
+SOCKET_CHECK_INTERVAL = 2.0
+"""Seconds between checks that the socket file is still the daemon's."""
+
 
 
 class Connection(asyncio.Protocol):
@@ -65,7 +66,8 @@ class Connection(asyncio.Protocol):
                         cred.pid, cred.uid, os.geteuid())
             self.fail(wire.ErrorCode.FORBIDDEN, f"peer uid {cred.uid} differs from the monitor's uid {os.geteuid()}")
             return
-        self._hello_timer = asyncio.get_running_loop().call_later(HELLO_TIMEOUT, self._hello_expired)
+        self._hello_timer = asyncio.get_running_loop().call_later(self.daemon.config.handshake_timeout,
+                                                                  self._hello_expired)
 
     def data_received(self, data: bytes) -> None:
         if self.closing:
@@ -108,8 +110,9 @@ class Connection(asyncio.Protocol):
 
     def _hello_expired(self) -> None:
         if self.role is None and not self.closing:
-            log.warning("closing connection from pid %d: no handshake within %.0fs", self.pid, HELLO_TIMEOUT)
-            self.fail(wire.ErrorCode.PROTOCOL, f"no HELLO within {HELLO_TIMEOUT:.0f}s")
+            limit = self.daemon.config.handshake_timeout
+            log.warning("closing connection from pid %d: no handshake within %.1fs", self.pid, limit)
+            self.fail(wire.ErrorCode.PROTOCOL, f"no HELLO within {limit:.1f}s")
 
 
 class MonitorDaemon:
@@ -151,6 +154,7 @@ class MonitorDaemon:
         self._session_log: logging.Handler | None = None
         self.started_at = self.clock.now()
         self._server: asyncio.AbstractServer | None = None
+        self._socket_check: asyncio.TimerHandle | None = None
         self._inode = 0
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
@@ -173,12 +177,41 @@ class MonitorDaemon:
             raise ListenerError(f"cannot create report directory {self.report_dir}: {e.strerror}") from None
         loop = asyncio.get_running_loop()
         self._server = await loop.create_unix_server(lambda: Connection(self), sock=sock)
+        self._socket_check = loop.call_later(SOCKET_CHECK_INTERVAL, self._check_socket_file)
         log.info("monitor pid %d serving %s (reports in %s)", os.getpid(), self.socket_path, self.report_dir)
+
+    def _check_socket_file(self) -> None:
+        """A socket file removed under a running daemon (a cleanup script, a tmp reaper)
+        would keep every restarted rank out: listen on the path again."""
+        loop = asyncio.get_running_loop()
+        self._socket_check = loop.call_later(SOCKET_CHECK_INTERVAL, self._check_socket_file)
+        try:
+            if os.lstat(self.socket_path).st_ino == self._inode:
+                return
+            log.error("socket file %s was replaced by something else; not touching it", self.socket_path)
+            return
+        except FileNotFoundError:
+            pass
+        log.error("socket file %s was removed; listening on it again (connected ranks are unaffected)",
+                  self.socket_path)
+        try:
+            sock, self._inode = bind_unix_listener(self.socket_path)
+        except ListenerError as e:
+            log.error("cannot listen on %s again: %s", self.socket_path, e)
+            return
+        if self._server is not None:
+            self._server.close()
+        self._spawn(self._serve_again(sock))
+
+    async def _serve_again(self, sock: Any) -> None:
+        self._server = await asyncio.get_running_loop().create_unix_server(lambda: Connection(self), sock=sock)
 
     async def shutdown(self, reason: str) -> None:
         log.info("monitor shutting down: %s", reason)
         if self._server is not None:
             self._server.close()
+        if self._socket_check is not None:
+            self._socket_check.cancel()
         self._cancel_timer()
         pending = [t for t in self._tasks if not t.done()]
         if pending:

@@ -367,3 +367,47 @@ def test_training_goes_on_when_the_monitor_dies(workdir: Path, caplog: pytest.Lo
     finally:
         c.shutdown_workload_monitoring()
         d.stop()
+
+
+def test_rank_reconnects_on_its_own_to_a_restarted_monitor(workdir: Path) -> None:
+    first = Daemon(workdir, "--ft-rank-section-timeouts", "step:30").wait_ready()
+    c = RankMonitorClient(str(first.socket))
+    c.init_workload_monitoring()
+    try:
+        learned = c.timeouts.with_updates(rank_section_timeouts={"step": 7.5}, learned=frozenset({"section:step"}))
+        c.set_timeouts(learned)
+        c.start_section("step")
+        first.proc.send_signal(signal.SIGKILL)
+        first.proc.wait(10)
+        c.send_heartbeat()  # notices the loss (warning), keeps going
+        second = Daemon(workdir, "--ft-rank-section-timeouts", "step:30").wait_ready()
+        try:
+            def reconnected() -> dict | None:
+                c.send_heartbeat()  # reconnection is tried from the client's own calls, at most once a second
+                st = status(second.socket)
+                return st if st["connected"] else None
+
+            st = wait_until(reconnected, 20, "the client to reconnect", interval=0.1)
+            assert st["pid"] == os.getpid()
+            # the restarted monitor got the learned timeout and the open section back
+            assert st["timeouts"]["rank_section_timeouts"] == {"step": 7.5}
+            assert [s["name"] for s in st["open_sections"]] == ["step"]
+            c.end_section("step")
+        finally:
+            c.shutdown_workload_monitoring()
+            second.stop()
+    finally:
+        first.stop()
+
+
+def test_socket_file_removed_under_the_daemon_is_recreated(daemon: Daemon) -> None:
+    c = RankMonitorClient(str(daemon.socket))
+    c.init_workload_monitoring()
+    try:
+        os.unlink(daemon.socket)
+        daemon.wait_log("was removed; listening on it again")
+        wait_until(lambda: daemon.socket.exists(), 10, "the socket file to come back")
+        assert status(daemon.socket)["pid"] == os.getpid()  # the connected rank was not affected
+        c.send_heartbeat()
+    finally:
+        c.shutdown_workload_monitoring()

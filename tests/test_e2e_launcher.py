@@ -215,3 +215,17 @@ def test_two_nodes_hang_on_one_restarts_both_and_completes(workdir: Path) -> Non
     assert all(h["victim_of"] == 3 for h in hangs if h["rank"] != 3)
     both = a.output() + b.output()
     assert "finished 30 steps" in both and "resumed at step 10" in both
+
+
+def test_launcher_sigkill_takes_monitors_and_workers_down(workdir: Path) -> None:
+    la = Launcher(workdir, "--max-restarts", "3", train_args=("--steps", "100000"))
+    try:
+        wait_until(lambda: "timeouts in force" in la.output(), 120, "workers to start")
+        assert len(job_processes(la.marker)) >= 5
+        os.kill(la.proc.pid, signal.SIGKILL)  # the launcher alone: no chance to clean up
+        la.wait(30)
+        wait_until(lambda: job_processes(la.marker) == [], 30, "monitors and workers to exit")
+    finally:
+        la.kill()
+        for pid in job_processes(la.marker):
+            os.kill(pid, signal.SIGKILL)

@@ -102,6 +102,7 @@ class FtRuntime:
         return {
             ft_env.RANK_MONITOR_SOCKET: str(self.monitors.socket(local_rank)),
             ft_env.LAUNCHER_SOCKET: self.server.path,
+            ft_env.LAUNCHER_PID: str(os.getpid()),
         }
 
 

@@ -98,6 +98,16 @@ class Timeouts:
     def with_updates(self, **changes: Any) -> "Timeouts":
         return replace(self, **changes)
 
+    @classmethod
+    def from_config(cls, config: Any) -> "Timeouts":
+        """The timeouts a config (anything with the four timeout settings) puts in force."""
+        return cls(
+            initial_rank_heartbeat_timeout=config.initial_rank_heartbeat_timeout,
+            rank_heartbeat_timeout=config.rank_heartbeat_timeout,
+            rank_section_timeouts=dict(config.rank_section_timeouts),
+            rank_out_of_section_timeout=config.rank_out_of_section_timeout,
+        )
+
     # -- wire form -----------------------------------------------------------
     def to_wire(self) -> dict[str, Any]:
         return {

@@ -3,6 +3,11 @@
     ft-monitor serve  --socket PATH [--config FILE] [--loop auto|asyncio|uvloop] [--ft-<field> VALUE ...] [-- CMD ...]
     ft-monitor status --socket PATH [--json]
 
+`serve` checks its arguments and config (pydantic) in a helper process
+(`python -m ft_monitor.cli --check-serve ...`) while it imports the daemon, and
+runs the daemon from the validated result: the daemon never loads pydantic or
+yaml, which keeps it small and quick to start.
+
 Exit codes: 0 success; 1 runtime failure (socket in use, daemon unreachable);
 2 bad usage or configuration (one line naming the field, the value and the rule).
 """
@@ -17,13 +22,20 @@ import os
 import sys
 from typing import Any, Callable
 
-from ft_monitor.config import ConfigError, FaultToleranceConfig, add_config_flags, cli_overrides, load_config
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
 
 from ft_monitor.server_log import LOG_FORMAT
+
+
+CHECK_SERVE = "--check-serve"
+SETTINGS_MARKER = "ft-monitor-settings: "
+
+
+class UsageError(Exception):
+    pass
 
 
 def _new_loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop]:
@@ -35,11 +47,13 @@ def _new_loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop]:
             return uvloop.new_event_loop
         except ImportError:
             if name == "uvloop":
-                raise ConfigError("--loop uvloop: uvloop is not installed (pip install uvloop)") from None
+                raise UsageError("--loop uvloop: uvloop is not installed (pip install uvloop)") from None
     return asyncio.new_event_loop
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from ft_monitor.config import add_config_flags
+
     parser = argparse.ArgumentParser(prog="ft-monitor", description="Per-rank hang monitor for PyTorch training.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -64,9 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["serve"]:
+        return _serve(argv[1:])
+    if argv[:1] == [CHECK_SERVE]:
+        return _check_serve(argv[1:])
     args = build_parser().parse_args(argv)
-    if args.command == "serve":
-        return _serve(args)
     return _status(args)
 
 
@@ -77,26 +94,54 @@ def _configure_logging(level: int, log_file: str | None) -> None:
     logging.basicConfig(level=level, format=LOG_FORMAT, handlers=handlers, force=True)
 
 
-def _serve(args: argparse.Namespace) -> int:
-    from ft_monitor.listener import ListenerError
-    from ft_monitor.server import run_daemon
+def _check_serve(argv: list[str]) -> int:
+    """In the helper process: parse `serve`'s arguments, load and validate the config,
+    print the result as one JSON line (or the error, exit 2)."""
+    from ft_monitor.config import ConfigError, cli_overrides, load_config
 
-    _configure_logging(logging.INFO, args.log_file)
-    log = logging.getLogger("ft_monitor")
+    logging.basicConfig(level=logging.WARNING, format=LOG_FORMAT)
+    args = build_parser().parse_args(["serve", *argv])
     command = list(args.cmd)
     if command and command[0] == "--":
         command = command[1:]
     try:
-        config: FaultToleranceConfig = load_config(args.config, os.environ, cli_overrides(args), log=log)
-        loop_factory = _new_loop_factory(args.loop)
+        config = load_config(args.config, os.environ, cli_overrides(args), log=logging.getLogger("ft_monitor"))
     except ConfigError as e:
         print(f"ft-monitor: {e}", file=sys.stderr)
         return EXIT_USAGE
-    logging.getLogger().setLevel(config.log_level)
+    print(SETTINGS_MARKER + json.dumps({
+        "config": config.model_dump(mode="json"), "socket": args.socket, "loop": args.loop, "cmd": command,
+        "log_file": args.log_file, "launcher_socket": args.launcher_socket,
+    }))
+    return EXIT_OK
+
+
+def _serve(argv: list[str]) -> int:
+    import subprocess
+
+    checker = subprocess.Popen([sys.executable, "-m", "ft_monitor.cli", CHECK_SERVE, *argv],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    from ft_monitor import server  # imported while the checker works
+    from ft_monitor.listener import ListenerError
+    from ft_monitor.settings import Settings
+
+    out, err = checker.communicate()
+    sys.stderr.write(err)
+    if checker.returncode != 0 or not out.startswith(SETTINGS_MARKER):
+        sys.stdout.write(out)  # --help lands here
+        return checker.returncode
+    checked = json.loads(out[len(SETTINGS_MARKER):])
+    settings = Settings(checked["config"])
+    _configure_logging(settings.log_level, checked["log_file"])
+    try:
+        loop_factory = _new_loop_factory(checked["loop"])
+    except UsageError as e:
+        print(f"ft-monitor: {e}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         with asyncio.Runner(loop_factory=loop_factory) as runner:
-            return runner.run(run_daemon(config, args.socket, command=command or None,
-                                         launcher_socket=args.launcher_socket))
+            return runner.run(server.run_daemon(settings, checked["socket"], command=checked["cmd"] or None,
+                                                launcher_socket=checked["launcher_socket"]))
     except ListenerError as e:
         print(f"ft-monitor: {e}", file=sys.stderr)
         return EXIT_FAILURE

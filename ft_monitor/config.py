@@ -247,12 +247,7 @@ class FaultToleranceConfig(BaseModel):
     # -- derived -------------------------------------------------------------
     def timeouts(self) -> Timeouts:
         """The timeouts this config puts in force, none of them learned."""
-        return Timeouts(
-            initial_rank_heartbeat_timeout=self.initial_rank_heartbeat_timeout,
-            rank_heartbeat_timeout=self.rank_heartbeat_timeout,
-            rank_section_timeouts=dict(self.rank_section_timeouts),
-            rank_out_of_section_timeout=self.rank_out_of_section_timeout,
-        )
+        return Timeouts.from_config(self)
 
 
 _TRUE = {"true", "1", "yes", "on"}

@@ -196,7 +196,10 @@ class HangExecutor:
         target.send(term)
         case.actions.append(f"sent SIGCONT+{term.name} to {target}")
         log.warning("rank %d: sent %s to %s, grace %.1fs", rank, term.name, target, self.termination_grace_time)
+        deadline = self.clock.now() + self.termination_grace_time
         exited = await wait_for_exit(proc, self.termination_grace_time)
+        while exited and target.any_left() and self.clock.now() < deadline:
+            await asyncio.sleep(_POLL)  # the rank is gone; give its children the rest of the grace
         if exited and not target.any_left():
             case.terminated_by = term.name
             target.close()

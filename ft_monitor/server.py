@@ -22,7 +22,6 @@ from typing import Any
 from ft_client import wire
 from ft_client.timeouts import Timeouts, TimeoutsError
 from ft_monitor.clock import Clock, SystemClock, to_wall
-from ft_monitor.config import FaultToleranceConfig
 from ft_monitor.executor import HangCase, HangExecutor, wait_for_exit
 from ft_monitor.listener import ListenerError, bind_unix_listener, remove_socket_file
 from ft_monitor.policy import Hang, check, next_deadline
@@ -33,6 +32,7 @@ from ft_monitor.procinfo import (
     zombie_exit_status,
 )
 from ft_monitor.server_log import LOG_FORMAT
+from ft_monitor.settings import Settings
 from ft_monitor.state import Phase, Session, SessionError
 
 log = logging.getLogger("ft_monitor.server")
@@ -118,7 +118,7 @@ class Connection(asyncio.Protocol):
 class MonitorDaemon:
     def __init__(
         self,
-        config: FaultToleranceConfig,
+        config: Settings,
         socket_path: str | os.PathLike[str],
         *,
         clock: Clock | None = None,
@@ -566,7 +566,7 @@ _RANK_HANDLERS: dict[type, Any] = {
 
 
 async def run_daemon(
-    config: FaultToleranceConfig,
+    config: Settings,
     socket_path: str | os.PathLike[str],
     *,
     command: list[str] | None = None,

@@ -30,7 +30,7 @@ import pytest
 import yaml
 
 from ft_monitor import cli
-from ft_monitor.config import FIELDS, FaultToleranceConfig, load_config
+from ft_monitor.config import FIELDS, FaultToleranceConfig, cli_overrides, load_config
 from ft_monitor.launcher import exit_codes
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -379,7 +379,7 @@ def test_systemd_execstart_is_a_valid_serve_command() -> None:
     assert args.command == "serve"
     assert args.socket == "/run/ft-monitor/rank0.sock"
     assert args.config == "/etc/ft-monitor/ft.yaml"
-    cfg = load_config(None, NO_ENV, cli.cli_overrides(args))
+    cfg = load_config(None, NO_ENV, cli_overrides(args))
     assert cfg.report_dir is not None
     svc = unit()["Service"]
     writable = [p.lstrip("-") for p in svc["ReadWritePaths"].split()] + ["/var/lib/" + svc["StateDirectory"]]

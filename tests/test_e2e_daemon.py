@@ -94,7 +94,6 @@ def test_data_loader_children_die_with_the_rank(daemon: Daemon) -> None:
     rank = Rank("children", daemon.socket)
     try:
         child = int(rank.wait_line("child pid=").split("=")[1])
-        assert pid_alive(child)
         rank.wait(30)
         wait_until(lambda: not pid_alive(child), 10, "the data-loader child to die")
     finally:

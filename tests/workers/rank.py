@@ -47,6 +47,29 @@ def spawn_data_loader_child() -> int:
     return pid
 
 
+def spawn_stubborn_child(*, ignore_term: bool = False, own_session: bool = False) -> int:
+    """A data-loader-like child that may ignore SIGTERM or leave the rank's process
+    group (setsid); returns once the child has done so, so no signal races its setup."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(r)
+            if ignore_term:
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            if own_session:
+                os.setsid()
+            os.write(w, b"x")
+            os.close(w)
+            time.sleep(600)
+        finally:
+            os._exit(0)
+    os.close(w)
+    os.read(r, 1)
+    os.close(r)
+    return pid
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("scenario")
@@ -76,6 +99,15 @@ def main() -> None:
     elif s == "children":
         child = spawn_data_loader_child()
         say(f"child pid={child}")
+        client.start_section("step")
+        hang_in_sleep()
+    elif s == "children-ignore-term":
+        for _ in range(2):
+            say(f"child pid={spawn_stubborn_child(ignore_term=True)}")
+        client.start_section("step")
+        hang_in_sleep()
+    elif s == "child-own-session":
+        say(f"child pid={spawn_stubborn_child(own_session=True)}")
         client.start_section("step")
         hang_in_sleep()
     elif s == "ignore-term":

@@ -22,8 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from ft_client import wire
-from ft_client.transport import TransportError, connect
+from ft_client import observer
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -143,16 +142,7 @@ def resolve_loop(name: str) -> str:
 
 
 def ping(sock: Path, timeout: float = 1.0) -> bool:
-    try:
-        t, _ = connect(str(sock), timeout, wire.Role.OBSERVER, -1)
-    except (OSError, TransportError):
-        return False
-    try:
-        return isinstance(t.request(wire.PING), wire.Pong)
-    except TransportError:
-        return False
-    finally:
-        t.close()
+    return observer.ping(str(sock), timeout)
 
 
 def wait_until(predicate: Any, timeout: float, what: str, interval: float = 0.001) -> Any:

@@ -148,25 +148,15 @@ def _serve(argv: list[str]) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from ft_client import wire
-    from ft_client.transport import TransportError, connect
+    from ft_client.observer import status
+    from ft_client.transport import TransportError
 
     try:
-        t, _ = connect(args.socket, args.timeout, wire.Role.OBSERVER, -1)
-        try:
-            reply = t.request(wire.STATUS)
-        finally:
-            t.close()
+        st = status(args.socket, args.timeout)
     except (OSError, TransportError) as e:
         print(f"ft-monitor: no monitor answers at {args.socket}: {e}", file=sys.stderr)
         return EXIT_FAILURE
-    if not isinstance(reply, wire.StatusReply):
-        print(f"ft-monitor: unexpected reply {reply!r}", file=sys.stderr)
-        return EXIT_FAILURE
-    if args.json:
-        print(json.dumps(reply.status, indent=2, sort_keys=True))
-    else:
-        print(format_status(reply.status))
+    print(json.dumps(st, indent=2, sort_keys=True) if args.json else format_status(st))
     return EXIT_OK
 
 

@@ -17,8 +17,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
-from ft_client import wire
-from ft_client.transport import TransportError, connect
+from ft_client import observer
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKERS = ROOT / "tests" / "workers"
@@ -45,26 +44,11 @@ def short_tmpdir() -> Path:
 
 
 def ping(sock_path: Path, timeout: float = 1.0) -> bool:
-    try:
-        t, _ = connect(str(sock_path), timeout, wire.Role.OBSERVER, -1)
-    except (OSError, TransportError):
-        return False
-    try:
-        return isinstance(t.request(wire.PING), wire.Pong)
-    except TransportError:
-        return False
-    finally:
-        t.close()
+    return observer.ping(str(sock_path), timeout)
 
 
 def status(sock_path: Path) -> dict[str, Any]:
-    t, _ = connect(str(sock_path), 5.0, wire.Role.OBSERVER, -1)
-    try:
-        reply = t.request(wire.STATUS)
-    finally:
-        t.close()
-    assert isinstance(reply, wire.StatusReply), reply
-    return reply.status
+    return observer.status(str(sock_path))
 
 
 class Daemon:

@@ -19,8 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ft_client import wire
-from ft_client.transport import TransportError, connect
+from ft_client.observer import ping, try_status
 
 log = logging.getLogger("ft_monitor.launcher")
 
@@ -33,21 +32,6 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except (OSError, AttributeError):
         pass
-
-
-def query(socket_path: str | os.PathLike[str], timeout: float = 2.0) -> dict[str, Any] | None:
-    """A daemon's STATUS, or None if it does not answer."""
-    try:
-        t, _ = connect(str(socket_path), timeout, wire.Role.OBSERVER, -1)
-    except (OSError, TransportError):
-        return None
-    try:
-        reply = t.request(wire.STATUS)
-        return reply.status if isinstance(reply, wire.StatusReply) else None
-    except TransportError:
-        return None
-    finally:
-        t.close()
 
 
 class MonitorPool:
@@ -86,7 +70,7 @@ class MonitorPool:
             if proc.poll() is not None:
                 raise RuntimeError(f"monitor for local rank {local_rank} exited with {proc.returncode} at start; "
                                    f"see {self.log_path(local_rank)}:\n{self._tail(local_rank)}")
-            if query(self.socket(local_rank), 1.0) is not None:
+            if ping(str(self.socket(local_rank)), 1.0):
                 return
             time.sleep(0.01)
         raise RuntimeError(f"monitor for local rank {local_rank} not ready within {READY_TIMEOUT:.0f}s; "
@@ -111,7 +95,7 @@ class MonitorPool:
             log.warning("ft-launcher: monitor for local rank %d restarted as pid %d", lr, self.procs[lr].pid)
 
     def statuses(self) -> dict[int, dict[str, Any] | None]:
-        return {lr: query(self.socket(lr)) for lr in range(self.nproc)}
+        return {lr: try_status(str(self.socket(lr))) for lr in range(self.nproc)}
 
     def stop(self, grace: float = 5.0) -> None:
         for proc in self.procs.values():

@@ -102,8 +102,8 @@ def main() -> None:
         client.start_section("step")
         hang_in_sleep()
     elif s == "children-ignore-term":
-        for _ in range(2):
-            say(f"child pid={spawn_stubborn_child(ignore_term=True)}")
+        pids = [spawn_stubborn_child(ignore_term=True) for _ in range(2)]
+        say(f"children pids={','.join(map(str, pids))}")
         client.start_section("step")
         hang_in_sleep()
     elif s == "child-own-session":

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import replace
 import os
 import signal
 import threading
@@ -394,7 +395,11 @@ class RankMonitorClient:
         """Learned timeouts and the observations behind them: plain JSON data, the same
         on every rank after a calculate_and_set_* call. Put it in the checkpoint."""
         with self._lock:
-            return to_state_dict(self._timeouts, self._observed, self._safety_factor, self._iteration)
+            # every listed section appears (null until observed), so the layout is known
+            # from the config alone: torch.distributed.checkpoint loads into this layout
+            listed = {n: None for n in self._timeouts.rank_section_timeouts if n != WARMUP_SECTION}
+            observed = replace(self._observed, sections={**listed, **self._observed.sections})
+            return to_state_dict(self._timeouts, observed, self._safety_factor, self._iteration)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Put learned timeouts from a checkpoint in force (before or after

@@ -410,3 +410,12 @@ def test_socket_file_removed_under_the_daemon_is_recreated(daemon: Daemon) -> No
         c.send_heartbeat()
     finally:
         c.shutdown_workload_monitoring()
+
+
+def test_import_ft_client_stays_light() -> None:
+    code = ("import sys; import ft_client; from ft_client import RankMonitorClient; "
+            "heavy = [m for m in ('torch', 'asyncio', 'uvloop', 'pydantic', 'yaml') if m in sys.modules]; "
+            "print(','.join(heavy))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == ""

@@ -155,7 +155,7 @@ def test_no_progress_stops_restarting_early(workdir: Path) -> None:
 
 
 def test_workload_shutdown_request_stops_without_restart(workdir: Path) -> None:
-    la = Launcher(workdir, "--max-restarts", "3", train_args=("--shutdown-at", "3"))
+    la = Launcher(workdir, "--max-restarts", "3", train_args=("--control", "3:ShutdownWorkload"))
     try:
         assert la.wait() == exit_codes.SHUTDOWN_REQUESTED, la.output()
     finally:
@@ -163,6 +163,17 @@ def test_workload_shutdown_request_stops_without_restart(workdir: Path) -> None:
     out = la.output()
     assert "requests ShutdownWorkload" in out
     assert "attempt 1" not in out
+
+
+def test_exclude_this_node_stops_this_node_with_its_own_exit_code(workdir: Path) -> None:
+    la = Launcher(workdir, "--max-restarts", "3", train_args=("--control", "3:ExcludeThisNode"))
+    try:
+        assert la.wait() == exit_codes.NODE_EXCLUDED, la.output()
+    finally:
+        la.kill()
+    out = la.output()
+    assert "requests ExcludeThisNode" in out and "attempt 1" not in out
+    assert "asked to exclude this node" in la.summary()["outcome"]
 
 
 def test_launcher_sigterm_leaves_no_process_of_the_job(workdir: Path) -> None:

@@ -109,7 +109,7 @@ def test_rank_killed_just_before_its_deadline_is_never_signalled(workdir: Path) 
         # Nothing must happen at the deadline: let the clock pass it (plus dump and grace time).
         wait_until(lambda: time.monotonic() > deadline + 0.5, 10, "the former deadline to pass")
         log = d.log()
-        assert "hang detected" not in log and "sent SIGTERM" not in log and "SIGKILL" not in log, log
+        assert "hang detected" not in log and "sent SIGTERM" not in log and "sent SIGKILL" not in log, log
         assert status(d.socket)["hangs_detected"] == 0
         assert bystander.poll() is None, "an unrelated process was killed"
         assert list(d.report_dir.glob("*-hang.json")) == []
@@ -153,7 +153,7 @@ def test_child_in_its_own_session_does_not_survive_the_hang(workdir: Path) -> No
         children = [int(rank.wait_line("child pid=").split("=")[1])]
         assert rank.wait(30) == -signal.SIGTERM
         hang_report(d, rank.proc.pid)
-        wait_until(lambda: not pid_alive(children[0]), 2.0, "the child to die")
+        wait_until(lambda: not pid_alive(children[0]), 1.5, "the child to die")
     finally:
         rank.kill()
         kill_all(children)
@@ -195,7 +195,7 @@ def test_unwritable_report_still_detects_kills_and_logs(report_path_is_a_directo
 
 
 @pytest.mark.xfail(strict=True, reason="HangExecutor.write_report leaves its mkstemp file (.report-*) behind "
-                                       "whenever os.replace or the write fails: one per attempt, 4 per hang")
+                                       "whenever os.replace or the write fails: one per failed write, several per hang")
 def test_unwritable_report_leaves_no_temporary_files(report_path_is_a_directory: dict[str, Any]) -> None:
     r = report_path_is_a_directory
     assert [f for f in r["files"] if f.startswith(".report-")] == [], r["files"]
@@ -220,13 +220,12 @@ def test_full_file_system_still_detects_kills_and_logs(workdir: Path) -> None:
         d = Daemon(workdir, "--ft-rank-section-timeouts", "step:0.5", *QUICK).wait_ready()
         rank = Rank("sleep", d.socket)
         rank.wait_line("connected pid=")  # its stack-dump file exists; now fill the disk
-        with open(reports / "filler", "wb") as f:
-            try:
+        try:
+            with open(reports / "filler", "wb", buffering=0) as f:
                 while True:
                     f.write(b"\0" * 4096)
-                    f.flush()
-            except OSError:
-                pass
+        except OSError:
+            pass  # full
         assert rank.wait(30) == -signal.SIGTERM
         log = d.wait_log("rank 0: sent SIGTERM")
         assert "hang detected: rank=0" in log

@@ -31,7 +31,8 @@ if __name__ == "__main__":
         os.execv(str(VENV_PY), [str(VENV_PY), *sys.argv])  # the project's interpreter, wherever we were started
     sys.path.insert(0, str(ROOT))
 
-from bench import client_cost, detection, import_time, ingest, stalled, startup  # noqa: E402
+from bench import (client_cost, detection, import_time, ingest, restart, stalled, startup,  # noqa: E402
+                   step_overhead)
 from bench.harness import Figure, Mode, resolve_loop  # noqa: E402
 
 # name -> (runs once per loop?, runner)
@@ -42,6 +43,8 @@ BENCHMARKS: dict[str, tuple[bool, Callable[..., list[Figure]]]] = {
     "stalled": (False, stalled.run),
     "ingest": (True, ingest.run),
     "detection": (False, detection.run),
+    "restart": (False, lambda mode, loop: restart.run(mode)),  # the launcher's daemons pick their own loop
+    "step_overhead": (False, step_overhead.run),
 }
 
 
@@ -190,6 +193,8 @@ def _fmt(v: float | None, unit: str) -> str:
         return f"{v:.2f} us" if v < 100 else f"{v:.0f} us"
     if unit == "ms":
         return f"{v:.1f} ms"
+    if unit == "s":
+        return f"{v:.2f} s"
     if unit == "MB":
         return f"{v:.1f} MB"
     return f"{v:g} {unit}".strip()

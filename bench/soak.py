@@ -49,7 +49,7 @@ HEARTBEAT_TIMEOUT = 2.0
 TICK = 0.01
 CHECK_EVERY = 2.0
 QUIET_END = 3.0
-"""No injection and no restart in the last seconds, so every hang is handled before the end."""
+"""No injection in the last seconds, so every hang is handled (and the rank restarted) before the end."""
 
 
 # -- rank side ----------------------------------------------------------------------------------
@@ -131,12 +131,12 @@ def fd_count(pid: int) -> int:
 
 
 class Pair:
-    def __init__(self, i: int, base: Path, args: argparse.Namespace, until: float) -> None:
+    def __init__(self, i: int, base: Path, args: argparse.Namespace) -> None:
         from bench.harness import Daemon
 
         self.i = i
         self.args = args
-        self.until = until
+        self.until = 0.0  # time.time() at which the ranks stop; set once every daemon serves
         self.reports = base / f"reports{i}"
         self.journal = base / f"journal{i}.jsonl"
         self.worker_log = open(base / f"worker{i}.log", "a")
@@ -188,18 +188,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from bench.harness import cleanup, private_dir, wait_until
 
     base = private_dir()
-    t0 = time.time()
-    until = t0 + args.seconds
-    pairs = [Pair(i, base, args, until) for i in range(args.pairs)]
+    pairs = [Pair(i, base, args) for i in range(args.pairs)]
     try:
         for p in pairs:
             p.daemon.wait_ready()
+        until = time.time() + args.seconds  # the run counts from when every daemon serves
         for p in pairs:
+            p.until = until
             p.start_rank()
         started = time.monotonic()
         next_sample = started
         while time.time() < until:
-            restart = time.time() < until - QUIET_END
+            restart = time.time() < until - 1.0  # a rank started now still runs and checks before the end
             for p in pairs:
                 p.poll(restart)
             if time.monotonic() >= next_sample:
@@ -261,7 +261,7 @@ def judge(pairs: list[Pair], args: argparse.Namespace, elapsed: float) -> dict[s
         injected_hangs |= hangs
         sent_total += sum(e.get("sent", 0) for e in last.values())
 
-        def reports_done() -> list[dict[str, Any]] | None:
+        def reports_done() -> tuple[list[dict[str, Any]]] | None:
             out = []
             for f in p.reports.glob("*-hang.json"):
                 try:
@@ -271,10 +271,10 @@ def judge(pairs: list[Pair], args: argparse.Namespace, elapsed: float) -> dict[s
                 if not data.get("terminated_by"):
                     return None
                 out.append(data)
-            return out if len(out) >= len(hangs) else None
+            return (out,) if len(out) >= len(hangs) else None  # a tuple: an empty list is an answer too
 
         try:
-            reports = wait_until(reports_done, 10, f"pair {p.i}'s hang reports")
+            (reports,) = wait_until(reports_done, 10, f"pair {p.i}'s hang reports")
         except RuntimeError:
             reports = [json.loads(f.read_text()) for f in p.reports.glob("*-hang.json")]
         reports_total += len(reports)

@@ -57,8 +57,9 @@ def main() -> None:
     p.add_argument("--step-time", type=float, default=0.05, help="extra seconds of 'work' per step")
     p.add_argument("--hang", default=os.environ.get("FT_DEMO_HANG"), help="rank=R,step=S,attempt=A")
     p.add_argument("--crash", default=None, help="rank=R,step=S,attempt=A: raise an error there")
-    p.add_argument("--control", default=None, metavar="STEP:ACTION",
-                   help="rank 0 sends a workload control request (ShutdownWorkload, ExcludeThisNode) at STEP")
+    p.add_argument("--control", default=os.environ.get("FT_DEMO_CONTROL"), metavar="STEP:ACTION",
+                   help="local rank 0 sends a workload control request (ShutdownWorkload, ExcludeThisNode) at "
+                        "STEP of the first attempt (or env FT_DEMO_CONTROL, e.g. set for one node only)")
     args = p.parse_args()
 
     dist.init_process_group("gloo")
@@ -101,9 +102,11 @@ def main() -> None:
         client.send_heartbeat()
         if crash and (rank, step) == (crash["rank"], crash["step"]) and crash["attempt"] in (attempt, -1):
             raise RuntimeError(f"rank {rank} crashed at step {step} (on purpose)")
-        if args.control and rank == 0 and step == int(args.control.split(":")[0]):
-            client.send_workload_control_request(args.control.split(":")[1], f"demo: requested at step {step}")
-            time.sleep(3600)  # the launcher stops us
+        if args.control and attempt == 0:
+            at, action = args.control.split(":")
+            if step == int(at) and os.environ.get("LOCAL_RANK") == "0":
+                client.send_workload_control_request(action, f"demo: requested at step {step}")
+                time.sleep(3600)  # the launcher stops us
         if (step + 1) % args.ckpt_every == 0:
             # Learn timeouts from what every rank observed (a collective); not
             # enough data yet (no checkpoint section completed) is not an error.

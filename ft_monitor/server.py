@@ -41,7 +41,6 @@ SOCKET_CHECK_INTERVAL = 2.0
 """Seconds between checks that the socket file is still the daemon's."""
 
 
-
 class Connection(asyncio.Protocol):
     """One client connection: frames in, messages to the daemon, replies out."""
 
@@ -161,7 +160,6 @@ class MonitorDaemon:
         self._tasks: set[asyncio.Task[Any]] = set()
         self.children: dict[int, asyncio.Future[int]] = {}
         """pid -> wait status (when known) of processes this daemon started (`serve -- CMD`)."""
-        self.hang_handled = asyncio.Event()
         self.no_rank = asyncio.Event()
         """Set while no rank is connected."""
         self.no_rank.set()
@@ -427,10 +425,13 @@ class MonitorDaemon:
         self._spawn(self._handle_hang(case))
 
     async def _handle_hang(self, case: HangCase) -> None:
-        await self.executor.handle(case)
-        self.hang_handled.set()
-        if self.rank_conn is None:
-            self._close_session_log()
+        try:
+            await self.executor.handle(case)
+        finally:
+            if self.process is not case.process:  # the hung rank's connection is gone
+                case.process.close()
+            if self.rank_conn is None:
+                self._close_session_log()
 
     # -- disconnects -----------------------------------------------------------
     def disconnected(self, conn: Connection) -> None:
@@ -453,8 +454,7 @@ class MonitorDaemon:
                 proc.close()
             self._close_session_log()
         elif phase is Phase.HUNG:
-            log.info("rank %d pid %d (hung) disconnected", s.rank, s.pid)
-            # the hang task still uses the process handle; it is closed with the daemon
+            log.info("rank %d pid %d (hung) disconnected", s.rank, s.pid)  # its hang task closes the handle
         else:
             assert proc is not None
             self._spawn(self._report_exit(s, proc))

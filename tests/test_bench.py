@@ -25,6 +25,10 @@ EXPECTED_IDS = {
     "ingest.one", "ingest.one.no_loss", "ingest.pairs", "ingest.pairs.no_loss",
     "detect.heartbeat.default", "detect.section.default", "detect.out_of_section.default",
     "detect.heartbeat.no_dump", "detect.section.no_dump", "detect.out_of_section.no_dump",
+    "restart.total", "restart.total_minus_first_step", "restart.detection", "restart.dump_wait",
+    "restart.notify", "restart.to_stop", "restart.stop", "restart.rendezvous", "restart.worker_start",
+    "restart.first_step",
+    *(f"step.{v}.{k}" for v in ("b2b", "gap") for k in ("bare", "client", "calls", "noise", "overhead")),
 }
 CLIENT_KEYS = {"heartbeat.b2b", "section.b2b", "unmonitored.b2b", "heartbeat.paced", "section.paced",
                "unmonitored.paced", "ping.b2b", "set_timeouts.b2b", "ping.paced"}
@@ -34,7 +38,7 @@ CLIENT_KEYS = {"heartbeat.b2b", "section.b2b", "unmonitored.b2b", "heartbeat.pac
 def test_smoke_run_writes_the_expected_json(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "run.py"), "--smoke", "--out", str(out)],
-                          capture_output=True, text=True, cwd=ROOT, timeout=110)
+                          capture_output=True, text=True, cwd=ROOT, timeout=180)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("| what | median | p99 | min-max | target | met? |"), proc.stdout
 
@@ -50,6 +54,10 @@ def test_smoke_run_writes_the_expected_json(tmp_path: Path) -> None:
     assert EXPECTED_IDS <= ids, EXPECTED_IDS - ids
     client = {i.split(".", 2)[2] for i in ids if i.startswith("client.")}
     assert CLIENT_KEYS <= client, CLIENT_KEYS - client
+    by_id = {f["id"]: f for f in figures}
+    restart = by_id["restart.total"]  # one real ft-launcher run with a hang and a restart
+    assert restart["n"] == 1 and restart["details"]["launcher_line_matches_json"] == [True], restart
+    assert all(by_id[f"step.{v}.overhead"]["n"] >= 1 for v in ("b2b", "gap"))
     measured = [f for f in figures if f["n"]]
     assert all(f["median"] is not None and f["min"] <= f["median"] <= f["max"] for f in measured)
 

@@ -40,7 +40,7 @@ class Launcher:
     """An ft-launcher process; everything it starts inherits a unique marker in its environment."""
 
     def __init__(self, workdir: Path, *args: str, train_args: tuple[str, ...] = (), name: str = "launcher",
-                 launcher_flags: tuple[str, ...] = ("--standalone",)) -> None:
+                 launcher_flags: tuple[str, ...] = ("--standalone",), env: dict[str, str] | None = None) -> None:
         self.marker = uuid.uuid4().hex
         self.out_path = workdir / f"{name}.out"
         self.summary_path = workdir / f"{name}-summary.json"
@@ -50,7 +50,8 @@ class Launcher:
                 TRAIN, "--ckpt-dir", str(workdir / "ckpt"), *train_args]
         self._out = open(self.out_path, "w")
         self.proc = subprocess.Popen(argv, stdout=self._out, stderr=subprocess.STDOUT, cwd=ROOT,
-                                     env={**os.environ, "FT_TEST_MARKER": self.marker}, start_new_session=True)
+                                     env={**os.environ, **(env or {}), "FT_TEST_MARKER": self.marker},
+                                     start_new_session=True)
 
     def wait(self, timeout: float = 240) -> int:
         try:
@@ -240,3 +241,29 @@ def test_launcher_sigkill_takes_monitors_and_workers_down(workdir: Path) -> None
         la.kill()
         for pid in job_processes(la.marker):
             os.kill(pid, signal.SIGKILL)
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_excluded_node_leaves_and_the_other_continues(workdir: Path) -> None:
+    port = _free_port()
+    common = ("--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+              "--rdzv-id", "ft-exclude")
+    # node A starts first and hosts the rendezvous store (a node hosting it cannot leave)
+    a = Launcher(workdir, "--max-restarts", "2", train_args=("--steps", "20"), name="nodeA", launcher_flags=common)
+    b = None
+    try:
+        wait_until(lambda: _listening(port), 60, "node A's rendezvous store")
+        b = Launcher(workdir, "--max-restarts", "2", train_args=("--steps", "20"), name="nodeB",
+                     launcher_flags=common, env={"FT_DEMO_CONTROL": "3:ExcludeThisNode"})
+        assert b.wait() == exit_codes.NODE_EXCLUDED, b.output()
+        assert a.wait() == exit_codes.SUCCESS, a.output()
+    finally:
+        a.kill()
+        if b is not None:
+            b.kill()
+    assert "requests ExcludeThisNode" in b.output()
+    assert "attempt 1: finished 20 steps" in a.output()

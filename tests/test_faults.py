@@ -337,8 +337,6 @@ def test_cycles_leave_no_threads_children_or_memory_behind(hang_cycles: dict[str
     assert last["rss_kb"] - first["rss_kb"] < 2048, (first, last)
 
 
-@pytest.mark.xfail(strict=True, reason="one pidfd leaks per hang: MonitorDaemon.disconnected leaves a hung "
-                                       "session's ProcessHandle open ('closed with the daemon') and nothing closes it")
 def test_cycles_leave_no_file_descriptors_behind(hang_cycles: dict[str, Any]) -> None:
     first, last = hang_cycles["first"], hang_cycles["last"]
     assert last["fds"] == first["fds"], (first, last)

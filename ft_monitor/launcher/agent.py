@@ -12,9 +12,10 @@ Overrides only what the monitors need, and calls torch for everything else:
   left of each worker's process group after torch's stop is SIGKILLed;
 * `_rendezvous`: timed, for the restart breakdown.
 
-Checked against torch 2.13 (the agent API it relies on is unchanged across
-torch 2.x: `_start_workers`, `_monitor_workers`, `_stop_workers`, `_rendezvous`,
-`_remaining_restarts`, `_pcontext`, `start_processes(envs=...)`).
+Checked with torch 2.13.0. It relies on these agent internals, which torch 2.x
+has kept: `_start_workers`, `_monitor_workers`, `_stop_workers`, `_rendezvous`,
+`_remaining_restarts`, `_pcontext`, `start_processes(envs=...)` in
+local_elastic_agent, and `LocalElasticAgent` as a global of launcher/api.py.
 """
 
 from __future__ import annotations
@@ -183,9 +184,13 @@ class FtLocalElasticAgent(_lea.LocalElasticAgent):
         if event.action is WorkloadAction.ShutdownWorkload:
             self._publish_shutdown(wg, f"rank {event.rank}: {event.reason}")
             return self._stop_for_good(wg, exit_codes.SHUTDOWN_REQUESTED,
-                                       f"workload shutdown requested by rank {event.rank}: {event.reason}")
+                                       f"workload shutdown requested by rank {event.rank}: {event.reason}",
+                                       event.rank)
+        # Leaving must not close the rendezvous (torch closes it when an agent ends
+        # normally), or the other nodes could not go on without this one.
+        wg.spec.rdzv_handler.shutdown = lambda: True  # type: ignore[method-assign]
         return self._stop_for_good(wg, exit_codes.NODE_EXCLUDED,
-                                   f"rank {event.rank} asked to exclude this node: {event.reason}")
+                                   f"rank {event.rank} asked to exclude this node: {event.reason}", event.rank)
 
     def _on_hang(self, wg: WorkerGroup, notice: dict[str, Any]) -> RunResult | None:
         worker = next((w for w in wg.workers if w.id == notice["pid"]), None)
@@ -256,11 +261,11 @@ class FtLocalElasticAgent(_lea.LocalElasticAgent):
             log.error("ft-launcher: %s; not restarting again", self.ft.outcome_message)
             self._remaining_restarts = 0
 
-    def _stop_for_good(self, wg: WorkerGroup, code: int, message: str) -> RunResult:
+    def _stop_for_good(self, wg: WorkerGroup, code: int, message: str, rank: int | None = None) -> RunResult:
         self.ft.outcome = code
         self.ft.outcome_message = message
         self._remaining_restarts = 0
-        worker = wg.workers[0]
+        worker = next((w for w in wg.workers if w.global_rank == rank), wg.workers[0])
         failure = ProcessFailure(local_rank=worker.local_rank, pid=worker.id, exitcode=0, error_file="<N/A>")
         failure.message = message
         return RunResult(state=WorkerState.FAILED, failures={worker.global_rank: failure})
@@ -299,8 +304,7 @@ class FtLocalElasticAgent(_lea.LocalElasticAgent):
         if timing is not None:
             timing.stop_began = time.time()
         if self._pcontext is not None:
-            grace = max(1, int(round(self.ft.config.termination_grace_time)))
-            self._pcontext.close(signal.SIGTERM, grace)
+            self._pcontext.close(signal.SIGTERM, self.ft.config.termination_grace_time)  # type: ignore[arg-type]
         kill_leftover_groups(self.ft.worker_pgids)
         super()._stop_workers(worker_group, *args, **kwargs)
         if timing is not None:

@@ -114,9 +114,9 @@ def launch(args: argparse.Namespace, config: FaultToleranceConfig, monitor_args:
     except SignalException as e:
         log.warning("ft-launcher: stopped by %s", e.sigval.name)
         code = 128 + int(e.sigval)
-    except RuntimeError as e:
-        log.error("ft-launcher: %s", e)
-        code = exit_codes.LAUNCHER_ERROR
+    except Exception as e:  # noqa: BLE001 - rendezvous errors, monitors that cannot start: one clear line
+        log.error("ft-launcher: %s: %s", type(e).__name__, e)
+        code = ft.outcome if ft.outcome is not None else exit_codes.LAUNCHER_ERROR
     finally:
         kill_leftover_groups(ft.worker_pgids)
         monitors.stop(config.termination_grace_time)
@@ -150,7 +150,9 @@ def _print_summary(ft: Any, code: int) -> None:
         b = timing.breakdown()
         delay = hang.get("elapsed_s", 0.0) - hang.get("timeout_s", 0.0)
         lines.append(f"  attempt {hang['attempt']}: rank {hang['rank']} (local rank {hang['local_rank']}, pid "
-                     f"{hang['pid']}) hung: {hang['message']}; caught {delay * 1000:.0f} ms after its timeout")
+                     f"{hang['pid']}) hung: {hang['message']}; caught {delay * 1000:.1f} ms after its timeout")
+        if hang.get("victim_of") is not None:
+            lines.append(f"    it was waiting for rank {hang['victim_of']} (another node), which hung first")
         if hang.get("stack_dump_captured"):
             lines.append(f"    stack dump: {hang['stack_dump']}")
         lines.append(f"    error file: {hang['error_file']}")

@@ -31,6 +31,8 @@ from ft_monitor.server_log import LOG_FORMAT
 
 
 CHECK_SERVE = "--check-serve"
+RUN_CHECKED = "--run-checked"
+"""`ft-monitor --run-checked FILE`: serve from settings already validated (ft-launcher)."""
 SETTINGS_MARKER = "ft-monitor-settings: "
 
 
@@ -83,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
         return _serve(argv[1:])
     if argv[:1] == [CHECK_SERVE]:
         return _check_serve(argv[1:])
+    if argv[:1] == [RUN_CHECKED] and len(argv) == 2:
+        with open(argv[1]) as f:
+            return _run_checked(json.load(f))
     args = build_parser().parse_args(argv)
     return _status(args)
 
@@ -109,11 +114,17 @@ def _check_serve(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"ft-monitor: {e}", file=sys.stderr)
         return EXIT_USAGE
-    print(SETTINGS_MARKER + json.dumps({
-        "config": config.model_dump(mode="json"), "socket": args.socket, "loop": args.loop, "cmd": command,
-        "log_file": args.log_file, "launcher_socket": args.launcher_socket,
-    }))
+    print(SETTINGS_MARKER + json.dumps(checked_settings(config, args.socket, loop=args.loop, cmd=command,
+                                                         log_file=args.log_file,
+                                                         launcher_socket=args.launcher_socket)))
     return EXIT_OK
+
+
+def checked_settings(config: Any, socket: str, *, loop: str = "auto", cmd: list[str] | None = None,
+                     log_file: str | None = None, launcher_socket: str | None = None) -> dict[str, Any]:
+    """What a validated `serve` runs from (the helper's output, or ft-launcher's file)."""
+    return {"config": config.model_dump(mode="json"), "socket": socket, "loop": loop, "cmd": cmd or [],
+            "log_file": log_file, "launcher_socket": launcher_socket}
 
 
 def _serve(argv: list[str]) -> int:
@@ -121,16 +132,21 @@ def _serve(argv: list[str]) -> int:
 
     checker = subprocess.Popen([sys.executable, "-m", "ft_monitor.cli", CHECK_SERVE, *argv],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    from ft_monitor import server  # imported while the checker works
-    from ft_monitor.listener import ListenerError
-    from ft_monitor.settings import Settings
+    from ft_monitor import server  # noqa: F401 - imported while the checker works
 
     out, err = checker.communicate()
     sys.stderr.write(err)
     if checker.returncode != 0 or not out.startswith(SETTINGS_MARKER):
         sys.stdout.write(out)  # --help lands here
         return checker.returncode
-    checked = json.loads(out[len(SETTINGS_MARKER):])
+    return _run_checked(json.loads(out[len(SETTINGS_MARKER):]))
+
+
+def _run_checked(checked: dict[str, Any]) -> int:
+    from ft_monitor import server
+    from ft_monitor.listener import ListenerError
+    from ft_monitor.settings import Settings
+
     settings = Settings(checked["config"])
     _configure_logging(settings.log_level, checked["log_file"])
     try:

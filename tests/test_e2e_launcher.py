@@ -196,7 +196,7 @@ def test_a_monitor_killed_mid_run_is_restarted(workdir: Path) -> None:
     try:
         wait_until(lambda: "timeouts in force" in la.output(), 120, "workers to start")
         monitors = [p for p in job_processes(la.marker)
-                    if b"monitor0.sock" in Path(f"/proc/{p}/cmdline").read_bytes()]
+                    if b"monitor0.json" in Path(f"/proc/{p}/cmdline").read_bytes()]
         assert len(monitors) == 1
         os.kill(monitors[0], signal.SIGKILL)
         assert la.wait() == exit_codes.SUCCESS, la.output()

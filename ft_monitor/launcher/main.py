@@ -42,14 +42,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def daemon_args(cfg_path: str | None, cli: dict[str, Any]) -> list[str]:
-    """The daemon's flags: the same config file and --ft-* values the launcher got."""
-    out = ["--config", str(Path(cfg_path).absolute())] if cfg_path else []
-    for name, value in cli.items():
-        out += [f"--ft-{name.replace('_', '-')}", str(value)]
-    return out
-
-
 @contextlib.contextmanager
 def _agent_swapped_in(ft: Any) -> Iterator[None]:
     """torch's launch_agent builds `LocalElasticAgent(...)`; make that ours for this run."""
@@ -81,11 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     # addresses and fails ("connectFullMesh failed ... Connection refused") or hangs.
     # torch's own opt-out gives every attempt a fresh store hosted by its rank 0.
     os.environ.setdefault(SHARED_STORE_OPT_OUT, "1")
-    return launch(args, config, daemon_args(args.ft_cfg_path, cli), args.ft_summary_json)
+    return launch(args, config, args.ft_summary_json)
 
 
-def launch(args: argparse.Namespace, config: FaultToleranceConfig, monitor_args: list[str],
-           summary_json: str | None = None) -> int:
+def launch(args: argparse.Namespace, config: FaultToleranceConfig, summary_json: str | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import determine_local_world_size
@@ -100,7 +91,7 @@ def launch(args: argparse.Namespace, config: FaultToleranceConfig, monitor_args:
     os.chmod(run_dir, 0o700)
     server = LauncherServer(str(run_dir / "launcher.sock"))
     server.start()
-    monitors = MonitorPool(run_dir, determine_local_world_size(args.nproc_per_node), server.path, monitor_args)
+    monitors = MonitorPool(run_dir, determine_local_world_size(args.nproc_per_node), server.path, config)
     ft = FtRuntime(config, monitors, server,
                    ProgressTracker(config.max_no_progress_cycles, config.min_progress_iterations))
     code = exit_codes.SUCCESS

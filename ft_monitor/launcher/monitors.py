@@ -10,6 +10,7 @@ the launcher (parent-death signal) if the launcher is killed outright.
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import os
 import signal
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ft_client.observer import ping, try_status
+from ft_monitor.cli import RUN_CHECKED, checked_settings
 
 log = logging.getLogger("ft_monitor.launcher")
 
@@ -35,11 +37,11 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 
 
 class MonitorPool:
-    def __init__(self, run_dir: Path, nproc: int, launcher_socket: str, daemon_args: list[str]) -> None:
+    def __init__(self, run_dir: Path, nproc: int, launcher_socket: str, config: Any) -> None:
         self.run_dir = run_dir
         self.nproc = nproc
         self.launcher_socket = launcher_socket
-        self.daemon_args = daemon_args
+        self.config = config  # validated once, by the launcher
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         self.restarts = 0
 
@@ -50,8 +52,10 @@ class MonitorPool:
         return self.run_dir / f"monitor{local_rank}.log"
 
     def _spawn(self, local_rank: int) -> subprocess.Popen[bytes]:
-        argv = [sys.executable, "-m", "ft_monitor.cli", "serve", "--socket", str(self.socket(local_rank)),
-                "--launcher-socket", self.launcher_socket, *self.daemon_args]
+        settings = self.run_dir / f"monitor{local_rank}.json"
+        settings.write_text(json.dumps(checked_settings(self.config, str(self.socket(local_rank)),
+                                                        launcher_socket=self.launcher_socket)))
+        argv = [sys.executable, "-m", "ft_monitor.cli", RUN_CHECKED, str(settings)]
         with open(self.log_path(local_rank), "ab") as out:
             return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=True, preexec_fn=_die_with_parent)

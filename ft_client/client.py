@@ -98,7 +98,6 @@ class RankMonitorClient:
         self._lock = threading.RLock()
         self._transport: Transport | None = None
         self._lost_reason: str | None = None
-        self._session: dict[str, Any] = {}
         self._timeouts = Timeouts()
         self._ipc: frozenset[str] = frozenset()
         self._open: dict[str, bool] = {}  # open section -> whether the monitor was told
@@ -161,7 +160,6 @@ class RankMonitorClient:
     def _adopt(self, transport: Transport, hello: wire.HelloOk) -> Timeouts:
         """Take a new connection's session (config from the monitor); return its configured timeouts."""
         s = hello.session
-        self._session = s
         self._transport = transport
         self._lost_reason = None
         self._sync_sections = not s.get("skip_section_response", True)

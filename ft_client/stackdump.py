@@ -28,7 +28,7 @@ class StackDumper:
         self.disable()
         previous = signal.getsignal(signum)
         chain = previous not in (signal.SIG_DFL, signal.SIG_IGN, None)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
         self._file = os.fdopen(fd, "a", buffering=1)  # kept open for the signal handler
         self._file.write(f"# ft-monitor stack dumps for pid {os.getpid()} (signal {signal.Signals(signum).name})\n")
         self._file.flush()

@@ -32,6 +32,11 @@ def learned_section_key(name: str) -> str:
     return _SECTION_PREFIX + name
 
 
+MAX_SECTIONS = 256
+"""Configured sections at most (the timeouts map must fit in one 64 KiB frame)."""
+MAX_SECTION_NAME_BYTES = 256
+
+
 class TimeoutsError(ValueError):
     """A timeouts map that does not follow the rules (bad type or value)."""
 
@@ -136,10 +141,15 @@ class Timeouts:
             raise TimeoutsError(
                 f"rank_section_timeouts = {sections!r}: must be a map of section name to seconds or null"
             )
+        if len(sections) > MAX_SECTIONS:
+            raise TimeoutsError(f"rank_section_timeouts has {len(sections)} sections; at most {MAX_SECTIONS}")
         checked: dict[str, float | None] = {}
         for name, value in sections.items():
             if not isinstance(name, str) or not name:
                 raise TimeoutsError(f"rank_section_timeouts key {name!r}: must be a non-empty string")
+            if len(name.encode("utf-8", "replace")) > MAX_SECTION_NAME_BYTES:
+                raise TimeoutsError(f"rank_section_timeouts key {name[:40]!r}...: longer than "
+                                    f"{MAX_SECTION_NAME_BYTES} bytes")
             checked[name] = check_timeout(value, f"rank_section_timeouts[{name!r}]")
         learned = data.get("learned") or []
         if not isinstance(learned, (list, tuple, set, frozenset)) or not all(isinstance(x, str) for x in learned):

@@ -34,6 +34,19 @@ class TransportError(Exception):
     """The connection failed or was closed; ``broken`` tells whether it is unusable."""
 
 
+def _connect(sock: socket.socket, path: str, timeout: float) -> None:
+    """connect(), retried while the daemon's accept queue is full (EAGAIN on Unix sockets)."""
+    end = time.monotonic() + timeout
+    while True:
+        try:
+            sock.connect(path)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= end:
+                raise TimeoutError(f"monitor at {path} did not accept the connection within {timeout:.1f}s") from None
+            time.sleep(0.001)
+
+
 def _timeval(seconds: float) -> bytes:
     sec = int(seconds)
     return struct.pack("ll", sec, int((seconds - sec) * 1e6))
@@ -52,7 +65,7 @@ class Transport:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.settimeout(timeout)
-            sock.connect(path)
+            _connect(sock, path, timeout)
             sock.settimeout(None)  # blocking mode; bounded by the kernel timeouts below
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(timeout))
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(timeout))

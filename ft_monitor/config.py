@@ -242,7 +242,10 @@ class FaultToleranceConfig(BaseModel):
             return None
         if not isinstance(v, (str, os.PathLike)) or not str(v):
             raise ValueError("must be a directory path")
-        return str(Path(v).expanduser().absolute())
+        try:
+            return str(Path(v).expanduser().absolute())
+        except RuntimeError as e:  # ~user that does not exist
+            raise ValueError(f"cannot expand the path: {e}") from None
 
     # -- derived -------------------------------------------------------------
     def timeouts(self) -> Timeouts:

@@ -130,15 +130,20 @@ class HangExecutor:
         }
 
     def write_report(self, case: HangCase) -> None:
+        tmp = None
         try:
-            directory = case.report_path.parent
-            fd, tmp = tempfile.mkstemp(prefix=".report-", dir=directory)
+            fd, tmp = tempfile.mkstemp(prefix=".report-", dir=case.report_path.parent)
             with os.fdopen(fd, "w") as f:
                 json.dump(self.report(case), f, indent=2)
                 f.write("\n")
             os.replace(tmp, case.report_path)
         except OSError as e:
             log.error("rank %d: cannot write hang report %s: %s", case.hang.rank, case.report_path, e)
+            if tmp is not None:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
 
     # -- (3) stack dump --------------------------------------------------------
     async def dump_stack(self, case: HangCase) -> None:
@@ -188,10 +193,15 @@ class HangExecutor:
             case.actions.append("rank had already exited")
             return
         term = signal.Signals(self.termination_signal)
+        family = [ProcessHandle(p) for p in descendants(proc.pid)]
         if pgid == proc.pid and pgid != os.getpgrp():
-            target = Target(group=pgid)
+            # the group, and descendants that left it (setsid): they would outlive the rank
+            target = Target(group=pgid, processes=[proc] + [p for p in family if p.pgid() not in (None, pgid)])
         else:
-            target = Target(processes=[proc] + [ProcessHandle(p) for p in descendants(proc.pid)])
+            target = Target(processes=[proc] + family)
+        for p in family:
+            if p not in target.processes:
+                p.close()
         target.send(signal.SIGCONT)
         target.send(term)
         case.actions.append(f"sent SIGCONT+{term.name} to {target}")
@@ -228,8 +238,8 @@ class Target:
             p.send(sig)
 
     def any_left(self) -> bool:
-        if self.group is not None:
-            return group_exists(self.group)
+        if self.group is not None and group_exists(self.group):
+            return True
         return any(p.alive() for p in self.processes)
 
     def close(self) -> None:
@@ -237,9 +247,9 @@ class Target:
             p.close()
 
     def __str__(self) -> str:
-        if self.group is not None:
-            return f"process group {self.group}"
         pids = [p.pid for p in self.processes]
+        if self.group is not None:
+            return f"process group {self.group}" + (f" and descendants outside it {pids[1:]}" if len(pids) > 1 else "")
         return f"pid {pids[0]}" + (f" and its descendants {pids[1:]}" if len(pids) > 1 else "")
 
 

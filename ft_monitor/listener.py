@@ -76,7 +76,7 @@ def _clear_stale(path: Path) -> None:
     raise ListenerError(f"another daemon is already serving {path}; stop it or choose another path")
 
 
-def bind_unix_listener(path: str | os.PathLike[str], backlog: int = 16) -> tuple[socket.socket, int]:
+def bind_unix_listener(path: str | os.PathLike[str], backlog: int = socket.SOMAXCONN) -> tuple[socket.socket, int]:
     """Bind and listen on ``path``; return the socket and the socket file's inode."""
     p = Path(path).absolute()
     size = len(os.fsencode(str(p)))

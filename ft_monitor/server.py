@@ -39,6 +39,9 @@ log = logging.getLogger("ft_monitor.server")
 
 SOCKET_CHECK_INTERVAL = 2.0
 """Seconds between checks that the socket file is still the daemon's."""
+MAX_LOGGED_SESSION_ERRORS = 5
+MAX_STATUS_SECTIONS = 100
+"""Open sections listed in a STATUS reply (the rest are counted): the reply must fit a frame."""
 
 
 class Connection(asyncio.Protocol):
@@ -84,6 +87,9 @@ class Connection(asyncio.Protocol):
         daemon.after_batch(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.decoder.buffered and not self.closing:
+            log.warning("connection from pid %d closed in the middle of a frame (%d bytes unread)",
+                        self.pid, self.decoder.buffered)
         self.closing = True
         if self._hello_timer is not None:
             self._hello_timer.cancel()
@@ -158,6 +164,8 @@ class MonitorDaemon:
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._handling: set[ProcessHandle] = set()
+        """Process handles a hang task is still using."""
         self.children: dict[int, asyncio.Future[int]] = {}
         """pid -> wait status (when known) of processes this daemon started (`serve -- CMD`)."""
         self.no_rank = asyncio.Event()
@@ -173,6 +181,9 @@ class MonitorDaemon:
             sock.close()
             remove_socket_file(self.socket_path, self._inode)
             raise ListenerError(f"cannot create report directory {self.report_dir}: {e.strerror}") from None
+        if os.stat(self.report_dir).st_mode & 0o022:
+            log.warning("report directory %s is writable by other users: they could plant files where hang "
+                        "reports and stack dumps go; make it 0700", self.report_dir)
         loop = asyncio.get_running_loop()
         self._server = await loop.create_unix_server(lambda: Connection(self), sock=sock)
         self._socket_check = loop.call_later(SOCKET_CHECK_INTERVAL, self._check_socket_file)
@@ -234,7 +245,7 @@ class MonitorDaemon:
                 try:
                     handler(self, self.session, msg)
                 except SessionError as e:
-                    log.warning("rank %d pid %d: %s (ignored)", self.session.rank, conn.pid, e)
+                    self._session_error(self.session, e)
                 return
         if conn.role is None:
             if t is not wire.Hello:
@@ -248,9 +259,19 @@ class MonitorDaemon:
         elif t is wire.Hello:
             raise wire.ProtocolError("second HELLO on one connection")
         elif conn.role == wire.Role.OBSERVER:
+            log.warning("closing observer connection from pid %d: %s is not allowed for an observer",
+                        conn.pid, t.__name__)
             conn.fail(wire.ErrorCode.FORBIDDEN, f"{t.__name__} is not allowed for an observer")
         else:
             raise wire.ProtocolError(f"unexpected {t.__name__} from a client")
+
+    def _session_error(self, s: Session, e: SessionError) -> None:
+        """A message that makes no sense now: logged (the first few per session), ignored."""
+        s.errors += 1
+        if s.errors <= MAX_LOGGED_SESSION_ERRORS:
+            log.warning("rank %d pid %d: %s (ignored)%s", s.rank, s.pid, e,
+                        "; further such messages are counted, not logged"
+                        if s.errors == MAX_LOGGED_SESSION_ERRORS else "")
 
     def _hello(self, conn: Connection, msg: wire.Hello) -> None:
         if msg.version != wire.PROTOCOL_VERSION:
@@ -425,9 +446,11 @@ class MonitorDaemon:
         self._spawn(self._handle_hang(case))
 
     async def _handle_hang(self, case: HangCase) -> None:
+        self._handling.add(case.process)
         try:
             await self.executor.handle(case)
         finally:
+            self._handling.discard(case.process)
             if self.process is not case.process:  # the hung rank's connection is gone
                 case.process.close()
             if self.rank_conn is None:
@@ -448,13 +471,17 @@ class MonitorDaemon:
             return
         phase = s.phase
         s.end()
+        if s.errors > MAX_LOGGED_SESSION_ERRORS:
+            log.warning("rank %d pid %d: %d messages ignored in this session in all", s.rank, s.pid, s.errors)
         if phase is Phase.CLOSING:
             log.info("rank %d pid %d shut down monitoring cleanly", s.rank, s.pid)
             if proc is not None:
                 proc.close()
             self._close_session_log()
         elif phase is Phase.HUNG:
-            log.info("rank %d pid %d (hung) disconnected", s.rank, s.pid)  # its hang task closes the handle
+            log.info("rank %d pid %d (hung) disconnected", s.rank, s.pid)
+            if proc is not None and proc not in self._handling:  # else its hang task closes it
+                proc.close()
         else:
             assert proc is not None
             self._spawn(self._report_exit(s, proc))
@@ -514,8 +541,10 @@ class MonitorDaemon:
                 "open_sections": [
                     {"name": sec.name, "elapsed_s": now - sec.opened_at, "timeout_s": sec.timeout,
                      "warmup": sec.warmup}
-                    for sec in s.open_sections.values()
+                    for sec in list(s.open_sections.values())[:MAX_STATUS_SECTIONS]
                 ],
+                "open_sections_not_listed": max(0, len(s.open_sections) - MAX_STATUS_SECTIONS),
+                "ignored_messages": s.errors,
                 "out_of_section_s": None if s.out_of_section_since is None else now - s.out_of_section_since,
                 "steps_started": s.steps_started,
                 "iteration": s.iteration,

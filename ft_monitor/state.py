@@ -66,6 +66,8 @@ class Session:
     steps_started: int = 0
     iteration: int | None = None
     events: int = 0
+    errors: int = 0
+    """Messages ignored because they made no sense in the session's state."""
     timeouts_since: float = 0.0
     """When the timeouts in force were set. A running heartbeat or out-of-section
     interval is timed from no earlier than this, so a tighter timeout learned

@@ -143,8 +143,6 @@ def test_children_ignoring_sigterm_do_not_survive_the_hang(workdir: Path) -> Non
         d.stop()
 
 
-@pytest.mark.xfail(strict=True, reason="a child that left the rank's process group (setsid) survives the hang: "
-                                       "HangExecutor.terminate signals only the group when the rank leads one")
 def test_child_in_its_own_session_does_not_survive_the_hang(workdir: Path) -> None:
     d = Daemon(workdir, "--ft-rank-section-timeouts", "step:0.5", *QUICK).wait_ready()
     rank = Rank("child-own-session", d.socket)
@@ -194,8 +192,6 @@ def test_unwritable_report_still_detects_kills_and_logs(report_path_is_a_directo
     assert r["daemon_alive"]
 
 
-@pytest.mark.xfail(strict=True, reason="HangExecutor.write_report leaves its mkstemp file (.report-*) behind "
-                                       "whenever os.replace or the write fails: one per failed write, several per hang")
 def test_unwritable_report_leaves_no_temporary_files(report_path_is_a_directory: dict[str, Any]) -> None:
     r = report_path_is_a_directory
     assert [f for f in r["files"] if f.startswith(".report-")] == [], r["files"]

@@ -15,7 +15,6 @@ Exit codes: 0 success; 1 runtime failure (socket in use, daemon unreachable);
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import os
@@ -40,8 +39,10 @@ class UsageError(Exception):
     pass
 
 
-def _new_loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop]:
+def _new_loop_factory(name: str) -> Callable[[], Any]:
     """One table entry per loop; `auto` prefers uvloop and falls back to asyncio."""
+    import asyncio
+
     if name in ("auto", "uvloop"):
         try:
             import uvloop
@@ -143,6 +144,8 @@ def _serve(argv: list[str]) -> int:
 
 
 def _run_checked(checked: dict[str, Any]) -> int:
+    import asyncio
+
     from ft_monitor import server
     from ft_monitor.listener import ListenerError
     from ft_monitor.settings import Settings

@@ -155,27 +155,19 @@ class FaultToleranceConfig(BaseModel):
     @field_validator("safety_factor", mode="before")
     @classmethod
     def _safety(cls, v: Any) -> Any:
-        v = _number_words(v)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 1.0:
-            raise ValueError("must be a number >= 1.0 (a factor below 1 makes timeouts shorter than observed)")
-        return float(v)
+        return _checked_number(v, 1.0, True, "must be a number >= 1.0 (a factor below 1 makes timeouts shorter "
+                                              "than observed)")
 
     @field_validator("termination_grace_time", "stack_dump_timeout", "min_learned_timeout",
                      "launcher_response_timeout", mode="before")
     @classmethod
     def _duration(cls, v: Any) -> Any:
-        v = _number_words(v)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-            raise ValueError("must be a number of seconds >= 0")
-        return float(v)
+        return _checked_number(v, 0.0, True, "must be a number of seconds >= 0")
 
     @field_validator("client_request_timeout", "handshake_timeout", mode="before")
     @classmethod
     def _positive_duration(cls, v: Any) -> Any:
-        v = _number_words(v)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-            raise ValueError("must be a number of seconds > 0 (a request must not wait forever)")
-        return float(v)
+        return _checked_number(v, 0.0, False, "must be a number of seconds > 0 (a request must not wait forever)")
 
     @field_validator("rank_termination_signal", "stack_dump_signal", mode="before")
     @classmethod
@@ -256,6 +248,16 @@ class FaultToleranceConfig(BaseModel):
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
 FIELDS: tuple[str, ...] = tuple(FaultToleranceConfig.model_fields)
+
+
+def _checked_number(v: Any, bound: float, inclusive: bool, rule: str) -> float:
+    """A finite number >= bound (or > bound), from a number or its text; else ValueError(rule)."""
+    v = _number_words(v)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ValueError(rule)
+    if v < bound or (v == bound and not inclusive):
+        raise ValueError(rule)
+    return float(v)
 
 
 def _none_words(v: Any) -> Any:

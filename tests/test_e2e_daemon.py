@@ -419,3 +419,39 @@ def test_import_ft_client_stays_light() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == ""
+
+
+def test_unreachable_launcher_means_the_daemon_kills_the_rank_itself(workdir: Path) -> None:
+    d = Daemon(workdir, "--ft-rank-section-timeouts", "step:0.5", "--ft-stack-dump-timeout", "0",
+               "--launcher-socket", str(workdir / "no-launcher.sock")).wait_ready()
+    rank = Rank("sleep", d.socket)
+    try:
+        assert rank.wait(30) == -signal.SIGTERM
+    finally:
+        rank.kill()
+        d.stop()
+    assert d.report()["terminated_by"] == "SIGTERM"
+    assert "cannot reach the launcher" in d.log()
+
+
+def test_launcher_that_acknowledges_but_never_acts_is_overridden(workdir: Path) -> None:
+    from ft_monitor.launcher.control import EventKind, LauncherServer
+
+    server = LauncherServer(str(workdir / "launcher.sock"))  # acknowledges, queues, never stops anything
+    server.start()
+    d = Daemon(workdir, "--ft-rank-section-timeouts", "step:0.5", "--ft-stack-dump-timeout", "0",
+               "--ft-launcher-response-timeout", "0.5", "--ft-termination-grace-time", "0.5",
+               "--launcher-socket", server.path).wait_ready()
+    rank = Rank("sleep", d.socket)
+    try:
+        assert rank.wait(30) == -signal.SIGTERM
+        (event,) = server.drain()
+        assert event.kind is EventKind.HANG and event.notice["pid"] == rank.proc.pid
+        assert event.notice["message"].startswith("section 'step' open for")
+    finally:
+        rank.kill()
+        d.stop()
+        server.stop()
+    log = d.log()
+    assert "launcher acknowledged the hang" in log
+    assert "still running 1.0s after the launcher was told; terminating it here" in log

@@ -177,14 +177,15 @@ def test_exclude_this_node_stops_this_node_with_its_own_exit_code(workdir: Path)
     assert "asked to exclude this node" in la.summary()["outcome"]
 
 
-def test_launcher_sigterm_leaves_no_process_of_the_job(workdir: Path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_launcher_sigterm_or_sigint_leaves_no_process_of_the_job(workdir: Path, sig: signal.Signals) -> None:
     la = Launcher(workdir, "--max-restarts", "3", train_args=("--steps", "100000"))
     try:
         wait_until(lambda: "timeouts in force" in la.output(), 120, "workers to start")
         assert len(job_processes(la.marker)) >= 5  # launcher, 2 monitors, 2 workers
-        la.proc.send_signal(signal.SIGTERM)
+        la.proc.send_signal(sig)
         rc = la.wait(120)
-        assert rc == 128 + signal.SIGTERM, la.output()
+        assert rc == 128 + sig, la.output()
         left = job_processes(la.marker)
         assert left == [], f"processes of the job still alive: {left}"
     finally:

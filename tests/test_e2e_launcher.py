@@ -268,3 +268,49 @@ def test_excluded_node_leaves_and_the_other_continues(workdir: Path) -> None:
             b.kill()
     assert "requests ExcludeThisNode" in b.output()
     assert "attempt 1: finished 20 steps" in a.output()
+
+
+def _proc_counts(pid: int) -> tuple[int, int, int, int]:
+    """(open fds, threads, live children, RSS kB) of a process."""
+    fds = len(os.listdir(f"/proc/{pid}/fd"))
+    status = Path(f"/proc/{pid}/status").read_text()
+    threads = int(status.split("Threads:")[1].split()[0])
+    rss = int(status.split("VmRSS:")[1].split()[0])
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return fds, threads, len(children), rss
+
+
+def test_twenty_hang_restarts_leak_nothing_in_the_launcher(workdir: Path) -> None:
+    # a torch-free rank that hangs in every attempt: 20 fast hang -> restart cycles
+    argv = [sys.executable, "-m", "ft_monitor.launcher.main", "--standalone", "--nproc-per-node", "2",
+            "--max-restarts", "20", "--monitor-interval", "0.05", "--ft-rank-section-timeouts", "step:0.3",
+            "--ft-max-no-progress-cycles", "0", "--ft-termination-grace-time", "1",
+            "--ft-summary-json", str(workdir / "summary.json"), str(ROOT / "tests/workers/rank.py"), "sleep"]
+    out = open(workdir / "out", "w")
+    proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+    samples: dict[frozenset[int], tuple[int, int, int, int]] = {}
+    try:
+        while proc.poll() is None:  # sample once per attempt, once its workers are running
+            try:
+                children = frozenset(Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split())
+                if len(children) >= 4 and children not in samples:  # 2 monitors + 2 workers
+                    samples[children] = _proc_counts(proc.pid)
+            except FileNotFoundError:
+                break
+            try:
+                proc.wait(0.05)
+            except subprocess.TimeoutExpired:
+                pass
+        proc.wait(60)
+        assert proc.returncode == exit_codes.WORKERS_FAILED
+    finally:
+        out.close()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    assert len(json.loads((workdir / "summary.json").read_text())["hangs"]) == 21
+    values = list(samples.values())
+    assert len(values) >= 15, values  # most attempts sampled
+    (fds0, threads0, kids0, rss0), (fds1, threads1, kids1, rss1) = values[1], values[-1]
+    assert fds1 <= fds0 + 2 and threads1 <= threads0 + 1 and kids1 == kids0, values
+    assert rss1 - rss0 < 5 * 1024, values  # kB

@@ -167,7 +167,12 @@ class RankMonitorClient:
         transport.timeout = float(s.get("client_request_timeout", transport.timeout))
         self._safety_factor = float(s.get("safety_factor", DEFAULT_SAFETY_FACTOR))
         self._min_learned = float(s.get("min_learned_timeout", 0.0))
-        configured = Timeouts.from_wire(s["timeouts"])
+        try:
+            configured = Timeouts.from_wire(s["timeouts"])
+        except TimeoutsError as e:
+            self._transport = None
+            transport.close()
+            raise RankMonitorClientError(f"monitor sent invalid timeouts: {e}") from None
         self._set_timeouts(configured)
         dump_path = s.get("stack_dump_path")
         if dump_path:

@@ -35,6 +35,9 @@ def learned_section_key(name: str) -> str:
 MAX_SECTIONS = 256
 """Configured sections at most (the timeouts map must fit in one 64 KiB frame)."""
 MAX_SECTION_NAME_BYTES = 256
+MAX_WIRE_BYTES = 24 * 1024
+"""The timeouts map, encoded, at most: it travels inside HELLO_OK, CONFIG_OK and
+STATUS_REPLY, which must stay under the 64 KiB frame cap with everything else."""
 
 
 class TimeoutsError(ValueError):
@@ -154,7 +157,7 @@ class Timeouts:
         learned = data.get("learned") or []
         if not isinstance(learned, (list, tuple, set, frozenset)) or not all(isinstance(x, str) for x in learned):
             raise TimeoutsError(f"learned = {learned!r}: must be a list of strings")
-        return cls(
+        timeouts = cls(
             initial_rank_heartbeat_timeout=check_timeout(
                 data.get("initial_rank_heartbeat_timeout"), "initial_rank_heartbeat_timeout"
             ),
@@ -165,6 +168,18 @@ class Timeouts:
             ),
             learned=frozenset(learned),
         )
+        check_wire_size(timeouts)
+        return timeouts
+
+
+def check_wire_size(timeouts: Timeouts) -> None:
+    """Raise TimeoutsError when the timeouts map is too large to travel in a frame."""
+    import msgpack
+
+    size = len(msgpack.packb(timeouts.to_wire(), use_bin_type=True))
+    if size > MAX_WIRE_BYTES:
+        raise TimeoutsError(f"the timeouts map takes {size} bytes encoded; at most {MAX_WIRE_BYTES} "
+                            "(fewer or shorter section names)")
 
 
 def section_needs_ipc(name: str, timeouts: Timeouts) -> bool:

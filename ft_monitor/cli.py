@@ -206,6 +206,10 @@ def format_status(st: dict[str, Any]) -> str:
                              + (" (warm-up)" if sec.get("warmup") else ""))
         else:
             lines.append(f"  no section open (for {_secs(st['out_of_section_s'])})")
+        if st.get("open_sections_not_listed"):
+            lines.append(f"  ... and {st['open_sections_not_listed']} more open section(s)")
+        if st.get("ignored_messages"):
+            lines.append(f"  {st['ignored_messages']} message(s) ignored as out of place (see the monitor log)")
         nd = st.get("next_deadline")
         if nd:
             what = nd["reason"] + (f" {nd['section']!r}" if nd.get("section") else "")

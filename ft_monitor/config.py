@@ -24,7 +24,14 @@ import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
 from ft_client import env as ft_env
-from ft_client.timeouts import Timeouts, check_timeout
+from ft_client.timeouts import (
+    MAX_SECTION_NAME_BYTES,
+    MAX_SECTIONS,
+    Timeouts,
+    TimeoutsError,
+    check_timeout,
+    check_wire_size,
+)
 
 
 class ConfigError(ValueError):
@@ -134,15 +141,27 @@ class FaultToleranceConfig(BaseModel):
             v = parse_section_timeouts(v)
         if not isinstance(v, Mapping):
             raise ValueError("must be a map of section name to seconds or null (CLI form: step:30,ckpt:none)")
+        if len(v) > MAX_SECTIONS:
+            raise ValueError(f"has {len(v)} sections; at most {MAX_SECTIONS}")
         out: dict[str, float | None] = {}
         for name, value in v.items():
             if not isinstance(name, str) or not name.strip():
                 raise ValueError(f"section name {name!r} must be a non-empty string")
+            if len(name.encode("utf-8", "replace")) > MAX_SECTION_NAME_BYTES:
+                raise ValueError(f"section name {name[:40]!r}... is longer than {MAX_SECTION_NAME_BYTES} bytes")
             try:
                 out[name.strip()] = check_timeout(_number_words(_none_words(value)), name)
             except ValueError:
                 raise ValueError(f"section {name!r} = {value!r}: {_TIMEOUT_RULE}") from None
         return out
+
+    @model_validator(mode="after")
+    def _timeouts_fit_the_wire(self) -> "FaultToleranceConfig":
+        try:
+            check_wire_size(self.timeouts())
+        except TimeoutsError as e:
+            raise ValueError(str(e)) from None
+        return self
 
     @field_validator("num_warmup_iterations", "max_no_progress_cycles", "min_progress_iterations", mode="before")
     @classmethod
@@ -164,10 +183,15 @@ class FaultToleranceConfig(BaseModel):
     def _duration(cls, v: Any) -> Any:
         return _checked_number(v, 0.0, True, "must be a number of seconds >= 0")
 
-    @field_validator("client_request_timeout", "handshake_timeout", mode="before")
+    @field_validator("client_request_timeout", mode="before")
     @classmethod
-    def _positive_duration(cls, v: Any) -> Any:
+    def _request_timeout(cls, v: Any) -> Any:
         return _checked_number(v, 0.0, False, "must be a number of seconds > 0 (a request must not wait forever)")
+
+    @field_validator("handshake_timeout", mode="before")
+    @classmethod
+    def _handshake(cls, v: Any) -> Any:
+        return _checked_number(v, 0.0, False, "must be a number of seconds > 0")
 
     @field_validator("rank_termination_signal", "stack_dump_signal", mode="before")
     @classmethod

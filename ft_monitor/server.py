@@ -40,7 +40,7 @@ log = logging.getLogger("ft_monitor.server")
 SOCKET_CHECK_INTERVAL = 2.0
 """Seconds between checks that the socket file is still the daemon's."""
 MAX_LOGGED_SESSION_ERRORS = 5
-MAX_STATUS_SECTIONS = 100
+MAX_STATUS_SECTIONS = 50
 """Open sections listed in a STATUS reply (the rest are counted): the reply must fit a frame."""
 
 

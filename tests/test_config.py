@@ -523,3 +523,14 @@ def test_ft_cfg_path_alias() -> None:
 def test_status_arguments() -> None:
     args = cli.build_parser().parse_args(["status", "--socket", "s", "--json", "--timeout", "2"])
     assert (args.command, args.socket, args.json, args.timeout) == ("status", "s", True, 2.0)
+
+
+def test_section_caps_are_checked_at_start() -> None:
+    many = {f"s{i}": 1.0 for i in range(300)}
+    with pytest.raises(ConfigError, match=r"^invalid setting rank_section_timeouts = .*: has 300 sections; at most 256$"):
+        load_config(environ=NO_ENV, cli={"rank_section_timeouts": many})
+    with pytest.raises(ConfigError, match=r"is longer than 256 bytes$"):
+        load_config(environ=NO_ENV, cli={"rank_section_timeouts": {"x" * 300: 1.0}})
+    big = {f"{i:03d}" + "n" * 240: 1.0 for i in range(200)}  # within both caps, too big for a frame
+    with pytest.raises(ConfigError, match=r"^invalid settings: the timeouts map takes \d+ bytes encoded; at most "):
+        load_config(environ=NO_ENV, cli={"rank_section_timeouts": big})

@@ -691,7 +691,7 @@ def test_bad_setting_through_the_real_entry_point(workdir: Path) -> None:
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
         "ft-monitor: invalid setting handshake_timeout = '-3' (from --ft-handshake-timeout): must be a number of "
-        "seconds > 0 (a request must not wait forever)"
+        "seconds > 0"
     ]
 
 
@@ -798,5 +798,28 @@ def test_planted_symlink_at_the_stack_dump_path_is_not_followed(workdir: Path) -
         finally:
             c.shutdown_workload_monitoring()
         assert victim.read_text() == "precious\n"
+    finally:
+        d.stop()
+
+
+@e2e
+def test_timeouts_update_too_big_for_a_frame_is_refused(workdir: Path) -> None:
+    d = Daemon(workdir, "--ft-handshake-timeout", str(HANDSHAKE)).wait_ready()
+    try:
+        sections = {f"{i:03d}" + "n" * 240: 1000.0 for i in range(256)}  # 256 names of 243 bytes: ~64 KB
+        s = raw_client(d.socket)
+        try:
+            s.sendall(HELLO_RANK)
+            read_messages(s, 1)
+            s.sendall(wire.encode(wire.UpdateConfig({"rank_section_timeouts": sections})))
+            (reply,) = read_messages(s, 1)
+        finally:
+            s.close()
+        assert isinstance(reply, wire.Error) and reply.code == wire.ErrorCode.BAD_REQUEST
+        assert "bytes encoded; at most" in reply.message
+        wait_no_rank(d.socket)
+        c = RankMonitorClient(str(d.socket))  # nothing was put in force: later ranks are served
+        c.init_workload_monitoring()
+        c.shutdown_workload_monitoring()
     finally:
         d.stop()

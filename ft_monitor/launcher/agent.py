@@ -325,7 +325,7 @@ class FtLocalElasticAgent(_lea.LocalElasticAgent):
             self._pending_first_step = None
             b = timing.breakdown()
             log.warning("ft-launcher: all ranks running again %.2fs after rank %d's hang was detected "
-                        "(notify %.3fs, wait %.3fs, stop %.3fs, rendezvous %.3fs, worker start %.3fs, "
+                        "(notify %.3fs, to stop %.3fs, stop %.3fs, rendezvous %.3fs, worker start %.3fs, "
                         "first step %.3fs)", b["total"] or 0, timing.rank, b["notify"] or 0, b["to_stop"] or 0,
                         b["stop"] or 0, b["rendezvous"] or 0, b["worker_start"] or 0, b["first_step"] or 0)
 

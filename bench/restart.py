@@ -54,10 +54,10 @@ WHAT = {
 }
 LINE = re.compile(
     r"all ranks running again (?P<total>[\d.]+)s after rank (?P<rank>\d+)'s hang was detected "
-    r"\(notify (?P<notify>[\d.]+)s, wait (?P<to_stop>[\d.]+)s, stop (?P<stop>[\d.]+)s, "
+    r"\(notify (?P<notify>[\d.]+)s, to stop (?P<to_stop>[\d.]+)s, stop (?P<stop>[\d.]+)s, "
     r"rendezvous (?P<rendezvous>[\d.]+)s, worker start (?P<worker_start>[\d.]+)s, "
     r"first step (?P<first_step>[\d.]+)s\)")
-"""The launcher's timing line (agent.py `_note_first_step`); it calls to_stop `wait`."""
+"""The launcher's timing line (agent.py `_note_first_step`)."""
 LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ft-monitor\[\d+\] \w+ (.*)$")
 
 

@@ -24,6 +24,7 @@ from typing import Any, Callable, TypeVar
 
 from ft_client import env, wire
 from ft_client.errors import RankMonitorClientError
+from ft_client.parent_death import die_with_parent
 from ft_client.stackdump import StackDumper
 from ft_client.state_dict import from_state_dict, overlay_learned, to_state_dict
 from ft_client.sync import max_across_ranks
@@ -509,17 +510,10 @@ def _die_with_launcher() -> None:
     launcher_pid = os.environ.get(env.LAUNCHER_PID)
     if not launcher_pid or not launcher_pid.isdigit() or os.getppid() != int(launcher_pid):
         return
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
+    if not die_with_parent(signal.SIGTERM):
         return
     if os.getppid() != int(launcher_pid):  # it died before prctl took effect
         os.kill(os.getpid(), signal.SIGTERM)
-
-
-_PR_SET_PDEATHSIG = 1
 
 
 _CLOSE_ALL_FRAME = wire.encode(wire.SECTION_CLOSE_ALL)

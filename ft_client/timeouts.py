@@ -100,9 +100,6 @@ class Timeouts:
             is_out_of_section_calculated=LEARNED_OUT_OF_SECTION in self.learned,
         )
 
-    def section_timeout(self, name: str) -> float | None:
-        return self.rank_section_timeouts.get(name)
-
     def with_updates(self, **changes: Any) -> "Timeouts":
         return replace(self, **changes)
 

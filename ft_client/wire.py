@@ -277,10 +277,6 @@ def section_close_frame(name: str) -> bytes:
 # Decoding
 
 
-def _is_num_or_none(v: object) -> bool:
-    return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
-
-
 def _str(v: object, what: str) -> str:
     if not isinstance(v, str):
         raise ProtocolError(f"{what} must be a string, got {type(v).__name__}")

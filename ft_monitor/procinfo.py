@@ -69,16 +69,6 @@ def describe_wait_status(status: int) -> str:
     return f"wait status {status}"
 
 
-def describe_returncode(code: int) -> str:
-    """asyncio/subprocess style: negative = killed by that signal."""
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
-
-
 class ProcessHandle:
     """A pidfd on one process: signals reach exactly that process, and its exit is observable.
 

@@ -9,7 +9,6 @@ the launcher (parent-death signal) if the launcher is killed outright.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
@@ -21,21 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from ft_client.observer import ping, try_status
+from ft_client.parent_death import die_with_parent
 from ft_monitor.cli import RUN_CHECKED, checked_settings
 
 log = logging.getLogger("ft_monitor.launcher")
 
 READY_TIMEOUT = 30.0
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass
-
-
 class MonitorPool:
     def __init__(self, run_dir: Path, nproc: int, launcher_socket: str, config: Any) -> None:
         self.run_dir = run_dir
@@ -58,7 +48,7 @@ class MonitorPool:
         argv = [sys.executable, "-m", "ft_monitor.cli", RUN_CHECKED, str(settings)]
         with open(self.log_path(local_rank), "ab") as out:
             return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True, preexec_fn=_die_with_parent)
+                                    start_new_session=True, preexec_fn=die_with_parent)
 
     def start(self) -> None:
         for lr in range(self.nproc):

@@ -18,11 +18,9 @@ class ProgressTracker:
         self.min_progress_iterations = max(1, min_progress_iterations)
         self.best: int | None = None
         self.no_progress = 0
-        self.attempts = 0
 
     def attempt_ended(self, iteration: int | None) -> bool:
         """Record an attempt's high-water iteration; True when restarting should stop."""
-        self.attempts += 1
         if iteration is not None and (self.best is None or iteration >= self.best + self.min_progress_iterations):
             self.best = iteration
             self.no_progress = 0

@@ -12,15 +12,13 @@ import os
 import signal
 from typing import IO
 
+from ft_client.safefiles import open_append
+
 
 class StackDumper:
     def __init__(self) -> None:
         self._file: IO[str] | None = None
         self._signum: int | None = None
-
-    @property
-    def path(self) -> str | None:
-        return self._file.name if self._file is not None else None
 
     def enable(self, signum: int, path: str) -> None:
         """Dump all threads' stacks to ``path`` on ``signum``, chaining to a handler the
@@ -28,7 +26,7 @@ class StackDumper:
         self.disable()
         previous = signal.getsignal(signum)
         chain = previous not in (signal.SIG_DFL, signal.SIG_IGN, None)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+        fd = open_append(path)  # no symlink, FIFO or another user's file: it could block or leak the dump
         self._file = os.fdopen(fd, "a", buffering=1)  # kept open for the signal handler
         self._file.write(f"# ft-monitor stack dumps for pid {os.getpid()} (signal {signal.Signals(signum).name})\n")
         self._file.flush()
@@ -42,3 +40,7 @@ class StackDumper:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+    def abandon(self) -> None:
+        """In a forked child: stop dumping on the signal (the dumps are the rank's)."""
+        self.disable()

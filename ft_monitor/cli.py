@@ -94,9 +94,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _configure_logging(level: int, log_file: str | None) -> None:
+    """stderr, and ``log_file`` if given: opened without following a symlink or
+    waiting on a FIFO (raises OSError, e.g. UnsafeFileError, naming the path)."""
+    from ft_client.safefiles import open_append
+
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
     if log_file:
-        handlers.append(logging.FileHandler(log_file))
+        handlers.append(logging.StreamHandler(os.fdopen(open_append(log_file), "a")))
     logging.basicConfig(level=level, format=LOG_FORMAT, handlers=handlers, force=True)
 
 
@@ -151,7 +155,11 @@ def _run_checked(checked: dict[str, Any]) -> int:
     from ft_monitor.settings import Settings
 
     settings = Settings(checked["config"])
-    _configure_logging(settings.log_level, checked["log_file"])
+    try:
+        _configure_logging(settings.log_level, checked["log_file"])
+    except OSError as e:
+        print(f"ft-monitor: --log-file: {e}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         loop_factory = _new_loop_factory(checked["loop"])
     except UsageError as e:

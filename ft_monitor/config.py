@@ -16,6 +16,7 @@ import argparse
 import logging
 import math
 import os
+import reprlib
 import signal
 from pathlib import Path
 from typing import Any, Mapping
@@ -70,6 +71,12 @@ IGNORED_NVRX_FIELDS = frozenset(
 )
 
 _TIMEOUT_RULE = "must be a number of seconds > 0, or null to disable"
+MAX_WHOLE = 2**63 - 1
+"""Whole-number settings travel in msgpack as signed 64-bit integers."""
+_WHOLE_RULE = f"must be a whole number >= 0 and <= {MAX_WHOLE}"
+FAULTHANDLER_RESERVED = frozenset({signal.SIGSEGV, signal.SIGFPE, signal.SIGABRT, signal.SIGBUS, signal.SIGILL})
+"""Signals faulthandler keeps for crashes: it cannot register them to dump on request."""
+MAX_YAML_DEPTH = 64
 
 
 def parse_signal(value: Any) -> signal.Signals:
@@ -118,6 +125,8 @@ class FaultToleranceConfig(BaseModel):
     handshake_timeout: float = 10.0
     max_no_progress_cycles: int = 3
     min_progress_iterations: int = 1
+    max_connections: int = 256
+    observer_idle_timeout: float = 60.0
 
     # -- rules -----------------------------------------------------------------
     @field_validator(
@@ -146,13 +155,13 @@ class FaultToleranceConfig(BaseModel):
         out: dict[str, float | None] = {}
         for name, value in v.items():
             if not isinstance(name, str) or not name.strip():
-                raise ValueError(f"section name {name!r} must be a non-empty string")
+                raise ValueError(f"section name {shown(name)} must be a non-empty string")
             if len(name.encode("utf-8", "replace")) > MAX_SECTION_NAME_BYTES:
                 raise ValueError(f"section name {name[:40]!r}... is longer than {MAX_SECTION_NAME_BYTES} bytes")
             try:
                 out[name.strip()] = check_timeout(_number_words(_none_words(value)), name)
             except ValueError:
-                raise ValueError(f"section {name!r} = {value!r}: {_TIMEOUT_RULE}") from None
+                raise ValueError(f"section {shown(name)} = {shown(value)}: {_TIMEOUT_RULE}") from None
         return out
 
     @model_validator(mode="after")
@@ -167,8 +176,16 @@ class FaultToleranceConfig(BaseModel):
     @classmethod
     def _warmup(cls, v: Any) -> Any:
         v = _number_words(v)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise ValueError("must be a whole number >= 0")
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_WHOLE:
+            raise ValueError(_WHOLE_RULE)
+        return v
+
+    @field_validator("max_connections", mode="before")
+    @classmethod
+    def _max_connections(cls, v: Any) -> Any:
+        v = _number_words(v)
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 65536:
+            raise ValueError("must be a whole number from 1 to 65536 (connections besides the rank's)")
         return v
 
     @field_validator("safety_factor", mode="before")
@@ -188,7 +205,7 @@ class FaultToleranceConfig(BaseModel):
     def _request_timeout(cls, v: Any) -> Any:
         return _checked_number(v, 0.0, False, "must be a number of seconds > 0 (a request must not wait forever)")
 
-    @field_validator("handshake_timeout", mode="before")
+    @field_validator("handshake_timeout", "observer_idle_timeout", mode="before")
     @classmethod
     def _handshake(cls, v: Any) -> Any:
         return _checked_number(v, 0.0, False, "must be a number of seconds > 0")
@@ -216,6 +233,11 @@ class FaultToleranceConfig(BaseModel):
                 f"stack_dump_signal = {self.stack_dump_signal.name} would stop the rank instead of dumping its "
                 "stack; use SIGUSR1, SIGUSR2 or a real-time signal"
             )
+        if self.stack_dump_signal in FAULTHANDLER_RESERVED:
+            raise ValueError(
+                f"stack_dump_signal = {self.stack_dump_signal.name} is kept by faulthandler for crashes and cannot "
+                "dump a stack on request; use SIGUSR1, SIGUSR2 or a real-time signal"
+            )
         return self
 
     @field_validator("skip_section_response", mode="before")
@@ -232,11 +254,11 @@ class FaultToleranceConfig(BaseModel):
     @field_validator("log_level", mode="before")
     @classmethod
     def _log_level(cls, v: Any) -> Any:
-        if isinstance(v, int) and not isinstance(v, bool):
+        if isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_WHOLE:
             return v
         if isinstance(v, str):
             name = v.strip().upper()
-            if name.isdigit():
+            if name.isdigit() and int(name) <= MAX_WHOLE:
                 return int(name)
             level = logging.getLevelName(name)
             if isinstance(level, int):
@@ -267,6 +289,18 @@ class FaultToleranceConfig(BaseModel):
     def timeouts(self) -> Timeouts:
         """The timeouts this config puts in force, none of them learned."""
         return Timeouts.from_config(self)
+
+
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 120
+_REPR.maxlist = _REPR.maxdict = _REPR.maxtuple = _REPR.maxset = 8
+_REPR.maxlevel = 2
+
+
+def shown(value: Any) -> str:
+    """repr() of a user's value for an error line: bounded in size and depth (a YAML alias
+    can make a small file a huge or cyclic value)."""
+    return _REPR.repr(value)
 
 
 _TRUE = {"true", "1", "yes", "on"}
@@ -321,21 +355,34 @@ def parse_section_timeouts(text: str) -> dict[str, Any]:
 
 
 def find_fault_tolerance_section(data: Any) -> Mapping[str, Any] | None:
-    """The first `fault_tolerance:` mapping in document order, at any depth."""
-    if isinstance(data, Mapping):
-        for key, value in data.items():
-            if key == "fault_tolerance" and isinstance(value, Mapping):
-                return value
-        for value in data.values():
-            found = find_fault_tolerance_section(value)
-            if found is not None:
-                return found
-    elif isinstance(data, list):
-        for value in data:
-            found = find_fault_tolerance_section(value)
-            if found is not None:
-                return found
-    return None
+    """The first `fault_tolerance:` mapping in document order, at any depth.
+
+    Each node is visited once: YAML aliases can make a small file a graph with
+    exponentially many paths (an "alias bomb") or a cycle, and neither may cost
+    more than the file's size."""
+    seen: set[int] = set()
+
+    def walk(node: Any, depth: int) -> Mapping[str, Any] | None:
+        if id(node) in seen or depth > MAX_YAML_DEPTH:
+            return None
+        seen.add(id(node))
+        if isinstance(node, Mapping):
+            for key, value in node.items():
+                if key == "fault_tolerance" and isinstance(value, Mapping):
+                    return value
+            children: Any = node.values()
+        elif isinstance(node, list):
+            children = node
+        else:
+            return None
+        for value in children:
+            if isinstance(value, (Mapping, list)):
+                found = walk(value, depth + 1)
+                if found is not None:
+                    return found
+        return None
+
+    return walk(data, 0)
 
 
 def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -347,6 +394,8 @@ def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+    except RecursionError:
+        raise ConfigError(f"config file {path} is nested too deeply to read") from None
     section = find_fault_tolerance_section(data)
     if section is None:
         raise ConfigError(f"config file {path} has no 'fault_tolerance:' mapping")
@@ -407,13 +456,13 @@ def load_config(
     for source, values in layers:
         for key, value in values.items():
             if not isinstance(key, str):
-                raise ConfigError(f"{source}: key {key!r} is not a field name")
+                raise ConfigError(f"{source}: key {shown(key)} is not a field name")
             if key in IGNORED_NVRX_FIELDS:
                 ignored.append(key)
                 continue
             if key not in FaultToleranceConfig.model_fields:
                 raise ConfigError(
-                    f"{source}: unknown field {key!r} = {value!r} (known fields: {', '.join(FIELDS)})"
+                    f"{source}: unknown field {shown(key)} = {shown(value)} (known fields: {', '.join(FIELDS)})"
                 )
             merged[key] = value
             origin[key] = _origin_label(source, key)
@@ -446,5 +495,5 @@ def _format_validation_error(e: ValidationError, values: Mapping[str, Any], orig
         if rule.startswith("Value error, "):
             rule = rule[len("Value error, ") :]
         where = origin.get(field, "default")
-        lines.append(f"invalid setting {field} = {value!r} (from {where}): {rule}")
+        lines.append(f"invalid setting {field} = {shown(value)} (from {where}): {rule}")
     return "\n".join(lines)

@@ -14,19 +14,19 @@ This module performs effects; it decides nothing about *whether* a rank hung
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import signal
 import socket
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
+from ft_client.safefiles import write_json_atomic
 from ft_monitor.clock import Clock, to_wall
 from ft_monitor.policy import Hang
-from ft_monitor.procinfo import ProcessHandle, descendants, group_exists, signal_group
+from ft_monitor.procinfo import PinnedGroup, ProcessHandle, descendants
+from ft_monitor.server_log import printable
 
 REPORT_VERSION = 1
 _POLL = 0.01
@@ -63,8 +63,10 @@ class HangExecutor:
         termination_grace_time: float,
         before_kill: BeforeKill | None = None,
         launcher_response_timeout: float = 10.0,
+        exits: "ExitWatch | None" = None,
     ) -> None:
         self.clock = clock
+        self.exits = exits or ExitWatch()
         self.launcher_response_timeout = launcher_response_timeout
         self.stack_dump_signal = stack_dump_signal
         self.stack_dump_timeout = stack_dump_timeout
@@ -76,7 +78,7 @@ class HangExecutor:
         h = case.hang
         log.error(
             "hang detected: rank=%d pid=%d reason=%s section=%s elapsed=%.3fs timeout=%.3fs: %s; report %s",
-            h.rank, h.pid, h.reason.value, h.section, h.elapsed, h.timeout, h.describe(), case.report_path,
+            h.rank, h.pid, h.reason.value, printable(h.section), h.elapsed, h.timeout, h.describe(), case.report_path,
         )
         self.write_report(case)
         await self.dump_stack(case)
@@ -91,7 +93,7 @@ class HangExecutor:
                 case.actions.append("launcher notified; it stops the worker group")
                 self.write_report(case)
                 wait = self.launcher_response_timeout + self.termination_grace_time
-                if await wait_for_exit(case.process, wait):
+                if await self.exits.wait(case.process, wait):
                     case.terminated_by = "launcher"
                     log.warning("rank %d: stopped by the launcher", h.rank)
                     self.write_report(case)
@@ -130,20 +132,10 @@ class HangExecutor:
         }
 
     def write_report(self, case: HangCase) -> None:
-        tmp = None
         try:
-            fd, tmp = tempfile.mkstemp(prefix=".report-", dir=case.report_path.parent)
-            with os.fdopen(fd, "w") as f:
-                json.dump(self.report(case), f, indent=2)
-                f.write("\n")
-            os.replace(tmp, case.report_path)
+            write_json_atomic(case.report_path, self.report(case))
         except OSError as e:
             log.error("rank %d: cannot write hang report %s: %s", case.hang.rank, case.report_path, e)
-            if tmp is not None:
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
 
     # -- (3) stack dump --------------------------------------------------------
     async def dump_stack(self, case: HangCase) -> None:
@@ -182,9 +174,10 @@ class HangExecutor:
         """SIGCONT + the termination signal, bounded grace, then SIGKILL.
 
         A rank that leads its own process group (as launchers start ranks) is
-        signalled with its whole group; otherwise the rank and its descendants
-        are signalled one by one, so a shell or launcher that shares the rank's
-        group is never hit.
+        signalled with its whole group, while a member we pinned proves the group
+        id is still its own; otherwise the rank and its descendants are signalled
+        one by one, so a shell or launcher that shares the rank's group is never hit.
+        Descendants that left the group (setsid) are pinned and signalled too.
         """
         proc, rank = case.process, case.hang.rank
         pgid = proc.pgid()
@@ -193,64 +186,94 @@ class HangExecutor:
             case.actions.append("rank had already exited")
             return
         term = signal.Signals(self.termination_signal)
-        family = [ProcessHandle(p) for p in descendants(proc.pid)]
-        if pgid == proc.pid and pgid != os.getpgrp():
-            # the group, and descendants that left it (setsid): they would outlive the rank
-            target = Target(group=pgid, processes=[proc] + [p for p in family if p.pgid() not in (None, pgid)])
-        else:
-            target = Target(processes=[proc] + family)
-        for p in family:
-            if p not in target.processes:
-                p.close()
-        target.send(signal.SIGCONT)
-        target.send(term)
-        case.actions.append(f"sent SIGCONT+{term.name} to {target}")
-        log.warning("rank %d: sent %s to %s, grace %.1fs", rank, term.name, target, self.termination_grace_time)
-        deadline = self.clock.now() + self.termination_grace_time
-        exited = await wait_for_exit(proc, self.termination_grace_time)
-        while exited and target.any_left() and self.clock.now() < deadline:
-            await asyncio.sleep(_POLL)  # the rank is gone; give its children the rest of the grace
-        if exited and not target.any_left():
-            case.terminated_by = term.name
+        leads_group = pgid == proc.pid and pgid != os.getpgrp()
+        target = PinnedGroup(pgid if leads_group else None, [proc], borrowed=(proc,))
+        target.pin_members()
+        pinned = {h.pid for h in target.members}
+        for pid in descendants(proc.pid):
+            h = ProcessHandle.open(pid) if pid not in pinned else None
+            if h is not None:
+                target.add(h)
+        try:
+            target.send(signal.SIGCONT)
+            target.send(term)
+            case.actions.append(f"sent SIGCONT+{term.name} to {target}")
+            log.warning("rank %d: sent %s to %s, grace %.1fs", rank, term.name, target, self.termination_grace_time)
+            deadline = self.clock.now() + self.termination_grace_time
+            exited = await self.exits.wait(proc, self.termination_grace_time)
+            while exited and target.any_left() and self.clock.now() < deadline:
+                await asyncio.sleep(_POLL)  # the rank is gone; give its children the rest of the grace
+            if exited and not target.any_left():
+                case.terminated_by = term.name
+                return
+            target.send(signal.SIGKILL)
+            case.terminated_by = term.name if exited else "SIGKILL"
+            case.actions.append(f"sent SIGKILL to {target}")
+            log.warning("rank %d: %s; sent SIGKILL to %s", rank,
+                        "rank exited, other processes remained" if exited else
+                        f"still running after {self.termination_grace_time:.1f}s", target)
+            await self.exits.wait(proc, 5.0)
+        finally:
             target.close()
-            return
-        target.send(signal.SIGKILL)
-        case.terminated_by = term.name if exited else "SIGKILL"
-        case.actions.append(f"sent SIGKILL to {target}")
-        log.warning("rank %d: %s; sent SIGKILL to %s", rank,
-                    "rank exited, other processes remained" if exited else
-                    f"still running after {self.termination_grace_time:.1f}s", target)
-        await wait_for_exit(proc, 5.0)
-        target.close()
 
 
-class Target:
-    """What a termination signal goes to: a process group, or a list of processes."""
+class ExitWatch:
+    """Waiting for processes to exit, through their pidfds: one event-loop reader per
+    process however many wait on it (the daemon's session and a hang task may wait at
+    once). `forget()` must come before the handle is closed."""
 
-    def __init__(self, group: int | None = None, processes: list[ProcessHandle] | None = None) -> None:
-        self.group = group
-        self.processes = processes or []
+    def __init__(self) -> None:
+        self._futures: dict[int, asyncio.Future[None]] = {}
 
-    def send(self, sig: int) -> None:
-        if self.group is not None:
-            signal_group(self.group, sig)  # also reaches members left after the leader exited
-        for p in self.processes:
-            p.send(sig)
+    def exited(self, proc: ProcessHandle) -> asyncio.Future[None] | None:
+        """A future done when ``proc`` exits; None where there is no pidfd to watch."""
+        fd = proc.fd
+        if fd is None:
+            return None
+        fut = self._futures.get(fd)
+        if fut is None:
+            loop = asyncio.get_running_loop()
+            fut = self._futures[fd] = loop.create_future()
+            if not proc.alive():
+                fut.set_result(None)
+            else:
+                def ready() -> None:
+                    loop.remove_reader(fd)
+                    if not fut.done():
+                        fut.set_result(None)
 
-    def any_left(self) -> bool:
-        if self.group is not None and group_exists(self.group):
+                loop.add_reader(fd, ready)
+        return fut
+
+    def forget(self, proc: ProcessHandle) -> None:
+        fd = proc.fd
+        fut = self._futures.pop(fd, None) if fd is not None else None
+        if fut is not None:
+            if not fut.done():
+                asyncio.get_running_loop().remove_reader(fd)  # type: ignore[arg-type]
+                fut.cancel()
+
+    async def wait(self, proc: ProcessHandle, timeout: float) -> bool:
+        """Wait (bounded) until the process has exited; True if it did."""
+        if not proc.alive():
             return True
-        return any(p.alive() for p in self.processes)
-
-    def close(self) -> None:
-        for p in self.processes[1:]:  # the first is the rank's handle, owned by the daemon
-            p.close()
-
-    def __str__(self) -> str:
-        pids = [p.pid for p in self.processes]
-        if self.group is not None:
-            return f"process group {self.group}" + (f" and descendants outside it {pids[1:]}" if len(pids) > 1 else "")
-        return f"pid {pids[0]}" + (f" and its descendants {pids[1:]}" if len(pids) > 1 else "")
+        fut = self.exited(proc)
+        if fut is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(fut), timeout)
+            except asyncio.TimeoutError:
+                pass
+            except asyncio.CancelledError:
+                if not fut.cancelled():  # this task was cancelled, not the watch (forget())
+                    raise
+            return not proc.alive()
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        while loop.time() < end:
+            await asyncio.sleep(_POLL)
+            if not proc.alive():
+                return True
+        return not proc.alive()
 
 
 def _size(path: Path) -> int:
@@ -258,32 +281,3 @@ def _size(path: Path) -> int:
         return os.stat(path).st_size
     except OSError:
         return 0
-
-
-async def wait_for_exit(proc: ProcessHandle, timeout: float) -> bool:
-    """Wait (bounded) until the process has exited; True if it did."""
-    if not proc.alive():
-        return True
-    loop = asyncio.get_running_loop()
-    if proc.fd is not None:
-        fut: asyncio.Future[None] = loop.create_future()
-        fd = proc.fd
-
-        def ready() -> None:
-            if not fut.done():
-                fut.set_result(None)
-
-        loop.add_reader(fd, ready)
-        try:
-            await asyncio.wait_for(fut, timeout)
-        except asyncio.TimeoutError:
-            pass
-        finally:
-            loop.remove_reader(fd)
-        return not proc.alive()
-    end = loop.time() + timeout
-    while loop.time() < end:
-        await asyncio.sleep(_POLL)
-        if not proc.alive():
-            return True
-    return not proc.alive()

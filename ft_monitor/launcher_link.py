@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
-
 from ft_client import wire
+from ft_monitor.notices import HangNotice
 
 log = logging.getLogger("ft_monitor.launcher_link")
 
@@ -26,20 +25,20 @@ async def _read(reader: asyncio.StreamReader) -> wire.Message:
     return wire.decode_body(await reader.readexactly(size))
 
 
-async def _exchange(path: str, rank: int, notice: dict[str, Any]) -> wire.Message:
+async def _exchange(path: str, rank: int, notice: HangNotice) -> wire.Message:
     reader, writer = await asyncio.open_unix_connection(path)
     try:
         writer.write(wire.encode(wire.Hello(wire.PROTOCOL_VERSION, wire.Role.MONITOR, rank, {})))
         hello = await _read(reader)
         if not isinstance(hello, wire.HelloOk):
             return hello
-        writer.write(wire.encode(wire.HangNotice(notice)))
+        writer.write(wire.encode(wire.HangNotice(notice.to_wire())))
         return await _read(reader)
     finally:
         writer.close()
 
 
-async def notify_launcher(path: str, rank: int, notice: dict[str, Any], timeout: float) -> bool:
+async def notify_launcher(path: str, rank: int, notice: HangNotice, timeout: float) -> bool:
     """True when the launcher acknowledged the hang and will stop the worker group."""
     try:
         reply = await asyncio.wait_for(_exchange(path, rank, notice), timeout)

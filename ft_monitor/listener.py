@@ -18,6 +18,8 @@ from pathlib import Path
 
 AF_UNIX_PATH_MAX = 107
 """sun_path is 108 bytes on Linux, one of them the terminating NUL."""
+PRIVATE_DIR_HINT = ("use a private directory: $XDG_RUNTIME_DIR/ft/rank0.sock where $XDG_RUNTIME_DIR is set "
+                    "(it is the user's own, mode 0700), else a directory of your own such as ~/.ft/rank0.sock")
 
 
 class ListenerError(RuntimeError):
@@ -38,13 +40,12 @@ def _check_dir(directory: Path) -> None:
     if st.st_uid != os.geteuid():
         raise ListenerError(
             f"socket directory {directory} belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()}); "
-            "use a private directory, e.g. /tmp/ft-$USER/rank0.sock"
+            + PRIVATE_DIR_HINT
         )
     if st.st_mode & 0o077:
         raise ListenerError(
             f"socket directory {directory} has mode {stat.S_IMODE(st.st_mode):04o}; it must be 0700 so that "
-            "no other user can reach the socket. Use a private directory, e.g. /tmp/ft-$USER/rank0.sock "
-            "(created with mode 0700 if missing), or chmod 700 it"
+            "no other user can reach the socket (or chmod 700 it); " + PRIVATE_DIR_HINT
         )
     if not os.access(directory, os.W_OK | os.X_OK):
         raise ListenerError(f"socket directory {directory} is not writable by this user")
@@ -83,7 +84,7 @@ def bind_unix_listener(path: str | os.PathLike[str], backlog: int = socket.SOMAX
     if size > AF_UNIX_PATH_MAX:
         raise ListenerError(
             f"socket path {p} is {size} bytes; Unix sockets allow at most {AF_UNIX_PATH_MAX}. "
-            "Use a shorter directory, e.g. /tmp/ft-$USER/"
+            "Use a shorter directory, e.g. $XDG_RUNTIME_DIR/ft/"
         )
     _check_dir(p.parent)
     _clear_stale(p)

@@ -13,25 +13,33 @@ pushed by UPDATE_CONFIG stay in force for later sessions of the same daemon.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
 import os
+import resource
 import signal
+import socket
+import struct
+import termios
 from pathlib import Path
 from typing import Any
 
 from ft_client import wire
+from ft_client.safefiles import UnsafeFileError, open_append, private_dir_problem
 from ft_client.timeouts import Timeouts, TimeoutsError
 from ft_monitor.clock import Clock, SystemClock, to_wall
-from ft_monitor.executor import HangCase, HangExecutor, wait_for_exit
+from ft_monitor.executor import ExitWatch, HangCase, HangExecutor
 from ft_monitor.listener import ListenerError, bind_unix_listener, remove_socket_file
+from ft_monitor.notices import HangNotice
 from ft_monitor.policy import Hang, check, next_deadline
 from ft_monitor.procinfo import (
     ProcessHandle,
     describe_wait_status,
     peer_credentials,
+    peer_pidfd,
     zombie_exit_status,
 )
-from ft_monitor.server_log import LOG_FORMAT
+from ft_monitor.server_log import LOG_FORMAT, printable
 from ft_monitor.settings import Settings
 from ft_monitor.state import Phase, Session, SessionError
 
@@ -42,10 +50,29 @@ SOCKET_CHECK_INTERVAL = 2.0
 MAX_LOGGED_SESSION_ERRORS = 5
 MAX_STATUS_SECTIONS = 50
 """Open sections listed in a STATUS reply (the rest are counted): the reply must fit a frame."""
+OUTPUT_HIGH_WATER = 256 * 1024
+"""Unsent reply bytes at which the daemon stops reading a peer's requests."""
+MAX_OUTPUT = 1024 * 1024
+"""Unsent reply bytes at which a peer that asks and never reads is dropped."""
+READ_FIRST_DELAY = 0.001
+MAX_READ_FIRST = 100
+"""A deadline found passed while the rank's socket still holds unread input is judged
+again after that input is read (the daemon may have been stopped while the rank
+reported progress); at most this many times in a row."""
+FD_RESERVE = 16
+"""Descriptors held back for the hang path (report, pidfds of the rank's children)."""
+FDS_PER_CONNECTION = 2
+"""A connection's socket and the pidfd of its process until its role is known."""
+FD_BASELINE = 64
+MAX_PATH_BYTES = 4096
 
 
 class Connection(asyncio.Protocol):
-    """One client connection: frames in, messages to the daemon, replies out."""
+    """One client connection: frames in, messages to the daemon, replies out.
+
+    The peer's process is pinned (pidfd) when it connects, so a HELLO sent after
+    that process exited cannot make the daemon watch a process that reused its pid.
+    """
 
     def __init__(self, daemon: "MonitorDaemon") -> None:
         self.daemon = daemon
@@ -55,21 +82,30 @@ class Connection(asyncio.Protocol):
         self.uid = -1
         self.role: str | None = None
         self.closing = False
-        self._hello_timer: asyncio.TimerHandle | None = None
+        self.process: ProcessHandle | None = None
+        """The peer's process, pinned at connect; handed to the daemon if it becomes the rank."""
+        self.last_active = 0.0
+        self._timer: asyncio.TimerHandle | None = None
 
     # -- asyncio.Protocol ----------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's are not asyncio.Transport subclasses
+        self.transport.set_write_buffer_limits(high=OUTPUT_HIGH_WATER)  # type: ignore[union-attr]
         sock = transport.get_extra_info("socket")
         cred = peer_credentials(sock)
         self.pid, self.uid = cred.pid, cred.uid
+        self.last_active = self.daemon.clock.now()
         if cred.uid != os.geteuid():
             log.warning("refused connection from pid %d: uid %d is not the monitor's uid %d",
                         cred.pid, cred.uid, os.geteuid())
             self.fail(wire.ErrorCode.FORBIDDEN, f"peer uid {cred.uid} differs from the monitor's uid {os.geteuid()}")
             return
-        self._hello_timer = asyncio.get_running_loop().call_later(self.daemon.config.handshake_timeout,
-                                                                  self._hello_expired)
+        if cred.pid > 0:
+            fd = peer_pidfd(sock)  # the very process that connected, even if its pid is reused by now
+            self.process = ProcessHandle.adopt(cred.pid, fd) if fd is not None else ProcessHandle.open(cred.pid)
+        self._timer = asyncio.get_running_loop().call_later(self.daemon.config.handshake_timeout,
+                                                            self._hello_expired)
+        self.daemon.admit(self)
 
     def data_received(self, data: bytes) -> None:
         if self.closing:
@@ -91,14 +127,31 @@ class Connection(asyncio.Protocol):
             log.warning("connection from pid %d closed in the middle of a frame (%d bytes unread)",
                         self.pid, self.decoder.buffered)
         self.closing = True
-        if self._hello_timer is not None:
-            self._hello_timer.cancel()
+        self._cancel_timer()
         self.daemon.disconnected(self)
+        self.release_process()
+
+    def pause_writing(self) -> None:
+        """Replies pile up unread: read no more requests until they drain."""
+        if self.transport is not None:
+            self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.transport is not None and not self.closing:
+            self.transport.resume_reading()
 
     # -- helpers -------------------------------------------------------------
     def send(self, msg: wire.Message) -> None:
-        if self.transport is not None and not self.closing:
-            self.transport.write(wire.encode(msg))
+        t = self.transport
+        if t is None or self.closing:
+            return
+        if t.get_write_buffer_size() > MAX_OUTPUT:
+            log.warning("closing connection from pid %d: %d bytes of replies left unread (it asks without reading)",
+                        self.pid, t.get_write_buffer_size())
+            self.closing = True
+            t.abort()
+            return
+        t.write(wire.encode(msg))
 
     def fail(self, code: str, message: str) -> None:
         """Send an ERROR and close this connection (the daemon keeps serving)."""
@@ -109,15 +162,96 @@ class Connection(asyncio.Protocol):
 
     def hello_done(self, role: str) -> None:
         self.role = role
-        if self._hello_timer is not None:
-            self._hello_timer.cancel()
-            self._hello_timer = None
+        self._cancel_timer()
+        if role == wire.Role.OBSERVER:
+            self.release_process()  # only a rank's process is ever signalled
+            self._timer = asyncio.get_running_loop().call_later(self.daemon.config.observer_idle_timeout,
+                                                                self._idle_check)
+
+    def touch(self, now: float) -> None:
+        self.last_active = now
+
+    def take_process(self) -> ProcessHandle | None:
+        """Hand the pinned process to the daemon (the rank's resources own it from now on)."""
+        proc, self.process = self.process, None
+        return proc
+
+    def release_process(self) -> None:
+        if self.process is not None:
+            self.process.close()
+            self.process = None
+
+    def unread_bytes(self) -> int:
+        """Bytes the peer sent that the daemon has not read yet (FIONREAD)."""
+        t = self.transport
+        if t is None or self.closing:
+            return 0
+        try:
+            fd = t.get_extra_info("socket").fileno()
+            return int(struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0])
+        except (OSError, AttributeError, ValueError):
+            return 0
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     def _hello_expired(self) -> None:
+        self._timer = None
         if self.role is None and not self.closing:
             limit = self.daemon.config.handshake_timeout
             log.warning("closing connection from pid %d: no handshake within %.1fs", self.pid, limit)
             self.fail(wire.ErrorCode.PROTOCOL, f"no HELLO within {limit:.1f}s")
+
+    def _idle_check(self) -> None:
+        """An observer that asks nothing for observer_idle_timeout is closed (it holds a descriptor)."""
+        self._timer = None
+        if self.closing or self.role != wire.Role.OBSERVER:
+            return
+        limit = self.daemon.config.observer_idle_timeout
+        idle = self.daemon.clock.now() - self.last_active
+        if idle < limit:
+            self._timer = asyncio.get_running_loop().call_later(limit - idle, self._idle_check)
+            return
+        log.info("closing observer connection from pid %d: idle for %.1fs", self.pid, idle)
+        self.fail(wire.ErrorCode.PROTOCOL, f"idle for {limit:.1f}s; closed")
+
+
+class FdReserve:
+    """A few descriptors held back so that acting on a hang can open its report, its
+    temporary files and the pidfds of the rank's children, whatever the connections
+    have used up. Released while a hang is handled, taken again after."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._fds: list[int] = []
+        self.fill()
+
+    def fill(self) -> None:
+        while len(self._fds) < self.size:
+            try:
+                self._fds.append(os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC))
+            except OSError:
+                return
+
+    def release(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds.clear()
+
+
+def raise_fd_limit() -> int:
+    """Raise the soft RLIMIT_NOFILE to the hard one; return the soft limit in force."""
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard == resource.RLIM_INFINITY or soft < hard:
+            target = hard if hard != resource.RLIM_INFINITY else max(soft, 65536)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        return soft if soft != resource.RLIM_INFINITY else 1 << 20
+    except (OSError, ValueError):
+        return 1024
 
 
 class MonitorDaemon:
@@ -139,6 +273,7 @@ class MonitorDaemon:
         directory (beside torch's error.json)."""
         self.launcher_socket = launcher_socket
         self.timeouts: Timeouts = config.timeouts()
+        self.exits = ExitWatch()
         self.executor = HangExecutor(
             clock=self.clock,
             stack_dump_signal=config.stack_dump_signal,
@@ -147,6 +282,7 @@ class MonitorDaemon:
             termination_grace_time=config.termination_grace_time,
             before_kill=self._tell_launcher if launcher_socket else None,
             launcher_response_timeout=config.launcher_response_timeout,
+            exits=self.exits,
         )
         self.rank_conn: Connection | None = None
         self.session: Session | None = None
@@ -171,21 +307,31 @@ class MonitorDaemon:
         self.no_rank = asyncio.Event()
         """Set while no rank is connected."""
         self.no_rank.set()
+        self.others: dict[Connection, None] = {}
+        """Connections that are not the rank's (in handshake, or observers), least recently active first."""
+        self.max_connections = config.max_connections
+        self._evictions_logged = 0
+        self._read_first = 0
+        """How many times in a row a passed deadline waited for unread rank input."""
+        self.reserve: FdReserve | None = None
 
     # -- lifecycle -------------------------------------------------------------
     async def startup(self) -> None:
         sock, self._inode = bind_unix_listener(self.socket_path)  # creates the private directory first
         try:
             self.report_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            problem = private_dir_problem(self.report_dir)
         except OSError as e:
+            problem = f"cannot create {self.report_dir}: {e.strerror}"
+        if problem is not None:
             sock.close()
             remove_socket_file(self.socket_path, self._inode)
-            raise ListenerError(f"cannot create report directory {self.report_dir}: {e.strerror}") from None
-        if os.stat(self.report_dir).st_mode & 0o022:
-            log.warning("report directory %s is writable by other users: they could plant files where hang "
-                        "reports and stack dumps go; make it 0700", self.report_dir)
+            raise ListenerError(f"report directory: {problem}. Hang reports, stack dumps and logs go there: "
+                                "use a directory of your own that no one else can write (mode 0700)")
+        self._size_connection_cap(raise_fd_limit())
+        self.reserve = FdReserve(FD_RESERVE)
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_unix_server(lambda: Connection(self), sock=sock)
+        self._server = await loop.create_unix_server(lambda: Connection(self), sock=sock, backlog=socket.SOMAXCONN)
         self._socket_check = loop.call_later(SOCKET_CHECK_INTERVAL, self._check_socket_file)
         log.info("monitor pid %d serving %s (reports in %s)", os.getpid(), self.socket_path, self.report_dir)
 
@@ -213,7 +359,36 @@ class MonitorDaemon:
         self._spawn(self._serve_again(sock))
 
     async def _serve_again(self, sock: Any) -> None:
-        self._server = await asyncio.get_running_loop().create_unix_server(lambda: Connection(self), sock=sock)
+        self._server = await asyncio.get_running_loop().create_unix_server(lambda: Connection(self), sock=sock,
+                                                                           backlog=socket.SOMAXCONN)
+
+    def _size_connection_cap(self, fd_limit: int) -> None:
+        """Keep every connection the cap allows, the reserve and the daemon's own files
+        within the descriptor limit: running out would blind the hang path."""
+        fits = max(1, (fd_limit - FD_BASELINE - FD_RESERVE) // FDS_PER_CONNECTION)
+        if fits < self.max_connections:
+            log.warning("max_connections lowered from %d to %d to fit the open-file limit of %d",
+                        self.max_connections, fits, fd_limit)
+            self.max_connections = fits
+
+    # -- connections ----------------------------------------------------------
+    def admit(self, conn: Connection) -> None:
+        """Count a new connection; past max_connections the oldest one still in its
+        handshake, else the least recently active observer, is closed, so a new
+        connection (the rank's, maybe) always gets in and descriptors stay bounded."""
+        self.others[conn] = None
+        if len(self.others) <= self.max_connections:
+            return
+        victim = next((c for c in self.others if c.role is None and c is not conn), None)
+        if victim is None:
+            victim = next(c for c in self.others if c is not conn)
+        self.others.pop(victim, None)
+        self._evictions_logged += 1
+        if self._evictions_logged <= MAX_LOGGED_SESSION_ERRORS or self._evictions_logged % 1000 == 0:
+            log.warning("connection cap (%d) reached: closing the %s connection from pid %d (%d closed so far)",
+                        self.max_connections, "idle observer" if victim.role else "oldest unidentified",
+                        victim.pid, self._evictions_logged)
+        victim.fail(wire.ErrorCode.BUSY, f"too many connections to this monitor (at most {self.max_connections})")
 
     async def shutdown(self, reason: str) -> None:
         log.info("monitor shutting down: %s", reason)
@@ -232,9 +407,12 @@ class MonitorDaemon:
         if self.rank_conn is not None and self.rank_conn.transport is not None:
             self.rank_conn.transport.close()
         if self.process is not None:
-            self.process.close()
+            self._release_process(self.process)
+            self.process = None
         remove_socket_file(self.socket_path, self._inode)
         self._close_session_log()
+        if self.reserve is not None:
+            self.reserve.release()
 
     # -- messages --------------------------------------------------------------
     def dispatch(self, conn: Connection, msg: wire.Message) -> None:
@@ -252,6 +430,10 @@ class MonitorDaemon:
                 raise wire.ProtocolError(f"expected HELLO first, got {t.__name__}")
             self._hello(conn, msg)  # type: ignore[arg-type]
             return
+        if conn.role == wire.Role.OBSERVER:
+            conn.touch(self.clock.now())
+            self.others.pop(conn, None)  # most recently active last
+            self.others[conn] = None
         if t is wire.Status:
             conn.send(wire.StatusReply(self.status()))
         elif t is wire.Ping:
@@ -286,6 +468,20 @@ class MonitorDaemon:
             return
         if msg.role != wire.Role.RANK:
             raise wire.ProtocolError(f"unknown role {msg.role!r}")
+        if conn.pid <= 0:
+            log.warning("refused a rank connection from another pid namespace: the monitor cannot see its process, "
+                        "so it could neither dump nor stop it")
+            conn.fail(wire.ErrorCode.FORBIDDEN,
+                      "the rank's process is in a pid namespace the monitor cannot see (SO_PEERCRED pid 0): it could "
+                      "not be dumped or stopped. Run the monitor in the rank's pid namespace (Kubernetes: "
+                      "shareProcessNamespace: true, or the monitor in the training container)")
+            return
+        if conn.process is None or not conn.process.alive():
+            log.warning("refused a rank connection from pid %d: the process that connected has exited or "
+                        "cannot be pinned", conn.pid)
+            conn.fail(wire.ErrorCode.FORBIDDEN,
+                      f"the process that connected (pid {conn.pid}) has exited or cannot be pinned (pidfd)")
+            return
         if self.rank_conn is not None:
             live = self.rank_conn.pid
             log.warning("refused rank connection from pid %d: rank pid %d is connected", conn.pid, live)
@@ -293,10 +489,12 @@ class MonitorDaemon:
             return
         conn.hello_done(msg.role)
         now = self.clock.now()
+        self.others.pop(conn, None)
         self.rank_conn = conn
         self.no_rank.clear()
         self.sessions_started += 1
-        self.process = ProcessHandle(conn.pid)
+        self.process = conn.take_process()
+        self._watch_exit(conn, self.process)
         self.session = Session(
             rank=msg.rank, pid=conn.pid, started_at=now, timeouts=self.timeouts,
             num_warmup_iterations=self.config.num_warmup_iterations,
@@ -320,19 +518,24 @@ class MonitorDaemon:
         log.info("rank %d pid %d connected (session %d)", msg.rank, conn.pid, self.sessions_started)
 
     def _open_session_dir(self, msg: wire.Hello) -> None:
-        error_file = msg.info.get("error_file")
-        self.error_file = error_file if isinstance(error_file, str) and error_file else None
+        self.error_file = _error_file(msg.info.get("error_file"))
         self.session_dir = self.report_dir
         if self.config.report_dir is None and self.error_file:
             attempt_dir = Path(self.error_file).parent
-            if attempt_dir.is_dir():
+            problem = private_dir_problem(attempt_dir)
+            if problem is None:
                 self.session_dir = attempt_dir
+            elif os.path.lexists(attempt_dir):
+                log.warning("rank %d: not writing into its attempt directory: %s; reports go to %s",
+                            msg.rank, problem, self.report_dir)
         if self.session_dir != self.report_dir and self._session_log is None:
+            path = self.session_dir / "monitor.log"
             try:
-                handler = logging.FileHandler(self.session_dir / "monitor.log")
+                stream = os.fdopen(open_append(path), "a")
             except OSError as e:
-                log.warning("cannot write the monitor log in %s: %s", self.session_dir, e)
+                log.warning("cannot write the monitor log %s: %s", path, e)
             else:
+                handler = logging.StreamHandler(stream)
                 handler.setFormatter(logging.Formatter(LOG_FORMAT))
                 logging.getLogger().addHandler(handler)
                 self._session_log = handler
@@ -341,7 +544,34 @@ class MonitorDaemon:
         if self._session_log is not None:
             logging.getLogger().removeHandler(self._session_log)
             self._session_log.close()
+            stream = getattr(self._session_log, "stream", None)
+            if stream is not None:
+                stream.close()
             self._session_log = None
+
+    def _watch_exit(self, conn: Connection, proc: ProcessHandle | None) -> None:
+        """End the session when the rank's process exits, even if the socket stays open
+        (a forked child may hold it): an exit is never left to look like a hang."""
+        fut = self.exits.exited(proc) if proc is not None else None
+        if fut is None:
+            return
+
+        def exited(f: "asyncio.Future[None]") -> None:
+            if f.cancelled() or conn is not self.rank_conn or self.session is None:
+                return
+            if self.session.phase is Phase.ACTIVE:
+                log.warning("rank %d pid %d exited while its connection is still open (held by a child process?); "
+                            "ending its session", self.session.rank, self.session.pid)
+                self.disconnected(conn)
+                conn.closing = True
+                if conn.transport is not None:
+                    conn.transport.close()
+
+        fut.add_done_callback(exited)
+
+    def _release_process(self, proc: ProcessHandle) -> None:
+        self.exits.forget(proc)
+        proc.close()
 
     def dump_path(self, rank: int, pid: int) -> Path:
         return self.session_dir / f"rank{rank}-pid{pid}-stack.txt"
@@ -354,22 +584,22 @@ class MonitorDaemon:
 
         h = case.hang
         assert self.launcher_socket is not None
-        notice = {
-            "rank": h.rank,
-            "pid": h.pid,
-            "reason": h.reason.value,
-            "section": h.section,
-            "message": h.describe(),
-            "elapsed_s": h.elapsed,
-            "timeout_s": h.timeout,
-            "onset_time": to_wall(self.clock, h.onset),
-            "detected_time": to_wall(self.clock, h.detected_at),
-            "iteration": h.iteration,
-            "report": str(case.report_path),
-            "stack_dump": str(case.dump_path) if case.dump_path else None,
-            "stack_dump_captured": case.dump_captured,
-            "error_file": self.error_file,
-        }
+        notice = HangNotice(
+            rank=h.rank,
+            pid=h.pid,
+            reason=h.reason.value,
+            section=h.section,
+            message=h.describe(),
+            elapsed_s=h.elapsed,
+            timeout_s=h.timeout,
+            onset_time=to_wall(self.clock, h.onset),
+            detected_time=to_wall(self.clock, h.detected_at),
+            iteration=h.iteration,
+            report=str(case.report_path),
+            stack_dump=str(case.dump_path) if case.dump_path else None,
+            stack_dump_captured=case.dump_captured,
+            error_file=self.error_file,
+        )
         return await notify_launcher(self.launcher_socket, h.rank, notice, self.config.launcher_response_timeout)
 
     def _update_config(self, session: Session, msg: wire.UpdateConfig) -> None:
@@ -391,7 +621,7 @@ class MonitorDaemon:
         """Clean shutdown: the session ends now, so the rank may connect again at once."""
         if session.open_sections:
             log.warning("rank %d pid %d shut down with section(s) still open: %s",
-                        session.rank, session.pid, ", ".join(session.open_sections))
+                        session.rank, session.pid, ", ".join(map(printable, session.open_sections)))
         session.goodbye()
         assert self.rank_conn is not None
         self.rank_conn.role = wire.Role.OBSERVER  # what it may still send: STATUS, PING
@@ -434,10 +664,21 @@ class MonitorDaemon:
         s = self.session
         if s is None:
             return
-        hang = check(s, self.clock.now())
+        now = self.clock.now()
+        hang = check(s, now)
         if hang is None:
+            self._read_first = 0
             self._arm()
             return
+        conn = self.rank_conn
+        if conn is not None and self._read_first < MAX_READ_FIRST and conn.unread_bytes() > 0:
+            # progress the rank reported may be waiting in the socket (the daemon was
+            # stopped, frozen or starved): read it before judging
+            self._read_first += 1
+            self._timer_at = now
+            self._timer = asyncio.get_running_loop().call_later(READ_FIRST_DELAY, self._on_timer)
+            return
+        self._read_first = 0
         s.mark_hung()
         self.hangs.append(hang)
         assert self.process is not None
@@ -447,18 +688,24 @@ class MonitorDaemon:
 
     async def _handle_hang(self, case: HangCase) -> None:
         self._handling.add(case.process)
+        if self.reserve is not None:
+            self.reserve.release()  # descriptors for the report, temporary files and pidfds
         try:
             await self.executor.handle(case)
         finally:
             self._handling.discard(case.process)
             if self.process is not case.process:  # the hung rank's connection is gone
-                case.process.close()
+                self._release_process(case.process)
             if self.rank_conn is None:
                 self._close_session_log()
+            if self.reserve is not None and not self._handling:
+                self.reserve.fill()
 
     # -- disconnects -----------------------------------------------------------
     def disconnected(self, conn: Connection) -> None:
-        """The rank's connection closed, or it said GOODBYE."""
+        """A connection closed; for the rank's: its session ends (also on GOODBYE, or
+        when its process exits)."""
+        self.others.pop(conn, None)
         if conn is not self.rank_conn:
             return
         s, proc = self.session, self.process
@@ -476,19 +723,19 @@ class MonitorDaemon:
         if phase is Phase.CLOSING:
             log.info("rank %d pid %d shut down monitoring cleanly", s.rank, s.pid)
             if proc is not None:
-                proc.close()
+                self._release_process(proc)
             self._close_session_log()
         elif phase is Phase.HUNG:
             log.info("rank %d pid %d (hung) disconnected", s.rank, s.pid)
             if proc is not None and proc not in self._handling:  # else its hang task closes it
-                proc.close()
+                self._release_process(proc)
         else:
             assert proc is not None
             self._spawn(self._report_exit(s, proc))
 
     async def _report_exit(self, s: Session, proc: ProcessHandle) -> None:
         """A rank that went away without GOODBYE: it exited (or closed its socket); not a hang."""
-        await wait_for_exit(proc, 1.0)
+        await self.exits.wait(proc, 1.0)
         status: int | None = None
         child = self.children.get(s.pid)
         if child is not None:
@@ -506,7 +753,7 @@ class MonitorDaemon:
             what = "exited (exit status unknown: not a child of the monitor)"
         log.warning("rank %d pid %d disconnected without shutdown_workload_monitoring(); the process %s",
                     s.rank, s.pid, what)
-        proc.close()
+        self._release_process(proc)
         if self.rank_conn is None:
             self._close_session_log()
 
@@ -614,9 +861,15 @@ async def run_daemon(
         stop_reason.append(f"received {sig.name}")
         stop.set()
 
+    def on_ignored(sig: signal.Signals) -> None:
+        log.warning("received %s; ignored (stop the monitor with SIGTERM, SIGINT, SIGHUP or SIGQUIT)", sig.name)
+
     installed = []
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, on_signal, sig)
+        installed.append(sig)
+    for sig in IGNORED_SIGNALS:
+        loop.add_signal_handler(sig, on_ignored, sig)
         installed.append(sig)
     code = 0
     child: asyncio.subprocess.Process | None = None
@@ -664,6 +917,22 @@ async def run_daemon(
         for sig in installed:
             loop.remove_signal_handler(sig)
     return code
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+"""Each stops the daemon in order: with `serve -- CMD`, CMD is terminated first, never
+left running unmonitored (SIGHUP arrives when a terminal closes)."""
+IGNORED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
+"""Their default action would kill the daemon and orphan `serve -- CMD`'s command."""
+
+
+def _error_file(value: object) -> str | None:
+    """The rank's torchelastic error file from its HELLO, if it is a usable absolute path."""
+    if not isinstance(value, str) or not value.startswith("/") or "\0" in value:
+        return None
+    if len(os.fsencode(value)) > MAX_PATH_BYTES or any(len(os.fsencode(p)) > 255 for p in value.split("/")):
+        return None
+    return value
 
 
 def _yield_to_training() -> None:

@@ -318,7 +318,7 @@ def worker(argv: list[str]) -> None:
     for k in ("heartbeat", "section", "unmonitored", "ping", "raw"):  # one kind per phase: what
         paced[k] = _paced(client, k, args.paced, ovh, raw)  # precedes a call changes its cost
 
-    lost = client._lost_reason
+    lost = client.lost_reason
     client.shutdown_workload_monitoring()
     raw.close()
     os.waitpid(reader, 0)

@@ -180,7 +180,7 @@ def worker(argv: list[str]) -> None:
         n = counter.sent - before
         say({"events": n, "seconds": (t1 - t0) / 1e9, "t_start": t0, "t_end": t1, "flushes": flushes})
     hear()
-    say({"sent": counter.sent, "lost": client._lost_reason})
+    say({"sent": counter.sent, "lost": client.lost_reason})
     client.shutdown_workload_monitoring()
 
 

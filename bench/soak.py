@@ -89,7 +89,7 @@ def worker(argv: list[str]) -> None:
 
     def check() -> None:
         t = client._transport  # the rank's own connection: STATUS is ordered after every event sent
-        assert t is not None, client._lost_reason
+        assert t is not None, client.lost_reason
         reply = t.request(wire.STATUS)
         assert isinstance(reply, wire.StatusReply), reply
         note("check", sent=counter.sent, counted=reply.status.get("events"))

@@ -117,7 +117,7 @@ def worker(argv: list[str]) -> None:
         t0 = pc()
         client._transport.request(wire.PING)  # the daemon has now read every event before it
         ping_ns = pc() - t0
-    say({"calls": calls, "events_sent": counter.sent, "connected": connected, "lost": client._lost_reason,
+    say({"calls": calls, "events_sent": counter.sent, "connected": connected, "lost": client.lost_reason,
          "ping_after_ns": ping_ns})
     hear()
     client.shutdown_workload_monitoring()

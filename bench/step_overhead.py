@@ -195,7 +195,7 @@ def worker(argv: list[str]) -> None:
             gc.collect()
             res[m].append(bare(args.block, j) if m == "bare" else monitored(args.block, j))
         sent += 3 * args.block
-    lost = client._lost_reason
+    lost = client.lost_reason
     client.shutdown_workload_monitoring()
     say({**res, "calls": calls, "events_sent": sent, "lost": lost})
 

@@ -9,17 +9,32 @@ config says ``on_monitor_lost: raise``). Thread-safe.
 What is sent: heartbeats always; a section's open/close only when the monitor
 can act on it (`ft_client.timeouts.section_needs_ipc`); sections not listed in
 rank_section_timeouts cost no IPC at all.
+
+The connection is in one of the states of `ConnState`::
+
+    NOT_INITIALIZED --init_workload_monitoring()--> CONNECTED
+    CONNECTED --monitor gone (send/request failed)--> LOST --reconnected--> CONNECTED
+    CONNECTED | LOST --shutdown_workload_monitoring()--> SHUT_DOWN --init...--> CONNECTED
+    any --os.fork(), in the child--> FORKED_CHILD
+
+While LOST, a background thread (never the training thread) tries the monitor's
+socket again with a growing interval; progress calls return at once meanwhile.
+In a forked child (a data-loader worker) the client is detached: it sends nothing
+and every progress call does nothing, so a child can neither keep a dead or hung
+rank's session alive nor speak for it.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import replace
 import os
 import signal
 import threading
 import time
+import weakref
+from dataclasses import replace
+from enum import Enum
 from typing import Any, Callable, TypeVar
 
 from ft_client import env, wire
@@ -56,8 +71,9 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 CONNECT_TIMEOUT = 10.0
 RECONNECT_INTERVAL = 1.0
-"""Seconds between attempts to reach a lost monitor again (from the hot path, so cheap)."""
-RECONNECT_TIMEOUT = 0.5
+"""Seconds before the first attempt to reach a lost monitor again; doubled after each
+failed attempt up to RECONNECT_MAX_INTERVAL. Attempts run on a background thread."""
+RECONNECT_MAX_INTERVAL = 8.0
 ITERATION_REPORT_INTERVAL = 0.2
 """Seconds between iteration reports to the monitor (the launcher's progress tracking)."""
 
@@ -86,6 +102,25 @@ class _Section:
         return wrapper  # type: ignore[return-value]
 
 
+class ConnState(Enum):
+    NOT_INITIALIZED = "not initialized"
+    CONNECTED = "connected"
+    LOST = "lost"
+    SHUT_DOWN = "shut down"
+    FORKED_CHILD = "forked child"
+
+
+_clients: "weakref.WeakSet[RankMonitorClient]" = weakref.WeakSet()
+
+
+def _detach_clients_in_child() -> None:
+    for client in list(_clients):
+        client._detach_in_child()
+
+
+os.register_at_fork(after_in_child=_detach_clients_in_child)
+
+
 class RankMonitorClient:
     """Client of one rank's monitor daemon.
 
@@ -94,11 +129,20 @@ class RankMonitorClient:
     """
 
     def __init__(self, socket_path: str | None = None, *, clock: Callable[[], float] = time.monotonic) -> None:
+        try:
+            rank = env.rank_from_env()
+        except ValueError as e:
+            raise RankMonitorClientError(str(e)) from e
         self._socket_path = socket_path
         self._clock = clock
         self._lock = threading.RLock()
+        self._state = ConnState.NOT_INITIALIZED
         self._transport: Transport | None = None
         self._lost_reason: str | None = None
+        self._request_timeout = CONNECT_TIMEOUT
+        self._reconnector: threading.Thread | None = None
+        self._stop_reconnecting = threading.Event()
+        self._forked_warned = False
         self._timeouts = Timeouts()
         self._ipc: frozenset[str] = frozenset()
         self._open: dict[str, bool] = {}  # open section -> whether the monitor was told
@@ -115,18 +159,29 @@ class RankMonitorClient:
         self._iteration = 0  # completed `step` sections, across runs (kept in state_dict)
         self._iteration_sent_at = -ITERATION_REPORT_INTERVAL
         self._path = ""
-        self._reconnect_tried = -RECONNECT_INTERVAL
-        self.rank = env.rank_from_env()
+        self.rank = rank
+        _clients.add(self)
 
     # -- lifecycle -------------------------------------------------------------
     @property
     def is_initialized(self) -> bool:
-        return self._transport is not None or self._lost_reason is not None
+        return self._state in (ConnState.CONNECTED, ConnState.LOST)
+
+    @property
+    def connection_state(self) -> ConnState:
+        return self._state
+
+    @property
+    def lost_reason(self) -> str | None:
+        """Why the monitor connection was lost (while LOST), else None."""
+        return self._lost_reason if self._state is ConnState.LOST else None
 
     def init_workload_monitoring(self, socket_path: str | None = None) -> None:
         """Connect to the rank's monitor, receive its config, arm the stack dump."""
         with self._lock:
-            if self._transport is not None:
+            if self._state is ConnState.FORKED_CHILD:
+                raise RankMonitorClientError("this process is a fork of the rank; its client stays with the rank")
+            if self._state in (ConnState.CONNECTED, ConnState.LOST):
                 raise RankMonitorClientError("workload monitoring is already initialized")
             path = socket_path or self._socket_path or os.environ.get(env.RANK_MONITOR_SOCKET)
             if not path:
@@ -136,18 +191,18 @@ class RankMonitorClient:
                 )
             try:
                 transport, hello = connect(path, CONNECT_TIMEOUT, wire.Role.RANK, self.rank, _hello_info())
-            except FileNotFoundError:
+            except FileNotFoundError as e:
                 raise RankMonitorClientError(
                     f"no monitor listens at {path} (from {self._path_origin(socket_path)}): the socket file does not "
                     "exist. Start `ft-monitor serve --socket PATH` first"
-                ) from None
-            except ConnectionRefusedError:
+                ) from e
+            except ConnectionRefusedError as e:
                 raise RankMonitorClientError(
                     f"no monitor listens at {path} (from {self._path_origin(socket_path)}): connection refused"
-                ) from None
+                ) from e
             except (TransportError, OSError) as e:
-                raise RankMonitorClientError(f"cannot connect to the monitor at {path}: {e}") from None
-            self._path = path
+                raise RankMonitorClientError(f"cannot connect to the monitor at {path}: {e}") from e
+            self._path = transport.path  # resolved once: reconnections cannot be redirected
             configured = self._adopt(transport, hello)
             self._calc = TimeoutsCalc(
                 (n for n in configured.rank_section_timeouts if n != WARMUP_SECTION), self._safety_factor
@@ -161,19 +216,20 @@ class RankMonitorClient:
     def _adopt(self, transport: Transport, hello: wire.HelloOk) -> Timeouts:
         """Take a new connection's session (config from the monitor); return its configured timeouts."""
         s = hello.session
+        try:
+            configured = Timeouts.from_wire(s["timeouts"])
+        except (TimeoutsError, KeyError) as e:
+            transport.close()
+            raise RankMonitorClientError(f"monitor sent invalid timeouts: {e}") from e
         self._transport = transport
+        self._state = ConnState.CONNECTED
         self._lost_reason = None
         self._sync_sections = not s.get("skip_section_response", True)
         self._raise_on_lost = s.get("on_monitor_lost") == "raise"
-        transport.timeout = float(s.get("client_request_timeout", transport.timeout))
+        self._request_timeout = float(s.get("client_request_timeout", self._request_timeout))
+        transport.set_timeout(self._request_timeout)
         self._safety_factor = float(s.get("safety_factor", DEFAULT_SAFETY_FACTOR))
         self._min_learned = float(s.get("min_learned_timeout", 0.0))
-        try:
-            configured = Timeouts.from_wire(s["timeouts"])
-        except TimeoutsError as e:
-            self._transport = None
-            transport.close()
-            raise RankMonitorClientError(f"monitor sent invalid timeouts: {e}") from None
         self._set_timeouts(configured)
         dump_path = s.get("stack_dump_path")
         if dump_path:
@@ -183,29 +239,67 @@ class RankMonitorClient:
                 log.warning("rank %d: cannot open stack dump file %s: %s", self.rank, dump_path, e)
         return configured
 
-    def _reconnect(self) -> Transport | None:
-        """After the monitor was lost: try its socket again (at most once a second). A
-        restarted monitor gets this rank's learned timeouts and open sections back."""
-        now = self._clock()
-        if now - self._reconnect_tried < RECONNECT_INTERVAL:
-            return None
-        self._reconnect_tried = now
-        try:
-            transport, hello = connect(self._path, RECONNECT_TIMEOUT, wire.Role.RANK, self.rank, _hello_info())
-        except (TransportError, OSError):
-            return None
-        mine = self._timeouts
-        open_sections = list(self._open)
-        self._open = dict.fromkeys(open_sections, False)
-        configured = self._adopt(transport, hello)  # re-sends opens the monitor must know about
-        try:
-            if mine.learned:
-                self.set_timeouts(overlay_learned(configured, mine))
-            self._event(transport, wire.encode(wire.Iteration(self._iteration)))
-        except RankMonitorClientError:
-            return self._transport
-        log.warning("rank %d: reconnected to the monitor at %s; hang detection resumed", self.rank, self._path)
-        return self._transport
+    def _reconnect_loop(self) -> None:
+        """Background thread while LOST: try the monitor's socket again, waiting
+        RECONNECT_INTERVAL, then twice as long after each failure (at most
+        RECONNECT_MAX_INTERVAL). A restarted monitor gets this rank's learned timeouts,
+        open sections and iteration back. The training thread never waits on this."""
+        interval = RECONNECT_INTERVAL
+        while not self._stop_reconnecting.wait(interval):
+            interval = min(interval * 2, RECONNECT_MAX_INTERVAL)
+            try:
+                transport, hello = connect(self._path, self._request_timeout, wire.Role.RANK, self.rank,
+                                           _hello_info())
+            except (TransportError, OSError):
+                continue
+            with self._lock:
+                if self._state is not ConnState.LOST or self._stop_reconnecting.is_set():
+                    transport.close()
+                    return
+                mine = self._timeouts
+                self._open = dict.fromkeys(self._open, False)
+                try:
+                    configured = self._adopt(transport, hello)  # re-sends opens the monitor must know about
+                    if mine.learned:
+                        self.set_timeouts(overlay_learned(configured, mine))
+                    if self._transport is not None:
+                        self._event(self._transport, wire.encode(wire.Iteration(self._iteration)))
+                except RankMonitorClientError as e:
+                    log.warning("rank %d: reconnecting to the monitor at %s failed: %s", self.rank, self._path, e)
+                    if self._state is not ConnState.LOST:
+                        self._mark_lost(str(e))
+                    continue
+                if self._state is ConnState.CONNECTED:
+                    log.warning("rank %d: reconnected to the monitor at %s; hang detection resumed",
+                                self.rank, self._path)
+                    return
+
+    def _start_reconnecting(self) -> None:
+        t = self._reconnector
+        if t is not None and t.is_alive():
+            return
+        self._stop_reconnecting.clear()
+        self._reconnector = threading.Thread(target=self._reconnect_loop, name="ft-client-reconnect", daemon=True)
+        self._reconnector.start()
+
+    def _stop_reconnector(self) -> None:
+        self._stop_reconnecting.set()
+        t = self._reconnector
+        self._reconnector = None
+        if t is not None and t is not threading.current_thread():
+            t.join(self._request_timeout + 1.0)
+
+    def _detach_in_child(self) -> None:
+        """After os.fork(), in the child: drop the rank's connection without a word (the
+        parent still owns the session), stop dumping stacks, and ignore progress calls."""
+        self._lock = threading.RLock()  # another thread may have held the parent's at fork time
+        if self._transport is not None:
+            self._transport.abandon()
+        self._transport = None
+        self._reconnector = None
+        self._stop_reconnecting = threading.Event()
+        self._dumper.abandon()
+        self._state = ConnState.FORKED_CHILD
 
     def _path_origin(self, arg: str | None) -> str:
         if arg or self._socket_path:
@@ -214,6 +308,9 @@ class RankMonitorClient:
 
     def shutdown_workload_monitoring(self) -> None:
         """Tell the monitor this rank is done (not a hang, not a crash) and disconnect."""
+        if self._state is ConnState.FORKED_CHILD:
+            return
+        self._stop_reconnector()
         with self._lock:
             t = self._transport
             if t is not None:
@@ -226,6 +323,8 @@ class RankMonitorClient:
                 t.close()
             self._transport = None
             self._lost_reason = None
+            if self._state is not ConnState.NOT_INITIALIZED:
+                self._state = ConnState.SHUT_DOWN
             self._open.clear()
             self._dumper.disable()
 
@@ -315,8 +414,8 @@ class RankMonitorClient:
             try:
                 reply = t.request(wire.UpdateConfig(timeouts.to_wire()))
             except TransportError as e:
-                self._lost(e)
-                raise RankMonitorClientError(f"cannot update timeouts: {e}") from None
+                self._lost(e, raising=False)
+                raise RankMonitorClientError(f"cannot update timeouts: {e}") from e
             if isinstance(reply, wire.Error):
                 raise RankMonitorClientError(f"monitor rejected the timeouts ({reply.code}): {reply.message}")
             if not isinstance(reply, wire.ConfigOk):
@@ -324,7 +423,7 @@ class RankMonitorClient:
             try:
                 self._set_timeouts(Timeouts.from_wire(reply.timeouts))
             except TimeoutsError as e:
-                raise RankMonitorClientError(f"monitor sent invalid timeouts: {e}") from None
+                raise RankMonitorClientError(f"monitor sent invalid timeouts: {e}") from e
             return self._timeouts
 
     def _set_timeouts(self, timeouts: Timeouts) -> None:
@@ -368,7 +467,7 @@ class RankMonitorClient:
         try:
             reason = sections_not_ready(self._timeouts, obs, selected_sections, calc_out_of_section)
         except ValueError as e:
-            raise RankMonitorClientError(str(e)) from None
+            raise RankMonitorClientError(str(e)) from e
         if reason is not None:
             if skip_if_not_ready:
                 return False
@@ -412,12 +511,12 @@ class RankMonitorClient:
         try:
             loaded = from_state_dict(state_dict)
         except ValueError as e:
-            raise RankMonitorClientError(f"cannot load the ft state_dict: {e}") from None
+            raise RankMonitorClientError(f"cannot load the ft state_dict: {e}") from e
         with self._lock:
             self._observed = loaded.observations
             self._iteration = loaded.iteration
             if self._transport is None:
-                if self._lost_reason is not None:
+                if self._state is ConnState.LOST:
                     self._set_timeouts(overlay_learned(self._timeouts, loaded.timeouts))
                 else:
                     self._to_load = loaded.timeouts
@@ -445,11 +544,11 @@ class RankMonitorClient:
         try:
             t, _ = connect(path, CONNECT_TIMEOUT, wire.Role.RANK, self.rank)
         except (TransportError, OSError) as e:
-            raise RankMonitorClientError(f"cannot reach the launcher at {path}: {e}") from None
+            raise RankMonitorClientError(f"cannot reach the launcher at {path}: {e}") from e
         try:
             reply = t.request(wire.Control(action.value, description))
         except TransportError as e:
-            raise RankMonitorClientError(f"launcher did not accept {action.value}: {e}") from None
+            raise RankMonitorClientError(f"launcher did not accept {action.value}: {e}") from e
         finally:
             t.close()
         if not isinstance(reply, wire.Ack):
@@ -461,7 +560,7 @@ class RankMonitorClient:
         try:
             return build(name)
         except wire.ProtocolError as e:
-            raise RankMonitorClientError(f"bad section name {name!r}: {e}") from None
+            raise RankMonitorClientError(f"bad section name {name!r}: {e}") from e
 
     def _event(self, t: Transport, frame: bytes) -> None:
         try:
@@ -474,29 +573,44 @@ class RankMonitorClient:
             self._lost(e)
 
     def _why_not_connected(self) -> str:
-        if self._lost_reason is not None:
+        if self._state is ConnState.LOST:
             return f"the monitor connection was lost: {self._lost_reason}"
+        if self._state is ConnState.FORKED_CHILD:
+            return "this process is a fork of the rank; the rank's client does nothing here"
         return "workload monitoring is not initialized: call init_workload_monitoring() first"
 
     def _not_connected(self) -> Transport | None:
-        """No transport: an error before init (or when configured to raise); else carry on,
-        trying now and then to reach the monitor again."""
-        if self._lost_reason is None or self._raise_on_lost:
-            raise RankMonitorClientError(self._why_not_connected())
-        return self._reconnect()
+        """No transport. Before init (or after shutdown, or when configured to raise): an
+        error. While LOST: carry on (the reconnector is at work). In a forked child:
+        nothing to do (warned once)."""
+        state = self._state
+        if state is ConnState.LOST and not self._raise_on_lost:
+            return None
+        if state is ConnState.FORKED_CHILD:
+            if not self._forked_warned:
+                self._forked_warned = True
+                log.warning("rank %d: RankMonitorClient used in a forked child (pid %d); its progress calls do "
+                            "nothing here: the rank's monitor watches the rank itself", self.rank, os.getpid())
+            return None
+        raise RankMonitorClientError(self._why_not_connected())
 
-    def _lost(self, e: TransportError) -> None:
-        """The monitor went away: warn once and keep training, or raise if configured."""
-        reason = str(e)
+    def _mark_lost(self, reason: str) -> None:
         if self._transport is not None:
             self._transport.close()
         self._transport = None
+        self._state = ConnState.LOST
         self._lost_reason = reason
-        if self._raise_on_lost:
+        if not self._raise_on_lost:
+            self._start_reconnecting()
+
+    def _lost(self, e: TransportError, raising: bool = True) -> None:
+        """The monitor went away: warn once and keep training, or raise if configured."""
+        reason = str(e)
+        self._mark_lost(reason)
+        if self._raise_on_lost and raising:
             raise RankMonitorClientError(f"rank {self.rank}: {reason}") from e
         log.warning("rank %d: %s; training continues without hang detection until the monitor is back",
                     self.rank, reason)
-        self._reconnect_tried = self._clock()
 
 
 def _hello_info() -> dict[str, Any]:

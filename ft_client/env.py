@@ -24,12 +24,18 @@ ERROR_FILE = "TORCHELASTIC_ERROR_FILE"
 """Where torchelastic wants this worker's error.json; its directory is the attempt's per-rank directory."""
 
 
+MAX_RANK = 2**31 - 1
+
+
 def rank_from_env(default: int = 0) -> int:
     """The global rank torchrun gave this process, or ``default`` outside torchrun."""
     value = os.environ.get(RANK)
     if value is None:
         return default
     try:
-        return int(value)
+        rank = int(value)
     except ValueError:
-        raise ValueError(f"environment variable {RANK}={value!r} is not an integer") from None
+        raise ValueError(f"environment variable {RANK}={value[:40]!r} is not an integer") from None
+    if not 0 <= rank <= MAX_RANK:
+        raise ValueError(f"environment variable {RANK}={value[:40]!r} is out of range: a rank is 0..{MAX_RANK}")
+    return rank

@@ -11,6 +11,11 @@ Owns the socket and its two kinds of traffic:
 
 Thread-safe: one lock orders all frames. Raises `TransportError` on failure; the
 caller decides whether that is fatal (see RankMonitorClient's on_monitor_lost).
+
+Who it talks to is checked, not assumed: the socket path is resolved once
+(`resolve_socket_path`: no symlink owned by another user on the way, the socket's
+directory ours), and the process that accepted the connection must run as this
+user (SO_PEERCRED). Another user who squats a socket directory gets nothing.
 """
 
 from __future__ import annotations
@@ -18,11 +23,13 @@ from __future__ import annotations
 import errno
 import os
 import socket
+import stat
 import struct
 import threading
 import time
 
 from ft_client import wire
+from ft_client.peer import peer_credentials
 
 MAX_PENDING = 1 << 20
 """Bytes of events kept while the daemon does not read, before giving up on it."""
@@ -30,8 +37,54 @@ REPLY_SPIN_SECONDS = 200e-6
 """How long a request polls for its reply before blocking (see _recv_spinning)."""
 
 
+MAX_KERNEL_TIMEOUT = 1e8
+"""Seconds; longer request timeouts are clamped to this (struct timeval's range)."""
+MAX_SYMLINKS = 40
+
+
 class TransportError(Exception):
-    """The connection failed or was closed; ``broken`` tells whether it is unusable."""
+    """The connection failed or was closed."""
+
+
+def resolve_socket_path(path: str) -> str:
+    """The real path of a monitor socket, refusing a route another user controls.
+
+    Every symlink on the way must belong to this user or root (another user's
+    symlink could point us at their impostor daemon), and the directory holding the
+    socket must be this user's. Resolve once and reuse the result (reconnections
+    then cannot be redirected).
+    """
+    me = os.geteuid()
+    absolute = path if path.startswith("/") else os.path.join(os.getcwd(), path)
+    parts = [p for p in absolute.split("/") if p]
+    resolved = "/"
+    hops = 0
+    while parts:
+        part = parts.pop(0)
+        candidate = os.path.join(resolved, part)
+        st = os.lstat(candidate)
+        if stat.S_ISLNK(st.st_mode):
+            hops += 1
+            if hops > MAX_SYMLINKS:
+                raise TransportError(f"socket path {path}: too many symbolic links")
+            if st.st_uid not in (0, me):
+                raise TransportError(f"socket path {path} goes through the symbolic link {candidate}, owned by uid "
+                                     f"{st.st_uid}, another user: refusing to follow it")
+            target = os.readlink(candidate)
+            if target.startswith("/"):
+                resolved = "/"
+            parts = [p for p in target.split("/") if p] + parts
+            continue
+        if part == "..":
+            resolved = os.path.dirname(resolved)
+        elif part != ".":
+            resolved = candidate
+    directory = os.path.dirname(resolved)
+    owner = os.stat(directory).st_uid
+    if owner != me:
+        raise TransportError(f"socket directory {directory} belongs to uid {owner}, not to this user (uid {me}): "
+                             "a monitor of yours never serves from there; another user may have taken the path")
+    return resolved
 
 
 def _connect(sock: socket.socket, path: str, timeout: float) -> None:
@@ -56,7 +109,7 @@ class Transport:
     __slots__ = ("path", "timeout", "_sock", "_pending", "_lock", "closed", "broken_reason")
 
     def __init__(self, path: str, timeout: float) -> None:
-        self.path = path
+        self.path = resolve_socket_path(path)
         self.timeout = timeout
         self._pending = bytearray()
         self._lock = threading.Lock()
@@ -65,14 +118,26 @@ class Transport:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.settimeout(timeout)
-            _connect(sock, path, timeout)
+            _connect(sock, self.path, timeout)
+            cred = peer_credentials(sock)
+            if cred.uid != os.geteuid():
+                raise TransportError(f"the monitor at {self.path} runs as uid {cred.uid}, not as this user "
+                                     f"(uid {os.geteuid()}): refusing to talk to it (another user may have taken "
+                                     "the socket path)")
             sock.settimeout(None)  # blocking mode; bounded by the kernel timeouts below
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(timeout))
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(timeout))
         except BaseException:
             sock.close()
             raise
         self._sock = sock
+        self.set_timeout(timeout)
+
+    def set_timeout(self, seconds: float) -> None:
+        """Bound every later request (send and reply) by ``seconds``: the kernel's
+        SO_SNDTIMEO / SO_RCVTIMEO, so no extra syscall per request."""
+        self.timeout = seconds
+        tv = _timeval(min(seconds, MAX_KERNEL_TIMEOUT))
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
 
     # -- events ----------------------------------------------------------------
     def send_event(self, frame: bytes) -> None:
@@ -186,8 +251,15 @@ class Transport:
                 self.closed = True
                 self._sock.close()
 
-    def fileno(self) -> int:
-        return self._sock.fileno()
+    def abandon(self) -> None:
+        """Close without taking the lock: in a forked child, where another thread of the
+        parent may have held it at fork time. Sends nothing."""
+        self.closed = True
+        self.broken_reason = "abandoned in a forked child"
+        try:
+            self._sock.close()
+        except OSError:
+            pass
 
 
 def connect(path: str, timeout: float, role: str, rank: int, info: dict[str, object] | None = None

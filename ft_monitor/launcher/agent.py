@@ -9,7 +9,8 @@ Overrides only what the monitors need, and calls torch for everything else:
   error.json (root cause = the hung rank), a workload request stops the job or
   this node; dead daemons are restarted; progress is tracked per attempt;
 * `_stop_workers`: the grace period is termination_grace_time, and whatever is
-  left of each worker's process group after torch's stop is SIGKILLed;
+  left of each worker's process group after torch's stop is SIGKILLed, only while
+  the group is provably still the worker's (`groups.WorkerGroups`);
 * `_rendezvous`: timed, for the restart breakdown.
 
 Checked with torch 2.13.0. It relies on these agent internals, which torch 2.x
@@ -39,9 +40,14 @@ from ft_client.workload import WorkloadAction
 from ft_monitor.config import FaultToleranceConfig
 from ft_monitor.launcher import exit_codes
 from ft_monitor.launcher.control import EventKind, LauncherEvent, LauncherServer
+from ft_monitor.launcher.groups import WorkerGroups
 from ft_monitor.launcher.monitors import MonitorPool
 from ft_monitor.launcher.progress import ProgressTracker
 from ft_monitor.launcher.rootcause import hang_error_data, read_stack, write_error_file
+from ft_monitor.launcher.store_auth import SECRET_ENV, HangRecord, ShutdownRequest, StoreChannel, StoreMessageError
+from ft_monitor.notices import HangNotice
+from ft_monitor.procinfo import parent_pid
+from ft_monitor.server_log import printable
 
 log = logging.getLogger("ft_monitor.launcher")
 
@@ -49,6 +55,8 @@ SHUTDOWN_KEY = "ft_launcher/shutdown"
 SHUTDOWN_ACKS_KEY = "ft_launcher/shutdown_acks"
 HANG_KEY = "ft_launcher/hang/{}"
 STORE_POLL_INTERVAL = 1.0
+PIN_INTERVAL = 1.0
+"""Seconds between pinning the processes in the workers' groups (their children)."""
 ATTRIBUTION_WINDOW = 0.5
 """Seconds a launcher waits, on several nodes, for the other nodes' hang reports of the
 same rendezvous round: ranks waiting in a collective for a hung rank on another node
@@ -97,7 +105,21 @@ class FtRuntime:
     outcome_message: str = ""
     hangs: list[dict[str, Any]] = field(default_factory=list)
     restarts: list[RestartTiming] = field(default_factory=list)
-    worker_pgids: set[int] = field(default_factory=set)
+    groups: WorkerGroups = field(default_factory=WorkerGroups)
+    job_secret: bytes | None = None
+    """Signs launcher messages in the rendezvous store (store_auth); None: cross-node features off."""
+    worker_pids: set[int] = field(default_factory=set)
+
+    def is_worker(self, pid: int) -> bool:
+        """A current worker, or a process it started (a workload request may come from either)."""
+        for _ in range(16):
+            if pid in self.worker_pids:
+                return True
+            parent = parent_pid(pid)
+            if parent is None or parent <= 1:
+                return False
+            pid = parent
+        return False
 
     def worker_env(self, local_rank: int) -> dict[str, str]:
         return {
@@ -119,6 +141,7 @@ def _worker_env(ft: FtRuntime) -> Iterator[None]:
                                "this torch version is not supported")
         for local_rank, worker_env in envs.items():
             worker_env.update(ft.worker_env(local_rank))
+            worker_env.pop(SECRET_ENV, None)  # the job secret is the launchers', not the training code's
         return original(*args, **kwargs)
 
     _lea.start_processes = start_processes
@@ -133,8 +156,11 @@ class FtLocalElasticAgent(_lea.LocalElasticAgent):
         super().__init__(*args, **kwargs)
         self.ft = ft
         self._store_checked = 0.0
+        self._pinned_at = 0.0
         self._pending_first_step: RestartTiming | None = None
         self._pending_error: tuple[str, dict[str, Any]] | None = None
+        self._bad_store_values: set[bytes] = set()
+        self._no_secret_warned = False
 
     # -- start ---------------------------------------------------------------
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
@@ -146,7 +172,10 @@ class FtLocalElasticAgent(_lea.LocalElasticAgent):
         self.ft.monitors.check()
         with _worker_env(self.ft):
             pids = super()._start_workers(worker_group)
-        self.ft.worker_pgids = set(pids.values())  # torch starts each worker in its own session
+        self.ft.groups.close()
+        self.ft.groups.track(pids.values())  # torch starts each worker in its own session
+        self.ft.worker_pids = set(pids.values())
+        self._pinned_at = time.monotonic()
         if self.ft.restarts and self.ft.restarts[-1].workers_started is None:
             timing = self.ft.restarts[-1]
             timing.workers_started = time.time()
@@ -158,10 +187,13 @@ class FtLocalElasticAgent(_lea.LocalElasticAgent):
         ft = self.ft
         ft.monitors.check()
         self._note_first_step()
+        if time.monotonic() - self._pinned_at >= PIN_INTERVAL:
+            self._pinned_at = time.monotonic()
+            ft.groups.pin_members()
         # Several ranks may be reported at once (those waiting in a collective for the
         # hung one time out too): the earliest onset is the hung rank.
         events = sorted(ft.server.drain(), key=lambda e: (e.kind is not EventKind.HANG,
-                                                          e.notice.get("onset_time") or 0.0))
+                                                          e.notice.onset_time if e.notice else 0.0))
         for event in events:
             result = self._on_event(worker_group, event)
             if result is not None:
@@ -176,13 +208,15 @@ class FtLocalElasticAgent(_lea.LocalElasticAgent):
 
     def _on_event(self, wg: WorkerGroup, event: LauncherEvent) -> RunResult | None:
         if event.kind is EventKind.HANG:
+            assert event.notice is not None
             return self._on_hang(wg, event.notice)
         assert event.action is not None
-        log.warning("ft-launcher: rank %d requests %s: %s", event.rank, event.action.value, event.reason or "-")
+        log.warning("ft-launcher: rank %d requests %s: %s", event.rank, event.action.value,
+                    printable(event.reason or "-"))
         if event.action is WorkloadAction.Continue:
             return None
         if event.action is WorkloadAction.ShutdownWorkload:
-            self._publish_shutdown(wg, f"rank {event.rank}: {event.reason}")
+            self._publish_shutdown(wg, event.reason, event.rank)
             return self._stop_for_good(wg, exit_codes.SHUTDOWN_REQUESTED,
                                        f"workload shutdown requested by rank {event.rank}: {event.reason}",
                                        event.rank)
@@ -192,60 +226,91 @@ class FtLocalElasticAgent(_lea.LocalElasticAgent):
         return self._stop_for_good(wg, exit_codes.NODE_EXCLUDED,
                                    f"rank {event.rank} asked to exclude this node: {event.reason}", event.rank)
 
-    def _on_hang(self, wg: WorkerGroup, notice: dict[str, Any]) -> RunResult | None:
-        worker = next((w for w in wg.workers if w.id == notice["pid"]), None)
+    def _on_hang(self, wg: WorkerGroup, notice: HangNotice) -> RunResult | None:
+        worker = next((w for w in wg.workers if w.id == notice.pid), None)
         if worker is None:  # a worker of an attempt already stopped
-            log.info("ft-launcher: ignoring a hang notice for pid %s, not a current worker", notice["pid"])
+            log.info("ft-launcher: ignoring a hang notice for pid %d, not a current worker", notice.pid)
             return None
         received = time.time()
         log.error("ft-launcher: rank %d (local rank %d, pid %d) hung: %s; stopping the worker group",
-                  worker.global_rank, worker.local_rank, worker.id, notice.get("message"))
-        first = self._first_hang_across_nodes(wg, notice)
-        victim_of = first if first.get("rank") != notice.get("rank") else None
+                  worker.global_rank, worker.local_rank, worker.id, printable(notice.message))
+        mine = HangRecord(worker.global_rank, notice.onset_time, notice.message, socket.gethostname())
+        first = self._first_hang_across_nodes(wg, mine)
+        victim_of = first if first.rank != mine.rank else None
         if victim_of is not None:
-            log.error("ft-launcher: rank %s on %s hung first (%s); rank %d here was waiting for it",
-                      victim_of.get("rank"), victim_of.get("host"), victim_of.get("message"), worker.global_rank)
-        error_file = notice.get("error_file") or str(self.ft.monitors.run_dir / f"hang-error-{worker.id}.json")
-        data = hang_error_data(notice, read_stack(notice.get("stack_dump") if notice.get("stack_dump_captured")
-                                                  else None), victim_of)
+            log.error("ft-launcher: rank %d on %s hung first (%s); rank %d here was waiting for it",
+                      victim_of.rank, printable(victim_of.host), printable(victim_of.message), worker.global_rank)
+        error_file = self._error_file_of(worker.local_rank, worker.id)
+        stack = read_stack(notice.stack_dump) if notice.stack_dump_captured else None
+        data = hang_error_data(notice, stack, victim_of)
         try:
             write_error_file(error_file, data)
         except OSError as e:
             log.error("ft-launcher: cannot write %s: %s", error_file, e)
         failure = ProcessFailure(local_rank=worker.local_rank, pid=worker.id, exitcode=-int(signal.SIGTERM),
                                  error_file=error_file)
-        self.ft.hangs.append({**notice, "error_file": error_file, "local_rank": worker.local_rank,
+        self.ft.hangs.append({**notice.to_wire(), "error_file": error_file, "local_rank": worker.local_rank,
                               "attempt": self._attempt(),
-                              "victim_of": None if victim_of is None else victim_of.get("rank")})
+                              "victim_of": None if victim_of is None else victim_of.rank})
         self._pending_error = (error_file, data)
-        self.ft.restarts.append(RestartTiming(worker.global_rank, str(notice.get("message")),
-                                              float(notice.get("detected_time") or received), received))
+        self.ft.restarts.append(RestartTiming(worker.global_rank, notice.message, notice.detected_time or received,
+                                              received))
         self._attempt_ended()
         return RunResult(state=WorkerState.FAILED, failures={worker.global_rank: failure})
 
-    def _first_hang_across_nodes(self, wg: WorkerGroup, notice: dict[str, Any]) -> dict[str, Any]:
+    def _error_file_of(self, local_rank: int, pid: int) -> str:
+        """Where torch told this worker to write its error.json (never a path a peer names)."""
+        files = getattr(self._pcontext, "error_files", None) or {}
+        path = files.get(local_rank)
+        if isinstance(path, str) and path != os.devnull:
+            return path
+        return str(self.ft.monitors.run_dir / f"hang-error-{pid}.json")
+
+    def _channel(self, wg: WorkerGroup) -> StoreChannel | None:
+        """Signing for launcher messages in the store; None (logged once) without a job secret."""
+        if self.ft.job_secret is None:
+            if not self._no_secret_warned and wg.group_world_size > 1:
+                self._no_secret_warned = True
+                log.warning("ft-launcher: no job secret (%s or --ft-job-secret-file): hang attribution and shutdown "
+                            "across nodes are off, since anyone who reaches the rendezvous store could forge them",
+                            SECRET_ENV)
+            return None
+        return StoreChannel(self.ft.job_secret, wg.spec.rdzv_handler.get_run_id())
+
+    def _store_message(self, channel: StoreChannel, key: str, raw: bytes,
+                       kind: type[HangRecord] | type[ShutdownRequest]) -> HangRecord | ShutdownRequest | None:
+        try:
+            return channel.decode(key, raw, kind)
+        except StoreMessageError as e:
+            if raw not in self._bad_store_values and len(self._bad_store_values) < 100:
+                self._bad_store_values.add(raw)
+                log.warning("ft-launcher: ignored a %s message in the rendezvous store at %s: %s", kind.KIND, key, e)
+            return None
+
+    def _first_hang_across_nodes(self, wg: WorkerGroup, mine: HangRecord) -> HangRecord:
         """Publish this node's hang in the rendezvous store (keys are per round) and return
-        the earliest-onset hang any node reported within ATTRIBUTION_WINDOW."""
-        mine = {"rank": notice.get("rank"), "onset_time": notice.get("onset_time") or 0.0,
-                "message": notice.get("message"), "host": socket.gethostname()}
+        the earliest-onset authentic hang any node reported within ATTRIBUTION_WINDOW."""
         store = wg.store
-        if store is None or wg.group_world_size <= 1:
+        channel = self._channel(wg)
+        if store is None or wg.group_world_size <= 1 or channel is None:
             return mine
-        keys = [HANG_KEY.format(r) for r in range(wg.group_world_size)]
         seen = [mine]
         try:
-            store.set(keys[wg.group_rank], json.dumps(mine).encode())
+            keys = [HANG_KEY.format(r) for r in range(wg.group_world_size)]
+            store.set(keys[wg.group_rank], channel.encode(keys[wg.group_rank], mine))
             end = time.monotonic() + ATTRIBUTION_WINDOW
             pending = [k for i, k in enumerate(keys) if i != wg.group_rank]
             while pending and time.monotonic() < end:
                 for key in [k for k in pending if store.check([k])]:
-                    seen.append(json.loads(store.get(key).decode()))
-                    pending.remove(key)
+                    record = self._store_message(channel, key, store.get(key), HangRecord)
+                    if isinstance(record, HangRecord):  # a forged value stays pending: the real one may follow
+                        seen.append(record)
+                        pending.remove(key)
                 if pending:
                     time.sleep(0.05)
         except Exception as e:  # noqa: BLE001 - attribution is best effort
             log.warning("ft-launcher: could not compare hangs with other nodes: %s", e)
-        return min(seen, key=lambda h: h["onset_time"])
+        return min(seen, key=lambda h: h.onset_time)
 
     def _attempt(self) -> int:
         return self._worker_group.spec.max_restarts - self._remaining_restarts
@@ -271,12 +336,13 @@ class FtLocalElasticAgent(_lea.LocalElasticAgent):
         return RunResult(state=WorkerState.FAILED, failures={worker.global_rank: failure})
 
     # -- shutdown across nodes (through the rendezvous store) -----------------
-    def _publish_shutdown(self, wg: WorkerGroup, reason: str) -> None:
+    def _publish_shutdown(self, wg: WorkerGroup, reason: str, rank: int | None) -> None:
         store = wg.store
-        if store is None:
+        channel = self._channel(wg)
+        if store is None or channel is None or wg.group_world_size <= 1:
             return
         try:
-            store.set(SHUTDOWN_KEY, reason.encode())
+            store.set(SHUTDOWN_KEY, channel.encode(SHUTDOWN_KEY, ShutdownRequest(reason, rank, socket.gethostname())))
             others = wg.group_world_size - 1
             end = time.monotonic() + 10.0
             while others > 0 and time.monotonic() < end and store.add(SHUTDOWN_ACKS_KEY, 0) < others:
@@ -289,23 +355,32 @@ class FtLocalElasticAgent(_lea.LocalElasticAgent):
         if wg.store is None or wg.group_world_size <= 1 or now - self._store_checked < STORE_POLL_INTERVAL:
             return None
         self._store_checked = now
+        channel = self._channel(wg)
+        if channel is None:
+            return None
         try:
             if not wg.store.check([SHUTDOWN_KEY]):
                 return None
-            reason = wg.store.get(SHUTDOWN_KEY).decode()
+            request = self._store_message(channel, SHUTDOWN_KEY, wg.store.get(SHUTDOWN_KEY), ShutdownRequest)
+            if not isinstance(request, ShutdownRequest):
+                return None
             wg.store.add(SHUTDOWN_ACKS_KEY, 1)
         except Exception:  # noqa: BLE001 - the store host may be gone
             return None
-        return self._stop_for_good(wg, exit_codes.SHUTDOWN_REQUESTED, f"workload shutdown requested by {reason}")
+        who = f"rank {request.rank}" if request.rank is not None else "a rank"
+        return self._stop_for_good(wg, exit_codes.SHUTDOWN_REQUESTED,
+                                   f"workload shutdown requested by {who} on {printable(request.host)}: "
+                                   f"{printable(request.reason)}")
 
     # -- stop ----------------------------------------------------------------
     def _stop_workers(self, worker_group: WorkerGroup, *args: Any, **kwargs: Any) -> None:
         timing = self.ft.restarts[-1] if self.ft.restarts and self.ft.restarts[-1].stop_began is None else None
         if timing is not None:
             timing.stop_began = time.time()
+        self.ft.groups.pin_members()  # while the workers still lead their groups
         if self._pcontext is not None:
             self._pcontext.close(signal.SIGTERM, self.ft.config.termination_grace_time)  # type: ignore[arg-type]
-        kill_leftover_groups(self.ft.worker_pgids)
+        self.ft.groups.kill()
         super()._stop_workers(worker_group, *args, **kwargs)
         if timing is not None:
             timing.stopped = time.time()
@@ -328,14 +403,3 @@ class FtLocalElasticAgent(_lea.LocalElasticAgent):
                         "(notify %.3fs, to stop %.3fs, stop %.3fs, rendezvous %.3fs, worker start %.3fs, "
                         "first step %.3fs)", b["total"] or 0, timing.rank, b["notify"] or 0, b["to_stop"] or 0,
                         b["stop"] or 0, b["rendezvous"] or 0, b["worker_start"] or 0, b["first_step"] or 0)
-
-
-def kill_leftover_groups(pgids: set[int]) -> None:
-    """SIGKILL whatever is left in the workers' process groups (data-loader children included)."""
-    for pgid in pgids:
-        if pgid in (0, 1, os.getpgrp()):
-            continue
-        try:
-            os.killpg(pgid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass

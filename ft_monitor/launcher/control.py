@@ -4,7 +4,10 @@ A small threaded Unix-socket server in the launcher process, speaking the same
 framed msgpack protocol as the daemons (ft_client.wire). It decides nothing: it
 validates each request, acknowledges it, and queues an event for the agent's
 monitor loop (`LauncherServer.events`), which acts on it at its next tick
-(every --monitor-interval seconds). Peers must have the launcher's uid.
+(every --monitor-interval seconds). Peers must have the launcher's uid; a hang
+notice is taken only from one of this launcher's monitors and only once every
+field checks out (`notices.HangNotice`), a workload request only from a worker
+(or a process a worker started). At most MAX_CONNECTIONS are served at once.
 """
 
 from __future__ import annotations
@@ -15,17 +18,22 @@ import queue
 import socket
 import socketserver
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Callable
 
 from ft_client import wire
 from ft_client.workload import WorkloadAction
+from ft_monitor.notices import HangNotice, NoticeError
 from ft_monitor.procinfo import peer_credentials
+from ft_monitor.server_log import printable
 
 log = logging.getLogger("ft_monitor.launcher")
 
 READ_TIMEOUT = 10.0
+MAX_CONNECTIONS = 64
+"""Connections served at once (a thread each); more are refused at once."""
+MAX_REASON = 4096
 
 
 class EventKind(Enum):
@@ -39,7 +47,7 @@ class LauncherEvent:
     rank: int
     pid: int
     """The sender's pid (SO_PEERCRED): the monitor's for HANG, the rank's for CONTROL."""
-    notice: dict[str, Any] = field(default_factory=dict)
+    notice: HangNotice | None = None
     action: WorkloadAction | None = None
     reason: str = ""
 
@@ -48,6 +56,16 @@ class _Handler(socketserver.BaseRequestHandler):
     server: "_Server"
 
     def handle(self) -> None:
+        if not self.server.slots.acquire(blocking=False):
+            log.warning("launcher socket: refused a connection: %d already open", MAX_CONNECTIONS)
+            self._send(wire.Error(wire.ErrorCode.BUSY, f"too many connections (at most {MAX_CONNECTIONS})"))
+            return
+        try:
+            self._serve()
+        finally:
+            self.server.slots.release()
+
+    def _serve(self) -> None:
         sock: socket.socket = self.request
         sock.settimeout(READ_TIMEOUT)
         cred = peer_credentials(sock)
@@ -91,6 +109,7 @@ class _Handler(socketserver.BaseRequestHandler):
 class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     daemon_threads = True
     owner: "LauncherServer"
+    slots: threading.BoundedSemaphore
 
 
 class LauncherServer:
@@ -103,13 +122,22 @@ class LauncherServer:
         finally:
             os.umask(old)
         self._server.owner = self
+        self._server.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._is_monitor: Callable[[int], bool] = lambda pid: False
+        self._is_worker: Callable[[int], bool] = lambda pid: False
         self._thread = threading.Thread(target=self._server.serve_forever, name="ft-launcher-socket", daemon=True)
+
+    def authorize(self, *, monitor: Callable[[int], bool], worker: Callable[[int], bool]) -> None:
+        """Who may report hangs (this launcher's monitors) and send workload requests (its workers)."""
+        self._is_monitor = monitor
+        self._is_worker = worker
 
     def start(self) -> None:
         self._thread.start()
 
     def stop(self) -> None:
-        self._server.shutdown()
+        if self._thread.is_alive():  # shutdown() waits for serve_forever, so only once it runs
+            self._server.shutdown()
         self._server.server_close()
         try:
             os.unlink(self.path)
@@ -117,24 +145,37 @@ class LauncherServer:
             pass
 
     def accept(self, msg: wire.Message, hello: wire.Hello, peer_pid: int) -> wire.Message:
-        """Validate one request, queue its event, and return the reply (runs on a server thread)."""
+        """Validate one request, queue its event, and return the reply (runs on a server thread).
+        Nothing is acknowledged before every field and the sender are checked."""
         if isinstance(msg, wire.HangNotice) and hello.role == wire.Role.MONITOR:
-            notice = msg.notice
-            rank = notice.get("rank")
-            if not isinstance(rank, int) or not isinstance(notice.get("pid"), int):
-                return wire.Error(wire.ErrorCode.BAD_REQUEST, "a hang notice needs integer 'rank' and 'pid'")
-            self.events.put(LauncherEvent(EventKind.HANG, rank, peer_pid, notice=dict(notice)))
+            if not self._is_monitor(peer_pid):
+                log.warning("launcher socket: refused a hang notice from pid %d, not one of this launcher's monitors",
+                            peer_pid)
+                return wire.Error(wire.ErrorCode.FORBIDDEN, "hang notices are taken from this launcher's monitors only")
+            try:
+                notice = HangNotice.from_wire(msg.notice)
+            except NoticeError as e:
+                log.warning("launcher socket: refused a hang notice from monitor pid %d: %s", peer_pid, printable(e))
+                return wire.Error(wire.ErrorCode.BAD_REQUEST, str(e))
+            self.events.put(LauncherEvent(EventKind.HANG, notice.rank, peer_pid, notice=notice))
             return wire.Ack({"action": "stop_and_restart_worker_group"})
         if isinstance(msg, wire.Control) and hello.role == wire.Role.RANK:
+            if not self._is_worker(peer_pid):
+                log.warning("launcher socket: refused a workload request from pid %d, not a worker of this launcher",
+                            peer_pid)
+                return wire.Error(wire.ErrorCode.FORBIDDEN, "workload requests are taken from this launcher's "
+                                                            "workers only")
             try:
                 action = WorkloadAction.parse(msg.action)
             except ValueError as e:
                 return wire.Error(wire.ErrorCode.BAD_REQUEST, str(e))
+            if len(msg.reason) > MAX_REASON:
+                return wire.Error(wire.ErrorCode.BAD_REQUEST, f"reason longer than {MAX_REASON} characters")
             self.events.put(LauncherEvent(EventKind.CONTROL, hello.rank, peer_pid, action=action, reason=msg.reason))
             return wire.Ack({"action": action.value})
         if isinstance(msg, wire.Ping):
             return wire.PONG
-        return wire.Error(wire.ErrorCode.BAD_REQUEST, f"{type(msg).__name__} is not accepted from a {hello.role}")
+        return wire.Error(wire.ErrorCode.BAD_REQUEST, f"{type(msg).__name__} is not accepted from a {hello.role!r}")
 
     def drain(self) -> list[LauncherEvent]:
         out = []

@@ -21,8 +21,10 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
+from ft_client.safefiles import write_json_atomic
 from ft_monitor.config import ConfigError, FaultToleranceConfig, add_config_flags, cli_overrides, load_config
 from ft_monitor.launcher import exit_codes
+from ft_monitor.launcher.store_auth import SecretError, load_job_secret
 
 log = logging.getLogger("ft_monitor.launcher")
 
@@ -39,6 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_flags(parser, with_cfg_path=True)
     parser.add_argument("--ft-summary-json", default=None, metavar="FILE",
                         help="write what happened (hangs, restart timings, exit code) to FILE as JSON")
+    parser.add_argument("--ft-job-secret-file", "--ft_job_secret_file", dest="ft_job_secret_file", default=None,
+                        metavar="FILE",
+                        help="the job's secret (same on every node, readable only by you; or set $FT_JOB_SECRET): "
+                             "signs the launchers' messages in the rendezvous store. Without it, hang attribution "
+                             "and shutdown across nodes are off")
     return parser
 
 
@@ -67,22 +74,28 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"ft-launcher: {e}", file=sys.stderr)
         return exit_codes.LAUNCHER_ERROR
+    try:
+        secret = load_job_secret(args.ft_job_secret_file, os.environ)
+    except SecretError as e:
+        print(f"ft-launcher: {e}", file=sys.stderr)
+        return exit_codes.LAUNCHER_ERROR
     logging.getLogger("ft_monitor").setLevel(config.log_level)
     # torch >= 2.4 shares the agent's rendezvous TCPStore with the workers, with no
     # per-attempt key prefix: after a restart, gloo reads the previous attempt's peer
     # addresses and fails ("connectFullMesh failed ... Connection refused") or hangs.
     # torch's own opt-out gives every attempt a fresh store hosted by its rank 0.
     os.environ.setdefault(SHARED_STORE_OPT_OUT, "1")
-    return launch(args, config, args.ft_summary_json)
+    return launch(args, config, args.ft_summary_json, secret)
 
 
-def launch(args: argparse.Namespace, config: FaultToleranceConfig, summary_json: str | None = None) -> int:
+def launch(args: argparse.Namespace, config: FaultToleranceConfig, summary_json: str | None = None,
+           job_secret: bytes | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import determine_local_world_size
     from torch.distributed.run import run as torch_run
 
-    from ft_monitor.launcher.agent import FtRuntime, kill_leftover_groups
+    from ft_monitor.launcher.agent import FtRuntime
     from ft_monitor.launcher.control import LauncherServer
     from ft_monitor.launcher.monitors import MonitorPool
     from ft_monitor.launcher.progress import ProgressTracker
@@ -93,7 +106,9 @@ def launch(args: argparse.Namespace, config: FaultToleranceConfig, summary_json:
     server.start()
     monitors = MonitorPool(run_dir, determine_local_world_size(args.nproc_per_node), server.path, config)
     ft = FtRuntime(config, monitors, server,
-                   ProgressTracker(config.max_no_progress_cycles, config.min_progress_iterations))
+                   ProgressTracker(config.max_no_progress_cycles, config.min_progress_iterations),
+                   job_secret=job_secret)
+    server.authorize(monitor=monitors.is_monitor, worker=ft.is_worker)
     code = exit_codes.SUCCESS
     try:
         monitors.start()
@@ -109,7 +124,8 @@ def launch(args: argparse.Namespace, config: FaultToleranceConfig, summary_json:
         log.error("ft-launcher: %s: %s", type(e).__name__, e)
         code = ft.outcome if ft.outcome is not None else exit_codes.LAUNCHER_ERROR
     finally:
-        kill_leftover_groups(ft.worker_pgids)
+        ft.groups.kill()
+        ft.groups.close()
         monitors.stop(config.termination_grace_time)
         server.stop()
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -159,9 +175,13 @@ def _print_summary(ft: Any, code: int) -> None:
 
 
 def _write_summary(ft: Any, code: int, path: str) -> None:
-    with open(path, "w") as f:
-        json.dump({"exit_code": code, "hangs": ft.hangs, "restarts": [t.breakdown() for t in ft.restarts],
-                   "monitor_restarts": ft.monitors.restarts, "outcome": ft.outcome_message}, f, indent=2)
+    """Atomically, through a temporary file and a rename: a symlink planted at ``path``
+    is replaced, never followed."""
+    try:
+        write_json_atomic(path, {"exit_code": code, "hangs": ft.hangs, "restarts": [t.breakdown() for t in ft.restarts],
+                                 "monitor_restarts": ft.monitors.restarts, "outcome": ft.outcome_message})
+    except OSError as e:
+        log.error("ft-launcher: cannot write the summary %s: %s", path, e)
 
 
 def entrypoint() -> None:

@@ -88,6 +88,10 @@ class MonitorPool:
             self._wait_ready(lr)
             log.warning("ft-launcher: monitor for local rank %d restarted as pid %d", lr, self.procs[lr].pid)
 
+    def is_monitor(self, pid: int) -> bool:
+        """One of this launcher's daemons (the only peers that may report hangs)."""
+        return any(proc.pid == pid and proc.poll() is None for proc in list(self.procs.values()))
+
     def statuses(self) -> dict[int, dict[str, Any] | None]:
         return {lr: try_status(str(self.socket(lr))) for lr in range(self.nproc)}
 

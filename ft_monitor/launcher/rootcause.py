@@ -9,37 +9,36 @@ shown for it is the rank's own stack dump, headed by what hung.
 
 from __future__ import annotations
 
-import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from ft_client.safefiles import read_bounded, write_json_atomic
+from ft_monitor.launcher.store_auth import HangRecord
+from ft_monitor.notices import HangNotice
 
 MAX_STACK_CHARS = 64 * 1024
 
 
-def hang_error_data(notice: dict[str, Any], stack: str | None,
-                    victim_of: dict[str, Any] | None = None) -> dict[str, Any]:
+def hang_error_data(notice: HangNotice, stack: str | None, victim_of: HangRecord | None = None) -> dict[str, Any]:
     """The error.json content (torchelastic's ErrorHandler format) for a hang notice.
 
     ``victim_of``: the hang another node reported earlier in the same round; this rank
     was most likely waiting for it in a collective, and the message says so first.
     """
-    where = f"rank {notice.get('rank')}, pid {notice.get('pid')}"
-    dump = notice.get("stack_dump")
-    headline = f"RankHang: {notice.get('message')} ({where})"
+    where = f"rank {notice.rank}, pid {notice.pid}"
+    headline = f"RankHang: {notice.message} ({where})"
     if victim_of is not None:
-        headline = (f"RankHang: rank {victim_of.get('rank')} on {victim_of.get('host')} hung first "
-                    f"({victim_of.get('message')}); this rank was waiting for it: {notice.get('message')} "
-                    f"({where})")
-    if dump:
-        headline += f"; stack dump: {dump}"
+        headline = (f"RankHang: rank {victim_of.rank} on {victim_of.host} hung first "
+                    f"({victim_of.message}); this rank was waiting for it: {notice.message} ({where})")
+    if notice.stack_dump:
+        headline += f"; stack dump: {notice.stack_dump}"
     callstack = headline + "\n"
     if stack:
         callstack += stack[-MAX_STACK_CHARS:]
     else:
         callstack += "(no stack dump was captured)"
-    onset = notice.get("onset_time") or notice.get("detected_time") or 0
+    onset = notice.onset_time or notice.detected_time
     return {
         "message": {
             "message": headline,
@@ -49,19 +48,16 @@ def hang_error_data(notice: dict[str, Any], stack: str | None,
 
 
 def read_stack(path: str | None) -> str | None:
+    """The end of a stack dump file: no symlink followed, no FIFO waited on, bounded."""
     if not path:
         return None
     try:
-        return Path(path).read_text(errors="replace")
+        return read_bounded(path, MAX_STACK_CHARS)
     except OSError:
         return None
 
 
 def write_error_file(path: str | os.PathLike[str], data: dict[str, Any]) -> None:
     """Write atomically (the worker may be writing its own error.json as it dies)."""
-    directory = Path(path).parent
-    directory.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".error-", dir=directory)
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=2)
-    os.replace(tmp, path)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, data)

@@ -1,0 +1,173 @@
+"""Launcher-to-launcher messages in the rendezvous store, authenticated with the job's secret.
+
+torch's c10d TCPStore has no authentication: anyone who can reach its port can
+read and write any key. ft-launcher nodes use it to tell each other of a workload
+shutdown and of hangs (which node's rank hung first). So every such message is
+signed with HMAC-SHA256 under a per-job secret that only the job's user can read,
+and bound to the store key and the rendezvous run id it was written for; a
+message that is unsigned, forged, malformed, or copied from another key or job is
+logged and ignored. Without a secret, the cross-node features are off.
+
+The secret comes from ``--ft-job-secret-file FILE`` (or ``$FT_JOB_SECRET_FILE``):
+a file of this user's that no one else can read; or from ``$FT_JOB_SECRET``
+itself (a process's environment is readable only by its user). It must be the
+same on every node of the job: docs/launcher.md shows how to provision it under
+Slurm and Kubernetes. Workers never see it (it is removed from their environment).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import math
+import os
+import stat
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from ft_client.safefiles import UnsafeFileError, read_bounded
+
+SECRET_ENV = "FT_JOB_SECRET"
+SECRET_FILE_ENV = "FT_JOB_SECRET_FILE"
+MIN_SECRET_BYTES = 16
+MAX_SECRET_BYTES = 4096
+FORMAT_VERSION = 1
+MAX_TEXT = 4096
+MAX_MESSAGE_BYTES = 16 * 1024
+
+
+class SecretError(ValueError):
+    """The job secret cannot be used (unreadable, too short, readable by others)."""
+
+
+class StoreMessageError(ValueError):
+    """A store value that is not an authentic, well-formed message of this job."""
+
+
+def load_job_secret(secret_file: str | None, environ: Mapping[str, str]) -> bytes | None:
+    """The job's secret: from ``secret_file`` (or $FT_JOB_SECRET_FILE), else $FT_JOB_SECRET;
+    None when neither is set."""
+    path = secret_file or environ.get(SECRET_FILE_ENV)
+    if path:
+        try:
+            st = os.stat(path)
+            if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+                raise SecretError(f"job secret file {path} has mode {stat.S_IMODE(st.st_mode):04o}: other users "
+                                  "could read it; chmod 600 it")
+            text = read_bounded(path, MAX_SECRET_BYTES + 1)
+        except UnsafeFileError as e:
+            raise SecretError(f"job secret file: {e}") from e
+        except OSError as e:
+            raise SecretError(f"cannot read job secret file {path}: {e.strerror or e}") from e
+        secret = text.strip().encode()
+        where = f"job secret file {path}"
+    elif environ.get(SECRET_ENV):
+        secret = environ[SECRET_ENV].strip().encode()
+        where = f"${SECRET_ENV}"
+    else:
+        return None
+    if not MIN_SECRET_BYTES <= len(secret) <= MAX_SECRET_BYTES:
+        raise SecretError(f"{where} holds {len(secret)} bytes: a job secret must have {MIN_SECRET_BYTES} to "
+                          f"{MAX_SECRET_BYTES} (e.g. `python -c 'import secrets; print(secrets.token_hex(32))'`)")
+    return secret
+
+
+def _canonical(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def _text(body: Mapping[str, Any], key: str) -> str:
+    v = body.get(key)
+    if not isinstance(v, str) or len(v) > MAX_TEXT:
+        raise StoreMessageError(f"field {key} must be text of at most {MAX_TEXT} characters")
+    return v
+
+
+def _rank(body: Mapping[str, Any], key: str, optional: bool = False) -> int | None:
+    v = body.get(key)
+    if v is None and optional:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 2**31:
+        raise StoreMessageError(f"field {key} must be a rank (a whole number >= 0)")
+    return v
+
+
+@dataclass(frozen=True, slots=True)
+class ShutdownRequest:
+    """A rank asked to shut the whole workload down (WorkloadAction.ShutdownWorkload)."""
+
+    reason: str
+    rank: int | None
+    host: str
+
+    KIND = "shutdown"
+
+    def body(self) -> dict[str, Any]:
+        return {"reason": self.reason, "rank": self.rank, "host": self.host}
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> "ShutdownRequest":
+        return cls(_text(body, "reason"), _rank(body, "rank", optional=True), _text(body, "host"))
+
+
+@dataclass(frozen=True, slots=True)
+class HangRecord:
+    """One node's hang in a rendezvous round, for finding which rank hung first."""
+
+    rank: int
+    onset_time: float
+    message: str
+    host: str
+
+    KIND = "hang"
+
+    def body(self) -> dict[str, Any]:
+        return {"rank": self.rank, "onset_time": self.onset_time, "message": self.message, "host": self.host}
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> "HangRecord":
+        onset = body.get("onset_time")
+        if isinstance(onset, bool) or not isinstance(onset, (int, float)) or not math.isfinite(onset) or onset < 0:
+            raise StoreMessageError("field onset_time must be a finite number of seconds >= 0")
+        return cls(_rank(body, "rank"), float(onset), _text(body, "message"), _text(body, "host"))  # type: ignore[arg-type]
+
+
+class StoreChannel:
+    """Signs and checks launcher messages for one job (secret) and rendezvous run (run_id)."""
+
+    def __init__(self, secret: bytes, run_id: str) -> None:
+        self._secret = secret
+        self.run_id = run_id
+
+    def _mac(self, envelope: Mapping[str, Any]) -> str:
+        return hmac.new(self._secret, _canonical(envelope), hashlib.sha256).hexdigest()
+
+    def encode(self, key: str, message: ShutdownRequest | HangRecord) -> bytes:
+        envelope = {"v": FORMAT_VERSION, "kind": message.KIND, "key": key, "run": self.run_id,
+                    "body": message.body()}
+        return _canonical({**envelope, "mac": self._mac(envelope)})
+
+    def decode(self, key: str, raw: bytes, kind: type[ShutdownRequest] | type[HangRecord]
+               ) -> ShutdownRequest | HangRecord:
+        """The message stored at ``key``; raises StoreMessageError unless it is authentic,
+        of the expected kind, written for this key and run, and well-formed."""
+        if len(raw) > MAX_MESSAGE_BYTES:
+            raise StoreMessageError(f"{len(raw)} bytes, more than {MAX_MESSAGE_BYTES}")
+        try:
+            data = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise StoreMessageError("not JSON") from e
+        if not isinstance(data, dict) or not isinstance(data.get("mac"), str):
+            raise StoreMessageError("not signed")
+        mac = data.pop("mac")
+        if not hmac.compare_digest(mac, self._mac(data)):
+            raise StoreMessageError("bad signature (not written with this job's secret)")
+        if data.get("v") != FORMAT_VERSION or data.get("kind") != kind.KIND:
+            raise StoreMessageError(f"not a version-{FORMAT_VERSION} {kind.KIND} message")
+        if data.get("key") != key or data.get("run") != self.run_id:
+            raise StoreMessageError("written for another key or rendezvous run (replayed)")
+        body = data.get("body")
+        if not isinstance(body, dict):
+            raise StoreMessageError("body must be a map")
+        return kind.from_body(body)

@@ -53,7 +53,8 @@ def status(sock_path: Path) -> dict[str, Any]:
 
 class Daemon:
     def __init__(self, directory: Path, *flags: str, cmd: list[str] | None = None,
-                 env: dict[str, str] | None = None, name: str = "rank0.sock") -> None:
+                 env: dict[str, str] | None = None, name: str = "rank0.sock",
+                 preexec: Callable[[], None] | None = None) -> None:
         self.dir = directory
         self.socket = directory / name
         self.report_dir = directory / "reports"
@@ -63,7 +64,8 @@ class Daemon:
             argv += ["--", *cmd]
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                     env={**os.environ, **(env or {})}, start_new_session=True)
+                                     env={**os.environ, **(env or {})}, start_new_session=True,
+                                     preexec_fn=preexec)
 
     def wait_ready(self, timeout: float = 20.0) -> "Daemon":
         def ready() -> bool:
@@ -115,10 +117,15 @@ class Rank:
             env=env, cwd=ROOT, start_new_session=True, text=True,
         )
         self.lines: list[str] = []
+        self._partial = b""
 
     def wait_line(self, prefix: str, timeout: float = 20.0) -> str:
+        """The first stdout line starting with ``prefix``, waiting up to ``timeout``.
+        Reads the pipe's descriptor directly: lines that arrive together must not sit
+        in a file object's buffer where select() cannot see them."""
         end = time.monotonic() + timeout
         assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
         while True:
             for line in self.lines:
                 if line.startswith(prefix):
@@ -126,13 +133,15 @@ class Rank:
             left = end - time.monotonic()
             if left <= 0:
                 raise AssertionError(f"timed out waiting for {prefix!r}; got {self.lines}")
-            ready, _, _ = select.select([self.proc.stdout], [], [], left)
+            ready, _, _ = select.select([fd], [], [], left)
             if ready:
-                line = self.proc.stdout.readline()
-                if not line:
+                chunk = os.read(fd, 65536)
+                if not chunk:
                     raise AssertionError(f"rank exited ({self.proc.wait()}) before {prefix!r}; "
                                          f"stderr: {self.proc.stderr.read() if self.proc.stderr else ''}")
-                self.lines.append(line.strip())
+                self._partial += chunk
+                *complete, self._partial = self._partial.split(b"\n")
+                self.lines.extend(line.decode(errors="replace").strip() for line in complete)
 
     def wait(self, timeout: float = 30.0) -> int:
         return self.proc.wait(timeout)

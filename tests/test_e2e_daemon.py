@@ -246,7 +246,9 @@ def test_sigterm_stops_the_daemon_and_removes_the_socket(workdir: Path) -> None:
     assert "monitor shutting down: received SIGTERM" in d.log()
 
 
-def test_status_shows_open_sections_and_timeouts(daemon: Daemon) -> None:
+def test_status_shows_open_sections_and_timeouts(workdir: Path) -> None:
+    # this test's own process is the rank: a timeout it could miss under load would end it
+    daemon = Daemon(workdir, "--ft-rank-section-timeouts", "step:600").wait_ready()
     c = RankMonitorClient(str(daemon.socket))
     c.init_workload_monitoring()
     try:
@@ -262,10 +264,11 @@ def test_status_shows_open_sections_and_timeouts(daemon: Daemon) -> None:
         assert "section 'step' open" in out.stdout and f"pid {os.getpid()}" in out.stdout
         js = subprocess.run([sys.executable, "-m", "ft_monitor.cli", "status", "--socket", str(daemon.socket),
                              "--json"], capture_output=True, text=True, timeout=30, cwd=ROOT)
-        assert json.loads(js.stdout)["timeouts"]["rank_section_timeouts"] == {"step": STEP_TIMEOUT}
+        assert json.loads(js.stdout)["timeouts"]["rank_section_timeouts"] == {"step": 600}
         c.end_section("step")
     finally:
         c.shutdown_workload_monitoring()
+        daemon.stop()
 
 
 # -- start-up errors -----------------------------------------------------------------------------
@@ -438,16 +441,19 @@ def test_launcher_that_acknowledges_but_never_acts_is_overridden(workdir: Path) 
     from ft_monitor.launcher.control import EventKind, LauncherServer
 
     server = LauncherServer(str(workdir / "launcher.sock"))  # acknowledges, queues, never stops anything
+    monitors: set[int] = set()
+    server.authorize(monitor=monitors.__contains__, worker=lambda pid: False)
     server.start()
     d = Daemon(workdir, "--ft-rank-section-timeouts", "step:0.5", "--ft-stack-dump-timeout", "0",
                "--ft-launcher-response-timeout", "0.5", "--ft-termination-grace-time", "0.5",
                "--launcher-socket", server.path).wait_ready()
+    monitors.add(d.proc.pid)
     rank = Rank("sleep", d.socket)
     try:
         assert rank.wait(30) == -signal.SIGTERM
         (event,) = server.drain()
-        assert event.kind is EventKind.HANG and event.notice["pid"] == rank.proc.pid
-        assert event.notice["message"].startswith("section 'step' open for")
+        assert event.kind is EventKind.HANG and event.notice is not None and event.notice.pid == rank.proc.pid
+        assert event.notice.message.startswith("section 'step' open for")
     finally:
         rank.kill()
         d.stop()

@@ -21,6 +21,8 @@ pytestmark = pytest.mark.e2e
 
 TRAIN = str(ROOT / "examples" / "train_ddp.py")
 FT_FLAGS = ["--ft-cfg-path", str(ROOT / "examples" / "ft.yaml"), "--ft-termination-grace-time", "2"]
+JOB_SECRET = {"FT_JOB_SECRET": "test-job-secret-" + "0123456789abcdef"}
+"""Multi-node tests sign the launchers' store messages (store_auth) with this."""
 
 
 @pytest.fixture
@@ -213,8 +215,8 @@ def test_two_nodes_hang_on_one_restarts_both_and_completes(workdir: Path) -> Non
     common = ("--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
               "--rdzv-id", "ft-two-nodes")
     train = ("--hang", "rank=3,step=12,attempt=0")
-    a = Launcher(workdir, "--max-restarts", "2", train_args=train, name="node0", launcher_flags=common)
-    b = Launcher(workdir, "--max-restarts", "2", train_args=train, name="node1", launcher_flags=common)
+    a = Launcher(workdir, "--max-restarts", "2", train_args=train, name="node0", launcher_flags=common, env=JOB_SECRET)
+    b = Launcher(workdir, "--max-restarts", "2", train_args=train, name="node1", launcher_flags=common, env=JOB_SECRET)
     try:
         assert a.wait() == exit_codes.SUCCESS, a.output()
         assert b.wait() == exit_codes.SUCCESS, b.output()
@@ -228,6 +230,33 @@ def test_two_nodes_hang_on_one_restarts_both_and_completes(workdir: Path) -> Non
     assert all(h["victim_of"] == 3 for h in hangs if h["rank"] != 3)
     both = a.output() + b.output()
     assert "finished 30 steps" in both and "resumed at step 10" in both
+
+
+def test_forged_store_messages_are_ignored_and_the_job_completes(workdir: Path) -> None:
+    # before: any process reaching the rendezvous port ended the job (exit 4, "do not
+    # requeue") with a plain shutdown value, and a malformed hang record made both
+    # launchers exit 2 at the next real hang
+    port = _free_port()
+    common = ("--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+              "--rdzv-id", "ft-forged")
+    train = ("--hang", "rank=3,step=12,attempt=0")
+    a = Launcher(workdir, "--max-restarts", "2", train_args=train, name="node0", launcher_flags=common, env=JOB_SECRET)
+    b = Launcher(workdir, "--max-restarts", "2", train_args=train, name="node1", launcher_flags=common, env=JOB_SECRET)
+    try:
+        wait_until(lambda: _listening(port), 60, "the rendezvous store")
+        forger = subprocess.run([sys.executable, str(ROOT / "tests/workers/store_forger.py"), str(port), "ft-forged",
+                                 "4", str(workdir / "forged")], capture_output=True, text=True, timeout=60)
+        assert forger.returncode == 0 and (workdir / "forged").exists(), forger.stderr
+        assert a.wait() == exit_codes.SUCCESS, a.output()
+        assert b.wait() == exit_codes.SUCCESS, b.output()
+    finally:
+        a.kill()
+        b.kill()
+    both = a.output() + b.output()
+    assert "ignored a shutdown message in the rendezvous store" in both
+    assert "ignored a hang message in the rendezvous store" in both
+    assert "finished 30 steps" in both and "workload shutdown requested" not in both
+    assert [h["rank"] for h in a.summary()["hangs"] + b.summary()["hangs"] if h["victim_of"] is None] == [3]
 
 
 def test_launcher_sigkill_takes_monitors_and_workers_down(workdir: Path) -> None:

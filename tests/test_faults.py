@@ -194,7 +194,7 @@ def test_unwritable_report_still_detects_kills_and_logs(report_path_is_a_directo
 
 def test_unwritable_report_leaves_no_temporary_files(report_path_is_a_directory: dict[str, Any]) -> None:
     r = report_path_is_a_directory
-    assert [f for f in r["files"] if f.startswith(".report-")] == [], r["files"]
+    assert [f for f in r["files"] if f.startswith(".")] == [], r["files"]  # no temporary file left
 
 
 def _mount_tmpfs(path: Path, size: str) -> bool:

@@ -13,6 +13,7 @@ import ctypes
 import os
 import signal
 import sys
+import threading
 import time
 
 from ft_client import RankMonitorClient
@@ -70,6 +71,34 @@ def spawn_stubborn_child(*, ignore_term: bool = False, own_session: bool = False
     return pid
 
 
+def fork_child_that_cycles_steps(client: RankMonitorClient) -> int:
+    """A data-loader-like child that inherited the client and keeps using it."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            for _ in range(60000):
+                with client.section("step"):
+                    time.sleep(0.005)
+                client.send_heartbeat()
+        finally:
+            os._exit(0)
+    return pid
+
+
+def fork_child_holding_the_socket(client: RankMonitorClient) -> int:
+    """A child that keeps a copy of the rank's connection open (as a child that
+    inherited a non-close-on-exec descriptor would), then the rank exits."""
+    fd = os.dup(client._transport._sock.fileno())  # type: ignore[union-attr]
+    pid = os.fork()
+    if pid == 0:
+        try:
+            time.sleep(600)
+        finally:
+            os._exit(0)
+    os.close(fd)
+    return pid
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("scenario")
@@ -110,6 +139,13 @@ def main() -> None:
         say(f"child pid={spawn_stubborn_child(own_session=True)}")
         client.start_section("step")
         hang_in_sleep()
+    elif s == "fork-child-cycles":
+        say(f"child pid={fork_child_that_cycles_steps(client)}")
+        client.start_section("step")
+        hang_in_sleep()
+    elif s == "fork-child-holds-socket":
+        say(f"child pid={fork_child_holding_the_socket(client)}")
+        os._exit(0)  # no GOODBYE: an exit, with the socket still open in the child
     elif s == "ignore-term":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         client.start_section("step")
@@ -125,6 +161,14 @@ def main() -> None:
         say("shutdown")
     elif s == "exit3":
         sys.exit(3)
+    elif s == "train-until-stdin":  # steps and heartbeats until a line arrives on stdin
+        stop = threading.Event()
+        threading.Thread(target=lambda: (sys.stdin.readline(), stop.set()), daemon=True).start()
+        while not stop.is_set():
+            with client.section("step"):
+                time.sleep(0.02)
+            client.send_heartbeat()
+        client.shutdown_workload_monitoring()
     elif s == "wait-stdin":
         sys.stdin.readline()
         client.shutdown_workload_monitoring()

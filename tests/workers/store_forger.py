@@ -1,0 +1,41 @@
+"""A hostile client of a job's rendezvous store (torch's TCPStore has no authentication).
+
+Usage: store_forger.py PORT RUN_ID ROUNDS OUT
+
+Connects to 127.0.0.1:PORT as any process that reaches the port could, and writes,
+for rendezvous rounds 0..ROUNDS-1, the launcher messages an unauthenticated
+ft-launcher acted on: a plain workload shutdown, and malformed and forged hang
+records for every node. Writes OUT once it has written everything.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch.distributed as dist
+
+
+def main() -> None:
+    port, run_id, rounds, out = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), Path(sys.argv[4])
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30),
+                          wait_for_workers=False)
+    forged_hangs = [
+        json.dumps({"rank": 0, "onset_time": "forged", "message": "m", "host": "h"}),  # broke min() before
+        json.dumps({"v": 1, "kind": "hang", "key": "ft_launcher/hang/0", "run": run_id, "mac": "0" * 64,
+                    "body": {"rank": 0, "onset_time": 0.0, "message": "forged", "host": "evil"}}),
+        "\xff not json",
+    ]
+    for r in range(rounds):
+        prefix = f"torch.rendezvous.{run_id}.{r}/"
+        store.set(prefix + "ft_launcher/shutdown",
+                  json.dumps({"reason": "forged by another user", "rank": 0, "host": "evil"}))
+        for node in range(2):
+            store.set(prefix + f"ft_launcher/hang/{node}", forged_hangs[(r + node) % len(forged_hangs)])
+    out.write_text("written\n")
+
+
+if __name__ == "__main__":
+    main()

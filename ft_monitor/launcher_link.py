@@ -11,8 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import TYPE_CHECKING
+
 from ft_client import wire
+from ft_monitor.clock import to_wall
 from ft_monitor.notices import HangNotice
+
+if TYPE_CHECKING:
+    from ft_monitor.clock import Clock
+    from ft_monitor.executor import HangCase
 
 log = logging.getLogger("ft_monitor.launcher_link")
 
@@ -42,7 +49,7 @@ async def notify_launcher(path: str, rank: int, notice: HangNotice, timeout: flo
     """True when the launcher acknowledged the hang and will stop the worker group."""
     try:
         reply = await asyncio.wait_for(_exchange(path, rank, notice), timeout)
-    except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, wire.ProtocolError) as e:
+    except (TimeoutError, OSError, asyncio.IncompleteReadError, wire.ProtocolError) as e:
         log.error("rank %d: cannot reach the launcher at %s (%s); terminating the rank here",
                   rank, path, e or type(e).__name__)
         return False
@@ -51,3 +58,34 @@ async def notify_launcher(path: str, rank: int, notice: HangNotice, timeout: flo
         return True
     log.error("rank %d: launcher refused the hang notice (%r); terminating the rank here", rank, reply)
     return False
+
+
+class LauncherHandoff:
+    """The executor's `Handoff` under ft-launcher: a hang case becomes one HANG_NOTICE."""
+
+    def __init__(self, path: str, clock: Clock, timeout: float) -> None:
+        self.path = path
+        self.clock = clock
+        self.timeout = timeout
+
+    def notice(self, case: HangCase) -> HangNotice:
+        h = case.hang
+        return HangNotice(
+            rank=h.rank,
+            pid=h.pid,
+            reason=h.reason.value,
+            section=h.section,
+            message=h.describe(),
+            elapsed_s=h.elapsed,
+            timeout_s=h.timeout,
+            onset_time=to_wall(self.clock, h.onset),
+            detected_time=to_wall(self.clock, h.detected_at),
+            iteration=h.iteration,
+            report=str(case.report_path),
+            stack_dump=str(case.dump_path) if case.dump_path else None,
+            stack_dump_captured=case.dump_captured,
+            error_file=case.error_file,
+        )
+
+    async def notify(self, case: HangCase) -> bool:
+        return await notify_launcher(self.path, case.hang.rank, self.notice(case), self.timeout)

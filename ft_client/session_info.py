@@ -1,0 +1,104 @@
+"""What the monitor tells a rank at the handshake (HELLO_OK's session map).
+
+The monitor's config reaches the client here: timeouts in force, how to dump a
+stack, what to do when the monitor is lost. Both sides build and read it through
+`SessionInfo.to_wire` / `from_wire`, so its keys are spelled once; a map a monitor
+sent that breaks the rules raises `SessionInfoError` naming the field.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ft_client.errors import RankMonitorClientError
+from ft_client.timeouts import Timeouts, TimeoutsError
+
+
+class SessionInfoError(RankMonitorClientError, ValueError):
+    """The monitor's HELLO_OK session map does not follow the rules."""
+
+
+@dataclass(frozen=True, slots=True)
+class SessionInfo:
+    rank: int
+    pid: int
+    session: int
+    """How many rank sessions this monitor has started, this one included."""
+    timeouts: Timeouts
+    num_warmup_iterations: int
+    stack_dump_signal: int
+    stack_dump_path: str | None
+    skip_section_response: bool
+    on_monitor_lost: str
+    client_request_timeout: float
+    safety_factor: float
+    min_learned_timeout: float
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "pid": self.pid,
+            "session": self.session,
+            "timeouts": self.timeouts.to_wire(),
+            "num_warmup_iterations": self.num_warmup_iterations,
+            "stack_dump_signal": self.stack_dump_signal,
+            "stack_dump_path": self.stack_dump_path,
+            "skip_section_response": self.skip_section_response,
+            "on_monitor_lost": self.on_monitor_lost,
+            "client_request_timeout": self.client_request_timeout,
+            "safety_factor": self.safety_factor,
+            "min_learned_timeout": self.min_learned_timeout,
+        }
+
+    @classmethod
+    def from_wire(cls, data: Mapping[str, Any]) -> SessionInfo:
+        if not isinstance(data, Mapping):
+            raise SessionInfoError(f"session info must be a map, got {type(data).__name__}")
+        raw = data.get("timeouts")
+        if not isinstance(raw, Mapping):
+            raise SessionInfoError(f"session info timeouts = {raw!r:.60}: must be a map")
+        try:
+            timeouts = Timeouts.from_wire(raw)
+        except TimeoutsError as e:
+            raise SessionInfoError(f"monitor sent invalid timeouts: {e}") from e
+        path = data.get("stack_dump_path")
+        if path is not None and (not isinstance(path, str) or not path):
+            raise SessionInfoError(f"session info stack_dump_path = {path!r:.60}: must be a path or null")
+        lost = data.get("on_monitor_lost")
+        if lost not in ("warn", "raise"):
+            raise SessionInfoError(f"session info on_monitor_lost = {lost!r:.60}: must be 'warn' or 'raise'")
+        skip = data.get("skip_section_response")
+        if not isinstance(skip, bool):
+            raise SessionInfoError(f"session info skip_section_response = {skip!r:.60}: must be true or false")
+        return cls(
+            rank=_whole(data, "rank"),
+            pid=_whole(data, "pid"),
+            session=_whole(data, "session"),
+            timeouts=timeouts,
+            num_warmup_iterations=_whole(data, "num_warmup_iterations"),
+            stack_dump_signal=_whole(data, "stack_dump_signal"),
+            stack_dump_path=path,
+            skip_section_response=skip,
+            on_monitor_lost=lost,
+            client_request_timeout=_positive(data, "client_request_timeout"),
+            safety_factor=_positive(data, "safety_factor"),
+            min_learned_timeout=_positive(data, "min_learned_timeout", zero_ok=True),
+        )
+
+
+def _whole(data: Mapping[str, Any], key: str) -> int:
+    v = data.get(key)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise SessionInfoError(f"session info {key} = {v!r:.60}: must be a whole number >= 0")
+    return v
+
+
+def _positive(data: Mapping[str, Any], key: str, *, zero_ok: bool = False) -> float:
+    v = data.get(key)
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and (v > 0 or (zero_ok and v == 0)):
+        return float(v)
+    rule = ">= 0" if zero_ok else "> 0"
+    raise SessionInfoError(f"session info {key} = {v!r:.60}: must be a finite number {rule}")

@@ -1,0 +1,193 @@
+"""What each message does: which connection may send what, and the handlers.
+
+`dispatch` routes one decoded message from a connection. Before its HELLO a
+connection may send nothing else; the rank's connection sends progress
+(heartbeats, sections, iterations) into its session, and may push learned
+timeouts (UPDATE_CONFIG, the reverse edge of the handshake's config) and say
+GOODBYE; observers (and the rank) may ask STATUS and PING. Decisions on
+progress live in state.py; this module only applies messages to the daemon's
+state and answers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from ft_client import wire
+from ft_client.session_info import SessionInfo
+from ft_client.timeouts import Timeouts, TimeoutsError
+from ft_monitor.connection import Connection
+from ft_monitor.rank import RankResources, error_file_from_hello
+from ft_monitor.server_log import printable
+from ft_monitor.state import Session, SessionError
+
+if TYPE_CHECKING:
+    from ft_monitor.daemon import MonitorDaemon
+
+log = logging.getLogger("ft_monitor.server")
+
+MAX_LOGGED_SESSION_ERRORS = 5
+
+
+def dispatch(d: MonitorDaemon, conn: Connection, msg: wire.Message) -> None:
+    t = type(msg)
+    rank = d.rank
+    if rank is not None and conn is rank.conn:
+        handler = _RANK_HANDLERS.get(t)
+        if handler is not None:
+            try:
+                handler(d, rank, msg)
+            except SessionError as e:
+                session_error(rank.session, e)
+            return
+    if conn.role is None:
+        if not isinstance(msg, wire.Hello):
+            raise wire.ProtocolError(f"expected HELLO first, got {t.__name__}")
+        hello(d, conn, msg)
+        return
+    if conn.role == wire.Role.OBSERVER:
+        d.observer_active(conn)
+    if t is wire.Status:
+        conn.send(wire.StatusReply(d.status().to_wire()))
+    elif t is wire.Ping:
+        conn.send(wire.PONG)
+    elif t is wire.Hello:
+        raise wire.ProtocolError("second HELLO on one connection")
+    elif conn.role == wire.Role.OBSERVER:
+        log.warning("closing observer connection from pid %d: %s is not allowed for an observer",
+                    conn.pid, t.__name__)
+        conn.fail(wire.ErrorCode.FORBIDDEN, f"{t.__name__} is not allowed for an observer")
+    else:
+        raise wire.ProtocolError(f"unexpected {t.__name__} from a client")
+
+
+def session_error(s: Session, e: SessionError) -> None:
+    """A message that makes no sense now: logged (the first few per session), ignored."""
+    s.errors += 1
+    if s.errors <= MAX_LOGGED_SESSION_ERRORS:
+        log.warning("rank %d pid %d: %s (ignored)%s", s.rank, s.pid, e,
+                    "; further such messages are counted, not logged"
+                    if s.errors == MAX_LOGGED_SESSION_ERRORS else "")
+
+
+def hello(d: MonitorDaemon, conn: Connection, msg: wire.Hello) -> None:
+    if msg.version != wire.PROTOCOL_VERSION:
+        log.warning("refused pid %d: protocol version %d, this monitor speaks %d",
+                    conn.pid, msg.version, wire.PROTOCOL_VERSION)
+        conn.fail(wire.ErrorCode.VERSION,
+                  f"protocol version {msg.version} is not supported; this monitor speaks {wire.PROTOCOL_VERSION}")
+        return
+    if msg.role == wire.Role.OBSERVER:
+        conn.hello_done(msg.role)
+        conn.send(wire.HelloOk(wire.PROTOCOL_VERSION, {"monitor_pid": os.getpid()}))
+        return
+    if msg.role != wire.Role.RANK:
+        raise wire.ProtocolError(f"unknown role {msg.role!r}")
+    if conn.pid <= 0:
+        log.warning("refused a rank connection from another pid namespace: the monitor cannot see its process, "
+                    "so it could neither dump nor stop it")
+        conn.fail(wire.ErrorCode.FORBIDDEN,
+                  "the rank's process is in a pid namespace the monitor cannot see (SO_PEERCRED pid 0): it could "
+                  "not be dumped or stopped. Run the monitor in the rank's pid namespace (Kubernetes: "
+                  "shareProcessNamespace: true, or the monitor in the training container)")
+        return
+    if conn.process is None or not conn.process.alive():
+        log.warning("refused a rank connection from pid %d: the process that connected has exited or "
+                    "cannot be pinned", conn.pid)
+        conn.fail(wire.ErrorCode.FORBIDDEN,
+                  f"the process that connected (pid {conn.pid}) has exited or cannot be pinned (pidfd)")
+        return
+    if d.rank is not None:
+        live = d.rank.conn.pid
+        log.warning("refused rank connection from pid %d: rank pid %d is connected", conn.pid, live)
+        conn.fail(wire.ErrorCode.BUSY, f"a rank is already connected to this monitor: pid {live}")
+        return
+    conn.hello_done(msg.role)
+    process = conn.take_process()
+    assert process is not None
+    session = Session(rank=msg.rank, pid=conn.pid, started_at=d.clock.now(), timeouts=d.timeouts,
+                      num_warmup_iterations=d.config.num_warmup_iterations)
+    rank = RankResources(conn, session, process, report_dir=d.report_dir,
+                         error_file=error_file_from_hello(msg.info.get("error_file")), exits=d.exits)
+    if d.config.report_dir is None:
+        rank.use_attempt_dir()
+    d.rank_connected(rank)
+    cfg = d.config
+    info = SessionInfo(
+        rank=msg.rank, pid=conn.pid, session=d.sessions_started, timeouts=d.timeouts,
+        num_warmup_iterations=cfg.num_warmup_iterations, stack_dump_signal=int(cfg.stack_dump_signal),
+        stack_dump_path=str(rank.dump_path()), skip_section_response=cfg.skip_section_response,
+        on_monitor_lost=cfg.on_monitor_lost, client_request_timeout=cfg.client_request_timeout,
+        safety_factor=cfg.safety_factor, min_learned_timeout=cfg.min_learned_timeout,
+    )
+    conn.send(wire.HelloOk(wire.PROTOCOL_VERSION, info.to_wire()))
+    log.info("rank %d pid %d connected (session %d)", msg.rank, conn.pid, d.sessions_started)
+
+
+# -- the rank's messages --------------------------------------------------------
+def _heartbeat(d: MonitorDaemon, r: RankResources, m: Any) -> None:
+    r.session.heartbeat(d.clock.now())
+
+
+def _open(d: MonitorDaemon, r: RankResources, m: wire.SectionOpen) -> None:
+    r.session.open_section(m.name, d.clock.now())
+
+
+def _close(d: MonitorDaemon, r: RankResources, m: wire.SectionClose) -> None:
+    r.session.close_section(m.name, d.clock.now())
+
+
+def _close_all(d: MonitorDaemon, r: RankResources, m: Any) -> None:
+    r.session.close_all_sections(d.clock.now())
+
+
+def _iteration(d: MonitorDaemon, r: RankResources, m: wire.Iteration) -> None:
+    r.session.set_iteration(m.iteration)
+    if d.iteration_high is None or m.iteration > d.iteration_high:
+        d.iteration_high = m.iteration
+
+
+def _update_config(d: MonitorDaemon, r: RankResources, msg: wire.UpdateConfig) -> None:
+    """Learned timeouts from the rank: in force now, and for later sessions of this daemon."""
+    try:
+        timeouts = Timeouts.from_wire(msg.timeouts)
+    except TimeoutsError as e:
+        log.warning("rank %d: rejected timeouts update: %s", r.session.rank, e)
+        r.conn.send(wire.Error(wire.ErrorCode.BAD_REQUEST, str(e)))
+        return
+    if timeouts != d.timeouts:
+        log.info("rank %d: timeouts now %s", r.session.rank, timeouts.to_wire())
+    d.timeouts = timeouts
+    r.session.set_timeouts(timeouts, d.clock.now())
+    r.conn.send(wire.ConfigOk(timeouts.to_wire()))
+
+
+def _goodbye(d: MonitorDaemon, r: RankResources, msg: wire.Goodbye) -> None:
+    """Clean shutdown: the session ends now, so the rank may connect again at once."""
+    s = r.session
+    if s.open_sections:
+        log.warning("rank %d pid %d shut down with section(s) still open: %s",
+                    s.rank, s.pid, ", ".join(map(printable, s.open_sections)))
+    s.goodbye()
+    r.conn.role = wire.Role.OBSERVER  # what it may still send: STATUS, PING
+    d.disconnected(r.conn)
+
+
+def _control(d: MonitorDaemon, r: RankResources, msg: wire.Control) -> None:
+    r.conn.send(wire.Error(wire.ErrorCode.BAD_REQUEST,
+                           f"workload control {msg.action!r} needs ft-launcher; this monitor runs standalone"))
+
+
+_RANK_HANDLERS: dict[type, Callable[[Any, RankResources, Any], None]] = {
+    wire.Heartbeat: _heartbeat,
+    wire.SectionOpen: _open,
+    wire.SectionClose: _close,
+    wire.SectionCloseAll: _close_all,
+    wire.Iteration: _iteration,
+    wire.UpdateConfig: _update_config,
+    wire.Goodbye: _goodbye,
+    wire.Control: _control,
+}

@@ -1,0 +1,226 @@
+"""What `STATUS` answers: the monitor's and its rank's state, built, sent and shown.
+
+`build_status` is pure (it takes ``now``); `MonitorStatus.to_wire` is the map
+sent in STATUS_REPLY (flat: the rank's fields sit beside the monitor's when a
+rank is connected) and `from_wire` reads one back; `format_status` renders it
+for `ft-monitor status`. The keys are spelled here and nowhere else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ft_client.errors import FtError
+from ft_client.timeouts import Timeouts
+from ft_monitor.policy import next_deadline
+from ft_monitor.state import Session
+
+MAX_STATUS_SECTIONS = 50
+"""Open sections listed in a STATUS reply (the rest are counted): the reply must fit a frame."""
+
+
+class StatusError(FtError, ValueError):
+    """A STATUS reply that does not have the fields this version sends."""
+
+
+@dataclass(frozen=True, slots=True)
+class OpenSectionStatus:
+    name: str
+    elapsed_s: float
+    timeout_s: float | None
+    warmup: bool
+
+
+@dataclass(frozen=True, slots=True)
+class DeadlineStatus:
+    reason: str
+    section: str | None
+    in_s: float
+    timeout_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class HangSummary:
+    rank: int
+    pid: int
+    message: str
+    report: str
+
+
+@dataclass(frozen=True, slots=True)
+class RankStatus:
+    rank: int
+    pid: int
+    phase: str
+    session_age_s: float
+    heartbeats: int
+    since_last_heartbeat_s: float | None
+    open_sections: tuple[OpenSectionStatus, ...]
+    open_sections_not_listed: int
+    ignored_messages: int
+    out_of_section_s: float | None
+    steps_started: int
+    iteration: int | None
+    events: int
+    next_deadline: DeadlineStatus | None
+
+
+@dataclass(frozen=True, slots=True)
+class MonitorStatus:
+    monitor_pid: int
+    socket: str
+    uptime_s: float
+    sessions: int
+    hangs_detected: int
+    iteration_high: int | None
+    timeouts: dict[str, Any]
+    """`Timeouts.to_wire()` of the timeouts in force."""
+    rank: RankStatus | None
+    last_hang: HangSummary | None
+
+    @property
+    def connected(self) -> bool:
+        return self.rank is not None
+
+    def to_wire(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "monitor_pid": self.monitor_pid,
+            "socket": self.socket,
+            "uptime_s": self.uptime_s,
+            "sessions": self.sessions,
+            "hangs_detected": self.hangs_detected,
+            "iteration_high": self.iteration_high,
+            "timeouts": self.timeouts,
+            "connected": self.connected,
+        }
+        r = self.rank
+        if r is not None:
+            out.update({
+                "rank": r.rank, "pid": r.pid, "phase": r.phase, "session_age_s": r.session_age_s,
+                "heartbeats": r.heartbeats, "since_last_heartbeat_s": r.since_last_heartbeat_s,
+                "open_sections": [{"name": s.name, "elapsed_s": s.elapsed_s, "timeout_s": s.timeout_s,
+                                   "warmup": s.warmup} for s in r.open_sections],
+                "open_sections_not_listed": r.open_sections_not_listed,
+                "ignored_messages": r.ignored_messages,
+                "out_of_section_s": r.out_of_section_s,
+                "steps_started": r.steps_started,
+                "iteration": r.iteration,
+                "events": r.events,
+                "next_deadline": None if r.next_deadline is None else {
+                    "reason": r.next_deadline.reason, "section": r.next_deadline.section,
+                    "in_s": r.next_deadline.in_s, "timeout_s": r.next_deadline.timeout_s},
+            })
+        if self.last_hang is not None:
+            h = self.last_hang
+            out["last_hang"] = {"rank": h.rank, "pid": h.pid, "message": h.message, "report": h.report}
+        return out
+
+    @classmethod
+    def from_wire(cls, st: Mapping[str, Any]) -> MonitorStatus:
+        try:
+            rank = None
+            if st["connected"]:
+                nd = st.get("next_deadline")
+                rank = RankStatus(
+                    rank=st["rank"], pid=st["pid"], phase=st["phase"], session_age_s=st["session_age_s"],
+                    heartbeats=st["heartbeats"], since_last_heartbeat_s=st["since_last_heartbeat_s"],
+                    open_sections=tuple(OpenSectionStatus(s["name"], s["elapsed_s"], s["timeout_s"],
+                                                          bool(s.get("warmup", False)))
+                                        for s in st["open_sections"]),
+                    open_sections_not_listed=st.get("open_sections_not_listed", 0),
+                    ignored_messages=st.get("ignored_messages", 0),
+                    out_of_section_s=st.get("out_of_section_s"),
+                    steps_started=st.get("steps_started", 0),
+                    iteration=st.get("iteration"),
+                    events=st.get("events", 0),
+                    next_deadline=None if not nd else DeadlineStatus(nd["reason"], nd.get("section"), nd["in_s"],
+                                                                     nd["timeout_s"]),
+                )
+            h = st.get("last_hang")
+            return cls(
+                monitor_pid=st["monitor_pid"], socket=st["socket"], uptime_s=st["uptime_s"],
+                sessions=st["sessions"], hangs_detected=st["hangs_detected"],
+                iteration_high=st.get("iteration_high"), timeouts=dict(st["timeouts"]), rank=rank,
+                last_hang=None if h is None else HangSummary(h["rank"], h["pid"], h["message"], h["report"]),
+            )
+        except (KeyError, TypeError) as e:
+            raise StatusError(f"status reply without the field(s) this version sends: {e}") from e
+
+
+def build_status(*, now: float, monitor_pid: int, socket: str, started_at: float, sessions: int,
+                 timeouts: Timeouts, iteration_high: int | None, session: Session | None,
+                 hangs: Iterable[HangSummary]) -> MonitorStatus:
+    """The status at ``now`` (pure)."""
+    hangs = list(hangs)
+    rank = None
+    s = session
+    if s is not None:
+        d = next_deadline(s)
+        rank = RankStatus(
+            rank=s.rank, pid=s.pid, phase=s.phase.value, session_age_s=now - s.started_at,
+            heartbeats=s.heartbeats,
+            since_last_heartbeat_s=None if s.last_heartbeat is None else now - s.last_heartbeat,
+            open_sections=tuple(OpenSectionStatus(sec.name, now - sec.opened_at, sec.timeout, sec.warmup)
+                                for sec in list(s.open_sections.values())[:MAX_STATUS_SECTIONS]),
+            open_sections_not_listed=max(0, len(s.open_sections) - MAX_STATUS_SECTIONS),
+            ignored_messages=s.errors,
+            out_of_section_s=None if s.out_of_section_since is None else now - s.out_of_section_since,
+            steps_started=s.steps_started, iteration=s.iteration, events=s.events,
+            next_deadline=None if d is None else DeadlineStatus(d.reason.value, d.section, d.at - now, d.timeout),
+        )
+    return MonitorStatus(
+        monitor_pid=monitor_pid, socket=socket, uptime_s=now - started_at, sessions=sessions,
+        hangs_detected=len(hangs), iteration_high=iteration_high, timeouts=timeouts.to_wire(), rank=rank,
+        last_hang=hangs[-1] if hangs else None,
+    )
+
+
+def _secs(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}s"
+
+
+def format_status(status: MonitorStatus | Mapping[str, Any]) -> str:
+    """Human-readable status (pure)."""
+    st = status if isinstance(status, MonitorStatus) else MonitorStatus.from_wire(status)
+    t = st.timeouts
+    learned = set(t.get("learned", []))
+
+    def tv(key: str, value: float | None) -> str:
+        return ("off" if value is None else f"{value:g}s") + (" (learned)" if key in learned else "")
+
+    lines = [f"monitor pid {st.monitor_pid} on {st.socket}, up {_secs(st.uptime_s)}, "
+             f"{st.sessions} session(s), {st.hangs_detected} hang(s) detected"]
+    r = st.rank
+    if r is None:
+        lines.append("rank: not connected")
+    else:
+        lines.append(f"rank {r.rank} pid {r.pid} ({r.phase}), connected {_secs(r.session_age_s)} ago, "
+                     f"{r.heartbeats} heartbeat(s), last {_secs(r.since_last_heartbeat_s)} ago"
+                     + (f", iteration {r.iteration}" if r.iteration is not None else ""))
+        if r.open_sections:
+            for sec in r.open_sections:
+                lines.append(f"  section {sec.name!r} open {_secs(sec.elapsed_s)}, timeout "
+                             f"{'off' if sec.timeout_s is None else _secs(sec.timeout_s)}"
+                             + (" (warm-up)" if sec.warmup else ""))
+        else:
+            lines.append(f"  no section open (for {_secs(r.out_of_section_s)})")
+        if r.open_sections_not_listed:
+            lines.append(f"  ... and {r.open_sections_not_listed} more open section(s)")
+        if r.ignored_messages:
+            lines.append(f"  {r.ignored_messages} message(s) ignored as out of place (see the monitor log)")
+        nd = r.next_deadline
+        if nd:
+            what = nd.reason + (f" {nd.section!r}" if nd.section else "")
+            lines.append(f"  next deadline: {what} in {_secs(nd.in_s)}")
+    lines.append("timeouts in force:")
+    lines.append(f"  initial heartbeat {tv('initial_rank_heartbeat_timeout', t['initial_rank_heartbeat_timeout'])}, "
+                 f"heartbeat {tv('rank_heartbeat_timeout', t['rank_heartbeat_timeout'])}, "
+                 f"out of section {tv('rank_out_of_section_timeout', t['rank_out_of_section_timeout'])}")
+    for name, value in sorted(t["rank_section_timeouts"].items()):
+        lines.append(f"  section {name!r}: {tv('section:' + name, value)}")
+    if st.last_hang is not None:
+        h = st.last_hang
+        lines.append(f"last hang: rank {h.rank} pid {h.pid}: {h.message} (report {h.report})")
+    return "\n".join(lines)

@@ -5,8 +5,10 @@
 
 `serve` checks its arguments and config (pydantic) in a helper process
 (`python -m ft_monitor.cli --check-serve ...`) while it imports the daemon, and
-runs the daemon from the validated result: the daemon never loads pydantic or
-yaml, which keeps it small and quick to start.
+runs the daemon from the validated result, a `settings.ServeSpec` passed as one
+JSON line: the daemon never loads pydantic or yaml, which keeps it small and
+quick to start. ft-launcher writes the same `ServeSpec` to a file for each of
+its daemons (`--run-checked FILE`).
 
 Exit codes: 0 success; 1 runtime failure (socket in use, daemon unreachable);
 2 bad usage or configuration (one line naming the field, the value and the rule).
@@ -19,7 +21,10 @@ import json
 import logging
 import os
 import sys
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from ft_monitor.settings import ServeSpec
 
 
 EXIT_OK = 0
@@ -31,7 +36,7 @@ from ft_monitor.server_log import LOG_FORMAT
 
 CHECK_SERVE = "--check-serve"
 RUN_CHECKED = "--run-checked"
-"""`ft-monitor --run-checked FILE`: serve from settings already validated (ft-launcher)."""
+"""`ft-monitor --run-checked FILE`: serve from a ServeSpec already validated (ft-launcher)."""
 SETTINGS_MARKER = "ft-monitor-settings: "
 
 
@@ -87,8 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == [CHECK_SERVE]:
         return _check_serve(argv[1:])
     if argv[:1] == [RUN_CHECKED] and len(argv) == 2:
-        with open(argv[1]) as f:
-            return _run_checked(json.load(f))
+        return _run_checked_file(argv[1])
     args = build_parser().parse_args(argv)
     return _status(args)
 
@@ -119,17 +123,16 @@ def _check_serve(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"ft-monitor: {e}", file=sys.stderr)
         return EXIT_USAGE
-    print(SETTINGS_MARKER + json.dumps(checked_settings(config, args.socket, loop=args.loop, cmd=command,
-                                                         log_file=args.log_file,
-                                                         launcher_socket=args.launcher_socket)))
+    from ft_monitor.settings import ServeSpec, Settings, SettingsError
+
+    try:
+        spec = ServeSpec(Settings.from_config(config), args.socket, loop=args.loop, cmd=tuple(command),
+                         log_file=args.log_file, launcher_socket=args.launcher_socket)
+    except SettingsError as e:  # pydantic accepted what the daemon's own check refuses: a bug, said in one line
+        print(f"ft-monitor: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    print(SETTINGS_MARKER + spec.to_json())
     return EXIT_OK
-
-
-def checked_settings(config: Any, socket: str, *, loop: str = "auto", cmd: list[str] | None = None,
-                     log_file: str | None = None, launcher_socket: str | None = None) -> dict[str, Any]:
-    """What a validated `serve` runs from (the helper's output, or ft-launcher's file)."""
-    return {"config": config.model_dump(mode="json"), "socket": socket, "loop": loop, "cmd": cmd or [],
-            "log_file": log_file, "launcher_socket": launcher_socket}
 
 
 def _serve(argv: list[str]) -> int:
@@ -144,31 +147,51 @@ def _serve(argv: list[str]) -> int:
     if checker.returncode != 0 or not out.startswith(SETTINGS_MARKER):
         sys.stdout.write(out)  # --help lands here
         return checker.returncode
-    return _run_checked(json.loads(out[len(SETTINGS_MARKER):]))
+    return _run_checked_text(out[len(SETTINGS_MARKER):])
 
 
-def _run_checked(checked: dict[str, Any]) -> int:
+def _run_checked_file(path: str) -> int:
+    """`--run-checked FILE`: ft-launcher's ServeSpec for this daemon."""
+    try:
+        with open(path, "rb") as f:
+            text = f.read()
+    except OSError as e:
+        print(f"ft-monitor: cannot read {path}: {e.strerror or e}", file=sys.stderr)
+        return EXIT_USAGE
+    return _run_checked_text(text)
+
+
+def _run_checked_text(text: str | bytes) -> int:
+    from ft_monitor.settings import ServeSpec, SettingsError
+
+    try:
+        spec = ServeSpec.from_json(text)
+    except SettingsError as e:
+        print(f"ft-monitor: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    return _run_checked(spec)
+
+
+def _run_checked(spec: ServeSpec) -> int:
     import asyncio
 
     from ft_monitor import server
     from ft_monitor.listener import ListenerError
-    from ft_monitor.settings import Settings
 
-    settings = Settings(checked["config"])
     try:
-        _configure_logging(settings.log_level, checked["log_file"])
+        _configure_logging(spec.settings.log_level, spec.log_file)
     except OSError as e:
         print(f"ft-monitor: --log-file: {e}", file=sys.stderr)
         return EXIT_USAGE
     try:
-        loop_factory = _new_loop_factory(checked["loop"])
+        loop_factory = _new_loop_factory(spec.loop)
     except UsageError as e:
         print(f"ft-monitor: {e}", file=sys.stderr)
         return EXIT_USAGE
     try:
         with asyncio.Runner(loop_factory=loop_factory) as runner:
-            return runner.run(server.run_daemon(settings, checked["socket"], command=checked["cmd"] or None,
-                                                launcher_socket=checked["launcher_socket"]))
+            return runner.run(server.run_daemon(spec.settings, spec.socket, command=list(spec.cmd) or None,
+                                                launcher_socket=spec.launcher_socket))
     except ListenerError as e:
         print(f"ft-monitor: {e}", file=sys.stderr)
         return EXIT_FAILURE
@@ -183,55 +206,18 @@ def _status(args: argparse.Namespace) -> int:
     except (OSError, TransportError) as e:
         print(f"ft-monitor: no monitor answers at {args.socket}: {e}", file=sys.stderr)
         return EXIT_FAILURE
-    print(json.dumps(st, indent=2, sort_keys=True) if args.json else format_status(st))
+    if args.json:
+        print(json.dumps(st, indent=2, sort_keys=True))
+        return EXIT_OK
+    from ft_monitor.status import StatusError, format_status
+
+    try:
+        print(format_status(st))
+    except StatusError as e:
+        print(f"ft-monitor: the monitor at {args.socket} sent a status this version cannot read: {e}",
+              file=sys.stderr)
+        return EXIT_FAILURE
     return EXIT_OK
-
-
-def _secs(v: Any) -> str:
-    return "-" if v is None else f"{v:.1f}s"
-
-
-def format_status(st: dict[str, Any]) -> str:
-    """Human-readable status (pure; tested on a dict)."""
-    t = st["timeouts"]
-    learned = set(t.get("learned", []))
-
-    def tv(key: str, value: Any) -> str:
-        return ("off" if value is None else f"{value:g}s") + (" (learned)" if key in learned else "")
-
-    lines = [f"monitor pid {st['monitor_pid']} on {st['socket']}, up {_secs(st['uptime_s'])}, "
-             f"{st['sessions']} session(s), {st['hangs_detected']} hang(s) detected"]
-    if not st["connected"]:
-        lines.append("rank: not connected")
-    else:
-        lines.append(f"rank {st['rank']} pid {st['pid']} ({st['phase']}), connected {_secs(st['session_age_s'])} ago, "
-                     f"{st['heartbeats']} heartbeat(s), last {_secs(st['since_last_heartbeat_s'])} ago"
-                     + (f", iteration {st['iteration']}" if st.get("iteration") is not None else ""))
-        if st["open_sections"]:
-            for sec in st["open_sections"]:
-                lines.append(f"  section {sec['name']!r} open {_secs(sec['elapsed_s'])}, timeout "
-                             f"{'off' if sec['timeout_s'] is None else _secs(sec['timeout_s'])}"
-                             + (" (warm-up)" if sec.get("warmup") else ""))
-        else:
-            lines.append(f"  no section open (for {_secs(st['out_of_section_s'])})")
-        if st.get("open_sections_not_listed"):
-            lines.append(f"  ... and {st['open_sections_not_listed']} more open section(s)")
-        if st.get("ignored_messages"):
-            lines.append(f"  {st['ignored_messages']} message(s) ignored as out of place (see the monitor log)")
-        nd = st.get("next_deadline")
-        if nd:
-            what = nd["reason"] + (f" {nd['section']!r}" if nd.get("section") else "")
-            lines.append(f"  next deadline: {what} in {_secs(nd['in_s'])}")
-    lines.append("timeouts in force:")
-    lines.append(f"  initial heartbeat {tv('initial_rank_heartbeat_timeout', t['initial_rank_heartbeat_timeout'])}, "
-                 f"heartbeat {tv('rank_heartbeat_timeout', t['rank_heartbeat_timeout'])}, "
-                 f"out of section {tv('rank_out_of_section_timeout', t['rank_out_of_section_timeout'])}")
-    for name, value in sorted(t["rank_section_timeouts"].items()):
-        lines.append(f"  section {name!r}: {tv('section:' + name, value)}")
-    if "last_hang" in st:
-        h = st["last_hang"]
-        lines.append(f"last hang: rank {h['rank']} pid {h['pid']}: {h['message']} (report {h['report']})")
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

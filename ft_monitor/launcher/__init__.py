@@ -12,8 +12,12 @@ torch's. The subclass adds what the monitors need:
   requests (`control.LauncherServer`);
 * on a hang, a torchelastic error.json whose timestamp is the hang onset, so the
   root cause names the hung rank (`rootcause`), and a restart through the
-  normal elastic path;
+  normal elastic path; what to do is decided by pure functions (`decide`), the
+  agent only gathers their inputs and carries out the result;
 * a restart budget that stops early when restarts make no progress (`progress`).
+
+The launcher and its daemons run with the same typed settings
+(`ft_monitor.settings.Settings`, validated once by `ft_monitor.config`).
 
 Usage is torchrun's, plus ``--ft-<field>`` flags and ``--ft-cfg-path``::
 

@@ -7,7 +7,11 @@ Overrides only what the monitors need, and calls torch for everything else:
 * `_monitor_workers`: before asking torch about process exits, act on what the
   launcher socket received: a hang notice fails the attempt with a synthesized
   error.json (root cause = the hung rank), a workload request stops the job or
-  this node; dead daemons are restarted; progress is tracked per attempt;
+  this node; dead daemons are restarted; progress is tracked per attempt.
+  What to do about a hang, and whether restarting goes on, is decided by the
+  pure functions of decide.py; `_on_hang` gathers their inputs (the store
+  exchange with the other nodes, the stack dump, the daemons' iterations) and
+  carries out the result;
 * `_stop_workers`: the grace period is termination_grace_time, and whatever is
   left of each worker's process group after torch's stop is SIGKILLed, only while
   the group is provably still the worker's (`groups.WorkerGroups`);
@@ -22,7 +26,6 @@ local_elastic_agent, and `LocalElasticAgent` as a global of launcher/api.py.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import signal
@@ -37,17 +40,28 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from ft_client import env as ft_env
 from ft_client.workload import WorkloadAction
-from ft_monitor.config import FaultToleranceConfig
 from ft_monitor.launcher import exit_codes
 from ft_monitor.launcher.control import EventKind, LauncherEvent, LauncherServer
+from ft_monitor.launcher.decide import (
+    AttemptVerdict,
+    HangDecision,
+    LogLine,
+    WorkerRef,
+    decide_attempt_end,
+    decide_hang,
+    iteration_high,
+    read_hang_record,
+    triage_hang,
+)
 from ft_monitor.launcher.groups import WorkerGroups
 from ft_monitor.launcher.monitors import MonitorPool
 from ft_monitor.launcher.progress import ProgressTracker
-from ft_monitor.launcher.rootcause import hang_error_data, read_stack, write_error_file
+from ft_monitor.launcher.rootcause import read_stack, write_error_file
 from ft_monitor.launcher.store_auth import SECRET_ENV, HangRecord, ShutdownRequest, StoreChannel, StoreMessageError
 from ft_monitor.notices import HangNotice
 from ft_monitor.procinfo import parent_pid
 from ft_monitor.server_log import printable
+from ft_monitor.settings import Settings
 
 log = logging.getLogger("ft_monitor.launcher")
 
@@ -68,7 +82,6 @@ class RestartTiming:
     """Where the time went between a hang's detection and all ranks running again."""
 
     rank: int
-    message: str
     detected: float  # wall clock, from the daemon
     notice_received: float
     stop_began: float | None = None
@@ -96,7 +109,7 @@ class RestartTiming:
 class FtRuntime:
     """The monitors' side of the launcher, shared by the agent and the CLI."""
 
-    config: FaultToleranceConfig
+    config: Settings
     monitors: MonitorPool
     server: LauncherServer
     tracker: ProgressTracker
@@ -127,6 +140,11 @@ class FtRuntime:
             ft_env.LAUNCHER_SOCKET: self.server.path,
             ft_env.LAUNCHER_PID: str(os.getpid()),
         }
+
+
+def _emit(lines: tuple[LogLine, ...]) -> None:
+    for line in lines:
+        log.log(line.level, line.msg, *line.args)
 
 
 @contextlib.contextmanager
@@ -227,35 +245,37 @@ class FtLocalElasticAgent(_lea.LocalElasticAgent):
                                    f"rank {event.rank} asked to exclude this node: {event.reason}", event.rank)
 
     def _on_hang(self, wg: WorkerGroup, notice: HangNotice) -> RunResult | None:
-        worker = next((w for w in wg.workers if w.id == notice.pid), None)
-        if worker is None:  # a worker of an attempt already stopped
-            log.info("ft-launcher: ignoring a hang notice for pid %d, not a current worker", notice.pid)
+        """Gather the inputs of decide.py's verdict (store, files, daemons), then carry it out."""
+        triage = triage_hang(notice, [WorkerRef(w.global_rank, w.local_rank, w.id) for w in wg.workers],
+                             socket.gethostname())
+        _emit(triage.logs)
+        if triage.worker is None or triage.record is None:
             return None
-        received = time.time()
-        log.error("ft-launcher: rank %d (local rank %d, pid %d) hung: %s; stopping the worker group",
-                  worker.global_rank, worker.local_rank, worker.id, printable(notice.message))
-        mine = HangRecord(worker.global_rank, notice.onset_time, notice.message, socket.gethostname())
-        first = self._first_hang_across_nodes(wg, mine)
-        victim_of = first if first.rank != mine.rank else None
-        if victim_of is not None:
-            log.error("ft-launcher: rank %d on %s hung first (%s); rank %d here was waiting for it",
-                      victim_of.rank, printable(victim_of.host), printable(victim_of.message), worker.global_rank)
-        error_file = self._error_file_of(worker.local_rank, worker.id)
-        stack = read_stack(notice.stack_dump) if notice.stack_dump_captured else None
-        data = hang_error_data(notice, stack, victim_of)
+        now = time.time()
+        channel = self._channel(wg)
+        peer_values = self._exchange_hang_records(wg, channel, triage.record)
+        worker = triage.worker
+        decision = decide_hang(
+            notice, worker, triage.record, now=now, peer_values=peer_values, channel=channel,
+            stack=read_stack(notice.stack_dump) if notice.stack_dump_captured else None,
+            error_file=self._error_file_of(worker.local_rank, worker.pid), attempt=self._attempt(),
+            high=iteration_high(self.ft.monitors.statuses()), progress=self.ft.tracker.state,
+            policy=self.ft.tracker.policy, remaining_restarts=self._remaining_restarts)
+        return self._carry_out(decision)
+
+    def _carry_out(self, decision: HangDecision) -> RunResult:
+        _emit(decision.logs)
+        worker = decision.worker
         try:
-            write_error_file(error_file, data)
+            write_error_file(decision.error_file, decision.error_data)
         except OSError as e:
-            log.error("ft-launcher: cannot write %s: %s", error_file, e)
-        failure = ProcessFailure(local_rank=worker.local_rank, pid=worker.id, exitcode=-int(signal.SIGTERM),
-                                 error_file=error_file)
-        self.ft.hangs.append({**notice.to_wire(), "error_file": error_file, "local_rank": worker.local_rank,
-                              "attempt": self._attempt(),
-                              "victim_of": None if victim_of is None else victim_of.rank})
-        self._pending_error = (error_file, data)
-        self.ft.restarts.append(RestartTiming(worker.global_rank, notice.message, notice.detected_time or received,
-                                              received))
-        self._attempt_ended()
+            log.error("ft-launcher: cannot write %s: %s", decision.error_file, e)
+        failure = ProcessFailure(local_rank=worker.local_rank, pid=worker.pid, exitcode=decision.exitcode,
+                                 error_file=decision.error_file)
+        self.ft.hangs.append(decision.summary)
+        self._pending_error = (decision.error_file, decision.error_data)
+        self.ft.restarts.append(RestartTiming(worker.global_rank, decision.detected, decision.received))
+        self._end_attempt(decision.attempt)
         return RunResult(state=WorkerState.FAILED, failures={worker.global_rank: failure})
 
     def _error_file_of(self, local_rank: int, pid: int) -> str:
@@ -282,19 +302,23 @@ class FtLocalElasticAgent(_lea.LocalElasticAgent):
         try:
             return channel.decode(key, raw, kind)
         except StoreMessageError as e:
-            if raw not in self._bad_store_values and len(self._bad_store_values) < 100:
-                self._bad_store_values.add(raw)
-                log.warning("ft-launcher: ignored a %s message in the rendezvous store at %s: %s", kind.KIND, key, e)
+            self._warn_bad_store_value(key, raw, kind.KIND, e)
             return None
 
-    def _first_hang_across_nodes(self, wg: WorkerGroup, mine: HangRecord) -> HangRecord:
-        """Publish this node's hang in the rendezvous store (keys are per round) and return
-        the earliest-onset authentic hang any node reported within ATTRIBUTION_WINDOW."""
+    def _warn_bad_store_value(self, key: str, raw: bytes, kind: str, error: Exception) -> None:
+        """One warning per distinct bad value (at most 100 remembered)."""
+        if raw not in self._bad_store_values and len(self._bad_store_values) < 100:
+            self._bad_store_values.add(raw)
+            log.warning("ft-launcher: ignored a %s message in the rendezvous store at %s: %s", kind, key, error)
+
+    def _exchange_hang_records(self, wg: WorkerGroup, channel: StoreChannel | None,
+                               mine: HangRecord) -> dict[str, bytes]:
+        """Publish this node's hang in the rendezvous store (keys are per round) and return the
+        values the other nodes stored within ATTRIBUTION_WINDOW, by key (decide.first_hang picks)."""
         store = wg.store
-        channel = self._channel(wg)
+        values: dict[str, bytes] = {}
         if store is None or wg.group_world_size <= 1 or channel is None:
-            return mine
-        seen = [mine]
+            return values
         try:
             keys = [HANG_KEY.format(r) for r in range(wg.group_world_size)]
             store.set(keys[wg.group_rank], channel.encode(keys[wg.group_rank], mine))
@@ -302,29 +326,35 @@ class FtLocalElasticAgent(_lea.LocalElasticAgent):
             pending = [k for i, k in enumerate(keys) if i != wg.group_rank]
             while pending and time.monotonic() < end:
                 for key in [k for k in pending if store.check([k])]:
-                    record = self._store_message(channel, key, store.get(key), HangRecord)
+                    raw = store.get(key)
+                    values.pop(key, None)
+                    values[key] = raw  # in order of the last read
+                    record = read_hang_record(channel, key, raw)
                     if isinstance(record, HangRecord):  # a forged value stays pending: the real one may follow
-                        seen.append(record)
                         pending.remove(key)
+                    else:
+                        self._warn_bad_store_value(key, raw, HangRecord.KIND, record)
                 if pending:
                     time.sleep(0.05)
         except Exception as e:  # noqa: BLE001 - attribution is best effort
             log.warning("ft-launcher: could not compare hangs with other nodes: %s", e)
-        return min(seen, key=lambda h: h.onset_time)
+        return values
 
     def _attempt(self) -> int:
         return self._worker_group.spec.max_restarts - self._remaining_restarts
 
     def _attempt_ended(self) -> None:
-        """An attempt failed: stop restarting if restarts make no progress."""
-        iterations = [st.get("iteration_high") for st in self.ft.monitors.statuses().values() if st]
-        known = [i for i in iterations if isinstance(i, int)]
-        high = max(known) if known else None
-        if self.ft.tracker.attempt_ended(high) and self._remaining_restarts > 0:
-            self.ft.outcome = exit_codes.NO_PROGRESS
-            self.ft.outcome_message = self.ft.tracker.describe()
-            log.error("ft-launcher: %s; not restarting again", self.ft.outcome_message)
-            self._remaining_restarts = 0
+        """An attempt failed (torch saw a worker exit): stop restarting if restarts make no progress."""
+        self._end_attempt(decide_attempt_end(iteration_high(self.ft.monitors.statuses()), self.ft.tracker.state,
+                                             self.ft.tracker.policy, self._remaining_restarts))
+
+    def _end_attempt(self, verdict: AttemptVerdict) -> None:
+        self.ft.tracker.state = verdict.progress
+        if verdict.outcome is not None:
+            self.ft.outcome = verdict.outcome
+            self.ft.outcome_message = verdict.outcome_message
+        _emit(verdict.logs)
+        self._remaining_restarts = verdict.restarts_left
 
     def _stop_for_good(self, wg: WorkerGroup, code: int, message: str, rank: int | None = None) -> RunResult:
         self.ft.outcome = code
@@ -394,7 +424,7 @@ class FtLocalElasticAgent(_lea.LocalElasticAgent):
         if timing is None:
             return
         statuses = self.ft.monitors.statuses()
-        if all(st and st.get("connected") and (st.get("steps_started") or st.get("heartbeats"))
+        if all(st is not None and st.rank is not None and (st.rank.steps_started or st.rank.heartbeats)
                for st in statuses.values()):
             timing.first_step = time.time()
             self._pending_first_step = None

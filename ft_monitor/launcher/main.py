@@ -2,9 +2,10 @@
 
 Parses with torchrun's own parser (every torchrun flag keeps its meaning), adds
 ``--ft-cfg-path`` and ``--ft-<field>`` for every FaultToleranceConfig field,
-starts the launcher socket and the monitors, then runs torchrun's launch path
-with FtLocalElasticAgent in place of LocalElasticAgent. Exit codes are in
-exit_codes.py.
+validates them once (ft_monitor.config) into the typed `settings.Settings` that
+the launcher and every daemon run with, starts the launcher socket and the
+monitors, then runs torchrun's launch path with FtLocalElasticAgent in place of
+LocalElasticAgent. Exit codes are in exit_codes.py.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import json
 import logging
 import os
 import shutil
@@ -25,6 +25,7 @@ from ft_client.safefiles import write_json_atomic
 from ft_monitor.config import ConfigError, FaultToleranceConfig, add_config_flags, cli_overrides, load_config
 from ft_monitor.launcher import exit_codes
 from ft_monitor.launcher.store_auth import SecretError, load_job_secret
+from ft_monitor.settings import Settings, SettingsError
 
 log = logging.getLogger("ft_monitor.launcher")
 
@@ -70,8 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     cli = cli_overrides(args)
     try:
-        config = load_config(args.ft_cfg_path, os.environ, cli, log=log)
-    except ConfigError as e:
+        config = Settings.from_config(load_config(args.ft_cfg_path, os.environ, cli, log=log))
+    except (ConfigError, SettingsError) as e:
         print(f"ft-launcher: {e}", file=sys.stderr)
         return exit_codes.LAUNCHER_ERROR
     try:
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     return launch(args, config, args.ft_summary_json, secret)
 
 
-def launch(args: argparse.Namespace, config: FaultToleranceConfig, summary_json: str | None = None,
+def launch(args: argparse.Namespace, config: Settings | FaultToleranceConfig, summary_json: str | None = None,
            job_secret: bytes | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -100,6 +101,8 @@ def launch(args: argparse.Namespace, config: FaultToleranceConfig, summary_json:
     from ft_monitor.launcher.monitors import MonitorPool
     from ft_monitor.launcher.progress import ProgressTracker
 
+    if not isinstance(config, Settings):
+        config = Settings.from_config(config)
     run_dir = Path(tempfile.mkdtemp(prefix="ft-launcher-", dir="/tmp"))
     os.chmod(run_dir, 0o700)
     server = LauncherServer(str(run_dir / "launcher.sock"))

@@ -3,15 +3,15 @@
 Daemons are separate processes (they never import torch), started before the
 first workers, ready (their socket answers) before any worker starts, and kept
 across worker restarts. A daemon that dies is started again and the event is
-logged. Each daemon gets the launcher's config flags and socket, and dies with
-the launcher (parent-death signal) if the launcher is killed outright.
+logged. Each daemon gets the launcher's validated settings and socket, as a
+`settings.ServeSpec` in ``<run>/monitor<L>.json`` (``ft-monitor --run-checked``),
+and dies with the launcher (parent-death signal) if the launcher is killed outright.
 """
 
 from __future__ import annotations
 
-import json
+import asyncio
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -21,13 +21,18 @@ from typing import Any
 
 from ft_client.observer import ping, try_status
 from ft_client.parent_death import die_with_parent
-from ft_monitor.cli import RUN_CHECKED, checked_settings
+from ft_monitor.cli import RUN_CHECKED
+from ft_monitor.escalation import terminate_then_kill
+from ft_monitor.settings import ServeSpec, Settings
+from ft_monitor.status import MonitorStatus, StatusError
 
 log = logging.getLogger("ft_monitor.launcher")
 
 READY_TIMEOUT = 30.0
+
+
 class MonitorPool:
-    def __init__(self, run_dir: Path, nproc: int, launcher_socket: str, config: Any) -> None:
+    def __init__(self, run_dir: Path, nproc: int, launcher_socket: str, config: Settings) -> None:
         self.run_dir = run_dir
         self.nproc = nproc
         self.launcher_socket = launcher_socket
@@ -43,8 +48,8 @@ class MonitorPool:
 
     def _spawn(self, local_rank: int) -> subprocess.Popen[bytes]:
         settings = self.run_dir / f"monitor{local_rank}.json"
-        settings.write_text(json.dumps(checked_settings(self.config, str(self.socket(local_rank)),
-                                                        launcher_socket=self.launcher_socket)))
+        settings.write_text(ServeSpec(self.config, str(self.socket(local_rank)),
+                                      launcher_socket=self.launcher_socket).to_json())
         argv = [sys.executable, "-m", "ft_monitor.cli", RUN_CHECKED, str(settings)]
         with open(self.log_path(local_rank), "ab") as out:
             return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
@@ -92,17 +97,35 @@ class MonitorPool:
         """One of this launcher's daemons (the only peers that may report hangs)."""
         return any(proc.pid == pid and proc.poll() is None for proc in list(self.procs.values()))
 
-    def statuses(self) -> dict[int, dict[str, Any] | None]:
-        return {lr: try_status(str(self.socket(lr))) for lr in range(self.nproc)}
+    def statuses(self) -> dict[int, MonitorStatus | None]:
+        """Each local daemon's status (None where it does not answer, or answers nonsense)."""
+        out: dict[int, MonitorStatus | None] = {}
+        for lr in range(self.nproc):
+            raw = try_status(str(self.socket(lr)))
+            try:
+                out[lr] = None if raw is None else MonitorStatus.from_wire(raw)
+            except StatusError as e:
+                log.warning("ft-launcher: monitor %d answered STATUS with %s", lr, e)
+                out[lr] = None
+        return out
 
     def stop(self, grace: float = 5.0) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        end = time.monotonic() + grace
-        for proc in self.procs.values():
-            try:
-                proc.wait(max(0.0, end - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
+        """SIGTERM every daemon, ``grace`` for all of them to exit, then SIGKILL (escalation.py)."""
+        procs = list(self.procs.values())
+
+        class Daemons:
+            def send(self, sig: int) -> bool:
+                running = [p for p in procs if p.poll() is None]
+                for p in running:
+                    p.send_signal(sig)
+                return bool(running)
+
+        async def gone(timeout: float) -> bool:
+            end = time.monotonic() + timeout
+            while any(p.poll() is None for p in procs):
+                if time.monotonic() >= end:
+                    return False
+                await asyncio.sleep(0.01)
+            return True
+
+        asyncio.run(terminate_then_kill(Daemons(), signal.SIGTERM, grace, gone, cont=False))

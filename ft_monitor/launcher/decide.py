@@ -1,0 +1,201 @@
+"""What the launcher does about a hang notice, decided without side effects.
+
+The agent (agent.py) gathers the facts, calls these functions, and carries out
+what they return; nothing here reads a clock, a file, a socket or the
+rendezvous store, or logs (log lines are returned as `LogLine`s), so every
+branch is tested with plain values (tests/test_launcher_decide.py).
+
+A hang notice goes through two steps, because attribution across nodes needs a
+store round-trip in between:
+
+1. `triage_hang`: is the notice about a current worker (else it is ignored: a
+   rank of an attempt already stopped, typically a victim reported late), and
+   what this node publishes to the others (a `HangRecord`).
+2. `decide_hang`: given the other nodes' store values for this round (checked
+   here: unsigned, forged, replayed or malformed values are ignored, see
+   store_auth.py), the rank that hung first (earliest onset; this node's own
+   record wins a tie), whether this rank was its victim, the error.json to
+   write, the summary entry, the restart timing's first timestamps, and whether
+   restarting goes on (`decide_attempt_end`, also used for attempts that failed
+   by a crash).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+from ft_monitor.launcher import exit_codes
+from ft_monitor.launcher.progress import Progress, ProgressPolicy
+from ft_monitor.launcher.rootcause import hang_error_data
+from ft_monitor.launcher.store_auth import HangRecord, StoreChannel, StoreMessageError
+from ft_monitor.notices import HangNotice
+from ft_monitor.server_log import printable
+from ft_monitor.status import MonitorStatus
+
+HANG_EXIT_CODE = -int(signal.SIGTERM)
+"""The exit code of the ProcessFailure a hang fails the attempt with (the launcher stops the rank with SIGTERM)."""
+
+
+@dataclass(frozen=True)
+class LogLine:
+    """A line for the launcher's log, in logging's %-style (so the text is what ``log.log`` prints)."""
+
+    level: int
+    msg: str
+    args: tuple[Any, ...] = ()
+
+    def text(self) -> str:
+        return self.msg % self.args if self.args else self.msg
+
+
+@dataclass(frozen=True)
+class WorkerRef:
+    """One worker of the current attempt on this node."""
+
+    global_rank: int
+    local_rank: int
+    pid: int
+
+
+@dataclass(frozen=True)
+class HangTriage:
+    worker: WorkerRef | None
+    """The hung worker; None when the notice names no current worker (it is ignored)."""
+    record: HangRecord | None
+    """This node's hang, to publish to the other nodes of the round (None when ignored)."""
+    logs: tuple[LogLine, ...]
+
+    @property
+    def act(self) -> bool:
+        return self.worker is not None
+
+
+def triage_hang(notice: HangNotice, workers: Iterable[WorkerRef], host: str) -> HangTriage:
+    worker = next((w for w in workers if w.pid == notice.pid), None)
+    if worker is None:  # a worker of an attempt already stopped
+        return HangTriage(None, None, (LogLine(logging.INFO, "ft-launcher: ignoring a hang notice for pid %d, "
+                                                             "not a current worker", (notice.pid,)),))
+    line = LogLine(logging.ERROR, "ft-launcher: rank %d (local rank %d, pid %d) hung: %s; stopping the worker group",
+                   (worker.global_rank, worker.local_rank, worker.pid, printable(notice.message)))
+    return HangTriage(worker, HangRecord(worker.global_rank, notice.onset_time, notice.message, host), (line,))
+
+
+@dataclass(frozen=True)
+class AttemptVerdict:
+    """After a failed attempt: the progress record, and whether restarting goes on."""
+
+    progress: Progress
+    restarts_left: int
+    """torch's remaining restarts from now on: 0 when restarting stops for lack of progress."""
+    outcome: int | None
+    """exit_codes.NO_PROGRESS when restarting stops for lack of progress, else None."""
+    outcome_message: str
+    logs: tuple[LogLine, ...]
+
+    @property
+    def restart(self) -> bool:
+        return self.restarts_left > 0
+
+
+def iteration_high(statuses: Mapping[int, MonitorStatus | None]) -> int | None:
+    """The highest ``iteration_high`` the local daemons report (their status replies), or None."""
+    known = [st.iteration_high for st in statuses.values() if st is not None and st.iteration_high is not None]
+    return max(known) if known else None
+
+
+def decide_attempt_end(high: int | None, progress: Progress, policy: ProgressPolicy,
+                       remaining_restarts: int) -> AttemptVerdict:
+    """An attempt failed (hang or crash) with ``high`` the highest iteration reached: stop
+    restarting if restarts make no progress (and any are left to stop)."""
+    after, stop = progress.after_attempt(high, policy)
+    if stop and remaining_restarts > 0:
+        message = after.describe(policy)
+        return AttemptVerdict(after, 0, exit_codes.NO_PROGRESS, message,
+                              (LogLine(logging.ERROR, "ft-launcher: %s; not restarting again", (message,)),))
+    return AttemptVerdict(after, remaining_restarts, None, "", ())
+
+
+def read_hang_record(channel: StoreChannel, key: str, raw: bytes) -> HangRecord | StoreMessageError:
+    """Another node's hang record at ``key``, or why the value is not an authentic one."""
+    try:
+        record = channel.decode(key, raw, HangRecord)
+    except StoreMessageError as e:
+        return e
+    assert isinstance(record, HangRecord)
+    return record
+
+
+def first_hang(mine: HangRecord, channel: StoreChannel | None, peer_values: Mapping[str, bytes]
+               ) -> tuple[HangRecord, tuple[tuple[str, str], ...]]:
+    """The earliest-onset hang among this node's and the authentic records of the others
+    (this node's wins a tie, then the order of ``peer_values``), and the values ignored, as (key, why)."""
+    seen = [mine]
+    ignored: list[tuple[str, str]] = []
+    for key, raw in peer_values.items():
+        record = read_hang_record(channel, key, raw) if channel is not None else \
+            StoreMessageError("no job secret to check it with")
+        if isinstance(record, HangRecord):
+            seen.append(record)
+        else:
+            ignored.append((key, str(record)))
+    return min(seen, key=lambda h: h.onset_time), tuple(ignored)
+
+
+@dataclass(frozen=True)
+class HangDecision:
+    """What to do about a hang of a current worker: the attempt fails with `worker` as its failure."""
+
+    worker: WorkerRef
+    root_cause: HangRecord
+    """The rank that hung first in this round, on any node (this node's record when no earlier one)."""
+    victim_of: HangRecord | None
+    """``root_cause`` when it is another rank: this rank was most likely waiting for it."""
+    error_file: str
+    error_data: dict[str, Any]
+    """The error.json to write at ``error_file`` (and again after the stop), onset as its timestamp."""
+    exitcode: int
+    """Of the ProcessFailure the attempt fails with."""
+    summary: dict[str, Any]
+    """The hang's entry in the launcher's summary (``hangs[]``)."""
+    detected: float
+    """Wall clock of the detection (the daemon's, else ``now``), for the restart timing."""
+    received: float
+    attempt: AttemptVerdict
+    ignored_records: tuple[tuple[str, str], ...]
+    """Other nodes' store values that are not authentic hang records, as (key, why)."""
+    logs: tuple[LogLine, ...]
+    """After the store exchange, before the error file is written."""
+
+
+def decide_hang(notice: HangNotice, worker: WorkerRef, mine: HangRecord, *, now: float,
+                peer_values: Mapping[str, bytes], channel: StoreChannel | None, stack: str | None,
+                error_file: str, attempt: int, high: int | None, progress: Progress, policy: ProgressPolicy,
+                remaining_restarts: int) -> HangDecision:
+    """Decide about the hang of ``worker`` (triaged, with ``mine`` published to the other nodes).
+
+    ``now``: wall clock when the notice was taken up; ``peer_values``: the other nodes'
+    values of this round's hang keys, as read from the store; ``stack``: the rank's stack
+    dump text (None when not captured); ``error_file``: where torch told this worker to
+    write its error.json; ``attempt``: the attempt's number; ``high``: the highest
+    iteration the local daemons report; ``progress``/``policy``/``remaining_restarts``:
+    the restart budget's state.
+    """
+    first, ignored = first_hang(mine, channel, peer_values)
+    victim_of = first if first.rank != mine.rank else None
+    logs: tuple[LogLine, ...] = ()
+    if victim_of is not None:
+        logs = (LogLine(logging.ERROR, "ft-launcher: rank %d on %s hung first (%s); rank %d here was waiting for it",
+                        (victim_of.rank, printable(victim_of.host), printable(victim_of.message),
+                         worker.global_rank)),)
+    summary = {**notice.to_wire(), "error_file": error_file, "local_rank": worker.local_rank, "attempt": attempt,
+               "victim_of": None if victim_of is None else victim_of.rank}
+    return HangDecision(
+        worker=worker, root_cause=first, victim_of=victim_of, error_file=error_file,
+        error_data=hang_error_data(notice, stack, victim_of), exitcode=HANG_EXIT_CODE, summary=summary,
+        detected=notice.detected_time or now, received=now,
+        attempt=decide_attempt_end(high, progress, policy, remaining_restarts),
+        ignored_records=ignored, logs=logs,
+    )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ft_monitor.cli import format_status
+from ft_monitor.status import format_status
 
 
 def timeouts(**changes: Any) -> dict[str, Any]:

@@ -5,6 +5,8 @@ socket directory, a `ft-monitor serve` daemon started as its own process, worker
 processes that talk line-by-line JSON over stdin/stdout, readings of
 /proc/PID/status, and the `Figure` record that bench/run.py prints and saves.
 Every wait is bounded and polls for an event (a socket that answers, a line).
+Starting, waiting for and stopping the daemon is shared with tests/procs.py: see
+ft_monitor/testing.py.
 """
 
 from __future__ import annotations
@@ -13,16 +15,15 @@ import json
 import os
 import select
 import shutil
-import signal
 import subprocess
 import sys
-import tempfile
-import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
-from ft_client import observer
+from ft_monitor import testing
+from ft_monitor.testing import ping as ping  # re-exported: callers import it from here
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -116,9 +117,7 @@ def _pct(sorted_samples: Sequence[float], q: float) -> float:
 # -- processes -------------------------------------------------------------------
 def private_dir() -> Path:
     """A 0700 directory with a short path under /tmp (AF_UNIX paths are limited to 107 bytes)."""
-    d = Path(tempfile.mkdtemp(prefix="ftb-", dir="/tmp"))
-    os.chmod(d, 0o700)
-    return d
+    return testing.short_dir("ftb-")
 
 
 def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -141,19 +140,8 @@ def resolve_loop(name: str) -> str:
     return "uvloop"
 
 
-def ping(sock: Path, timeout: float = 1.0) -> bool:
-    return observer.ping(str(sock), timeout)
-
-
 def wait_until(predicate: Any, timeout: float, what: str, interval: float = 0.001) -> Any:
-    end = time.monotonic() + timeout
-    while True:
-        v = predicate()
-        if v:
-            return v
-        if time.monotonic() > end:
-            raise RuntimeError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
+    return testing.wait_until(predicate, timeout, what, interval, error=RuntimeError)
 
 
 def read_kb(pid: int, key: str = "VmRSS") -> int:
@@ -180,36 +168,21 @@ def maps_mention(pid: int, word: str) -> bool:
         return any(word in line for line in f)
 
 
-class Daemon:
-    """A real `python -m ft_monitor.cli serve` process on a socket in a private directory."""
+class Daemon(testing.ServeProcess):
+    """A real `python -m ft_monitor.cli serve` process on a socket in a private directory.
+
+    `wait_ready()` records `ready_after`, the seconds from spawn to the first PING answered."""
+
+    ready_timeout = 30.0
+    poll_interval = 0.001
+    failure = RuntimeError
 
     def __init__(self, directory: Path, loop: str, *flags: str, name: str = "r0.sock") -> None:
         self.dir = directory
-        self.socket = directory / name
         self.loop = loop
-        self.log_path = directory / f"{Path(name).stem}.log"
         self.report_dir = directory / "reports"
-        argv = [PY, "-m", "ft_monitor.cli", "serve", "--socket", str(self.socket), "--loop", loop, *flags]
-        self._log = open(self.log_path, "w")
-        self.spawned_at = time.perf_counter()
-        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                     env=clean_env(), start_new_session=True)
-        self.ready_after: float | None = None
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def wait_ready(self, timeout: float = 30.0, interval: float = 0.001) -> "Daemon":
-        """Poll until the socket answers a PING; records seconds from spawn to that answer."""
-        def ready() -> bool:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.log()}")
-            return ping(self.socket)
-
-        wait_until(ready, timeout, f"daemon at {self.socket}", interval)
-        self.ready_after = time.perf_counter() - self.spawned_at
-        return self
+        super().__init__(directory / name, "--loop", loop, *flags, log_path=directory / f"{Path(name).stem}.log",
+                         env=clean_env(), cwd=ROOT, python=PY)
 
     def rss_kb(self) -> int:
         return read_kb(self.pid)
@@ -221,21 +194,6 @@ class Daemon:
         if out.returncode != 0:
             raise RuntimeError(f"ft-monitor status failed ({out.returncode}): {out.stderr}")
         return json.loads(out.stdout)
-
-    def log(self) -> str:
-        return self.log_path.read_text()
-
-    def stop(self) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        self._log.close()
-        return self.proc.returncode
 
 
 class Worker:

@@ -1,6 +1,9 @@
 """Real-process helpers for end-to-end tests: start a daemon, start ranks, wait on
 what they print or write. Every wait is bounded and polls for an event (a socket
-that answers, a line, a file), never a bare sleep."""
+that answers, a line, a file), never a bare sleep.
+
+Starting, waiting for and stopping an `ft-monitor serve` daemon is shared with
+bench/harness.py: see ft_monitor/testing.py."""
 
 from __future__ import annotations
 
@@ -12,12 +15,14 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 from ft_client import observer
+from ft_monitor import testing
+from ft_monitor.testing import ping as ping  # re-exported: callers import it from here
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKERS = ROOT / "tests" / "workers"
@@ -26,58 +31,32 @@ T = TypeVar("T")
 
 def wait_until(predicate: Callable[[], T], timeout: float, what: str, interval: float = 0.01) -> T:
     """Poll ``predicate`` until it returns something truthy; fail after ``timeout`` seconds."""
-    end = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
+    return testing.wait_until(predicate, timeout, what, interval, error=AssertionError)
 
 
 def short_tmpdir() -> Path:
     """A private (0700) directory with a short path: AF_UNIX paths are limited to 107 bytes."""
-    d = Path(tempfile.mkdtemp(prefix="ft-", dir="/tmp"))
-    os.chmod(d, 0o700)
-    return d
-
-
-def ping(sock_path: Path, timeout: float = 1.0) -> bool:
-    return observer.ping(str(sock_path), timeout)
+    return testing.short_dir("ft-")
 
 
 def status(sock_path: Path) -> dict[str, Any]:
     return observer.status(str(sock_path))
 
 
-class Daemon:
+class Daemon(testing.ServeProcess):
+    """`ft-monitor serve` on ``directory/name``, its log beside it, reports in ``directory/reports``."""
+
+    ready_timeout = 20.0
+    poll_interval = 0.01
+    failure = AssertionError
+
     def __init__(self, directory: Path, *flags: str, cmd: list[str] | None = None,
                  env: dict[str, str] | None = None, name: str = "rank0.sock",
                  preexec: Callable[[], None] | None = None) -> None:
         self.dir = directory
-        self.socket = directory / name
         self.report_dir = directory / "reports"
-        self.log_path = directory / f"{Path(name).stem}.log"
-        argv = [sys.executable, "-m", "ft_monitor.cli", "serve", "--socket", str(self.socket), *flags]
-        if cmd:
-            argv += ["--", *cmd]
-        self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                     env={**os.environ, **(env or {})}, start_new_session=True,
-                                     preexec_fn=preexec)
-
-    def wait_ready(self, timeout: float = 20.0) -> "Daemon":
-        def ready() -> bool:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"daemon exited with {self.proc.returncode}:\n{self.log()}")
-            return ping(self.socket)
-
-        wait_until(ready, timeout, f"daemon at {self.socket}")
-        return self
-
-    def log(self) -> str:
-        return self.log_path.read_text()
+        super().__init__(directory / name, *flags, log_path=directory / f"{Path(name).stem}.log", cmd=cmd,
+                         env={**os.environ, **(env or {})}, cwd=ROOT, preexec=preexec)
 
     def wait_log(self, text: str, timeout: float = 20.0) -> str:
         wait_until(lambda: text in self.log(), timeout, f"{text!r} in the monitor log")
@@ -93,17 +72,6 @@ class Daemon:
             return None
 
         return wait_until(done, timeout, "a finished hang report")
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        self._log.close()
-        return self.proc.returncode
 
 
 class Rank:

@@ -6,7 +6,7 @@ import logging
 import re
 import signal
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
@@ -421,40 +421,6 @@ def test_several_errors_one_line_each() -> None:
 
 # ---------------------------------------------------------------------------
 # `ft-monitor serve` with a bad value: exit 2, one line, no socket
-
-
-@pytest.fixture
-def clean_logging() -> Iterator[None]:
-    """cli.main configures the root logger; put it back as it was."""
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    try:
-        yield
-    finally:
-        for h in list(root.handlers):
-            if h not in handlers:
-                root.removeHandler(h)
-                h.close()
-        for h in handlers:
-            if h not in root.handlers:
-                root.addHandler(h)
-        root.setLevel(level)
-
-
-@pytest.fixture
-def no_daemon(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Fail loudly if cli.main gets as far as starting the daemon; and no FT_* from the real environment."""
-    import os
-
-    import ft_monitor.server
-
-    async def forbidden(*args: Any, **kwargs: Any) -> int:
-        raise AssertionError("run_daemon reached: the bad value was not refused before serving")
-
-    monkeypatch.setattr(ft_monitor.server, "run_daemon", forbidden)
-    for key in list(os.environ):
-        if key.startswith("FT_"):
-            monkeypatch.delenv(key)
 
 
 @pytest.mark.usefixtures("clean_logging", "no_daemon")

@@ -16,20 +16,13 @@ import msgpack
 import pytest
 
 from ft_client import RankMonitorClient, RankMonitorClientError, wire
-from tests.procs import ROOT, Daemon, Rank, cleanup_dir, pid_alive, raw_client, short_tmpdir, status, wait_until
+from tests.procs import ROOT, Daemon, Rank, pid_alive, raw_client, status, wait_until
 
 pytestmark = pytest.mark.e2e
 
 FAST = ("--ft-stack-dump-timeout", "3", "--ft-termination-grace-time", "2")
 STEP_TIMEOUT = 1.0
 MARGIN = 2.0  # generous: CI machines are shared; bench/ measures the real delay
-
-
-@pytest.fixture
-def workdir() -> Iterator[Path]:
-    d = short_tmpdir()
-    yield d
-    cleanup_dir(d)
 
 
 @pytest.fixture

@@ -10,12 +10,11 @@ import subprocess
 import sys
 import uuid
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
 from ft_monitor.launcher import exit_codes
-from tests.procs import ROOT, cleanup_dir, short_tmpdir, wait_until
+from tests.procs import ROOT, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -23,13 +22,6 @@ TRAIN = str(ROOT / "examples" / "train_ddp.py")
 FT_FLAGS = ["--ft-cfg-path", str(ROOT / "examples" / "ft.yaml"), "--ft-termination-grace-time", "2"]
 JOB_SECRET = {"FT_JOB_SECRET": "test-job-secret-" + "0123456789abcdef"}
 """Multi-node tests sign the launchers' store messages (store_auth) with this."""
-
-
-@pytest.fixture
-def workdir() -> Iterator[Path]:
-    d = short_tmpdir()
-    yield d
-    cleanup_dir(d)
 
 
 def _free_port() -> int:

@@ -24,13 +24,6 @@ pytestmark = pytest.mark.e2e
 QUICK = ("--ft-stack-dump-timeout", "0.5", "--ft-termination-grace-time", "0.5")
 
 
-@pytest.fixture
-def workdir() -> Iterator[Path]:
-    d = short_tmpdir()
-    yield d
-    cleanup_dir(d)
-
-
 def try_status(sock: Path) -> dict[str, Any] | None:
     try:
         return status(sock)

@@ -14,7 +14,6 @@ as a rank: no deadline can ever arm against pytest's pid.
 from __future__ import annotations
 
 import importlib.util
-import logging
 import os
 import signal
 import socket
@@ -162,13 +161,6 @@ def served() -> Iterator[Daemon]:
     finally:
         daemon.stop()
         cleanup_dir(d)
-
-
-@pytest.fixture
-def workdir() -> Iterator[Path]:
-    d = short_tmpdir()
-    yield d
-    cleanup_dir(d)
 
 
 # -- malformed frames and messages, one by one -------------------------------------------------
@@ -643,32 +635,6 @@ def _bad_params() -> list[Any]:
             marks = [pytest.mark.xfail(strict=True, reason=why)] if why else []
             out.append(pytest.param(field, v, marks=marks, id=f"{field}={v}"))
     return out
-
-
-@pytest.fixture
-def isolated_cli(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """cli.main configures the root logger (force=True) and would serve on success:
-    restore logging afterwards and make serving fail loudly."""
-    for key in list(os.environ):
-        if key.startswith("FT_"):
-            monkeypatch.delenv(key)
-
-    async def must_not_serve(*args: Any, **kwargs: Any) -> int:
-        raise AssertionError("the bad value was accepted and the daemon started")
-
-    monkeypatch.setattr("ft_monitor.server.run_daemon", must_not_serve)
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    try:
-        yield
-    finally:
-        for h in root.handlers[:]:
-            if h not in handlers:
-                root.removeHandler(h)
-        for h in handlers:
-            if h not in root.handlers:
-                root.addHandler(h)
-        root.setLevel(level)
 
 
 @pytest.mark.parametrize("field, value", _bad_params())

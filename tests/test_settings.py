@@ -10,7 +10,7 @@ import subprocess
 import sys
 import typing
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Mapping
 
 import pytest
 
@@ -180,23 +180,7 @@ def test_a_bad_serve_spec_is_refused(data: Any, message: str) -> None:
 # -- through the CLI ---------------------------------------------------------------------------
 
 
-@pytest.fixture
-def restored_logging() -> Iterator[None]:
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    try:
-        yield
-    finally:
-        for h in list(root.handlers):
-            if h not in handlers:
-                root.removeHandler(h)
-        for h in handlers:
-            if h not in root.handlers:
-                root.addHandler(h)
-        root.setLevel(level)
-
-
-@pytest.mark.usefixtures("restored_logging")
+@pytest.mark.usefixtures("clean_logging")
 def test_check_serve_prints_a_serve_spec(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     for key in [k for k in __import__("os").environ if k.startswith("FT_")]:
         monkeypatch.delenv(key)
@@ -209,7 +193,7 @@ def test_check_serve_prints_a_serve_spec(capsys: pytest.CaptureFixture[str], mon
                              cmd=("python", "t.py"))
 
 
-@pytest.mark.usefixtures("restored_logging")
+@pytest.mark.usefixtures("clean_logging")
 def test_run_checked_refuses_a_bad_file_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     import ft_monitor.server
@@ -227,7 +211,7 @@ def test_run_checked_refuses_a_bad_file_in_one_line(tmp_path: Path, capsys: pyte
     assert capsys.readouterr().err.startswith(f"ft-monitor: cannot read {tmp_path / 'missing.json'}: ")
 
 
-@pytest.mark.usefixtures("restored_logging")
+@pytest.mark.usefixtures("clean_logging")
 def test_run_checked_serves_what_the_spec_says(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import ft_monitor.server
 

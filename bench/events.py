@@ -16,7 +16,7 @@ class EventCounter:
     def __init__(self) -> None:
         self.sent = 0
 
-    def install(self) -> "EventCounter":
+    def install(self) -> EventCounter:
         from ft_client import transport
 
         real = transport.Transport.send_event

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import Any
 
 from bench.harness import Daemon, Figure, Mode, Worker, cleanup, private_dir, say
 
@@ -81,7 +80,8 @@ def run_one(mode: Mode, loop: str) -> list[Figure]:
         Figure(id="daemon.rss_after_events", what=f"daemon RSS after {events * rounds // 1000}k events",
                unit="MB", samples=[rss[-1] / 1024], target=f"<= {RSS_TARGET_KB // 1024} MB",
                limit=RSS_TARGET_KB / 1024, loop=loop, details=info),
-        Figure(id="daemon.rss_growth", what=f"daemon RSS growth, {events // 1000}k -> {events * rounds // 1000}k events",
+        Figure(id="daemon.rss_growth",
+               what=f"daemon RSS growth, {events // 1000}k -> {events * rounds // 1000}k events",
                unit="MB", samples=[growth / 1024], target=f"none (<= {RSS_GROWTH_LIMIT_KB // 1024} MB)",
                limit=RSS_GROWTH_LIMIT_KB / 1024, loop=loop, details=info),
     ]
@@ -145,9 +145,9 @@ def _hwm(pid: int) -> int | None:
 
 # -- worker side -------------------------------------------------------------------
 def worker(argv: list[str]) -> None:
-    from ft_client import RankMonitorClient, wire
     from bench.events import EventCounter
     from bench.harness import hear
+    from ft_client import RankMonitorClient, wire
 
     a = argparse.ArgumentParser()
     a.add_argument("--socket", required=True)

@@ -40,7 +40,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from bench.harness import PY, ROOT, Figure, Mode, cleanup, clean_env, private_dir, resolve_loop, summarize
+from bench.harness import PY, ROOT, Figure, Mode, clean_env, cleanup, private_dir, resolve_loop, summarize
 
 TARGET_S = 3.0
 KEYS = ("notify", "to_stop", "stop", "rendezvous", "worker_start", "first_step", "total")
@@ -115,9 +115,8 @@ def _sample(summary: dict[str, Any], text: str, i: int) -> dict[str, Any]:
     s["pickup"] = None if "ack" not in events else detected + b["notify"] - events["ack"]
     dump = Path(hang["stack_dump"]) if hang.get("stack_dump") else None
     s["dump_file_written"] = dump.stat().st_mtime - detected if dump and dump.exists() else None
-    m = None
-    for m in LINE.finditer(text):
-        pass
+    matches = list(LINE.finditer(text))
+    m = matches[-1] if matches else None
     s["line"] = None if m is None else {k: float(v) for k, v in m.groupdict().items() if k != "rank"}
     # the line rounds total to 10 ms, the rest to 1 ms (as the JSON does)
     s["line_matches_json"] = m is not None and all(

@@ -20,8 +20,9 @@ import platform
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 VENV_PY = ROOT / ".venv" / "bin" / "python"
@@ -31,8 +32,7 @@ if __name__ == "__main__":
         os.execv(str(VENV_PY), [str(VENV_PY), *sys.argv])  # the project's interpreter, wherever we were started
     sys.path.insert(0, str(ROOT))
 
-from bench import (client_cost, detection, import_time, ingest, restart, stalled, startup,  # noqa: E402
-                   step_overhead)
+from bench import client_cost, detection, import_time, ingest, restart, stalled, startup, step_overhead  # noqa: E402
 from bench.harness import Figure, Mode, resolve_loop  # noqa: E402
 
 # name -> (runs once per loop?, runner)

@@ -261,7 +261,7 @@ def judge(pairs: list[Pair], args: argparse.Namespace, elapsed: float) -> dict[s
         injected_hangs |= hangs
         sent_total += sum(e.get("sent", 0) for e in last.values())
 
-        def reports_done() -> tuple[list[dict[str, Any]]] | None:
+        def reports_done(p: Any = p, hangs: set[int] = hangs) -> tuple[list[dict[str, Any]]] | None:
             out = []
             for f in p.reports.glob("*-hang.json"):
                 try:

@@ -82,9 +82,9 @@ def _per_kind_max(calls: list[Any]) -> dict[str, float]:
 
 
 def worker(argv: list[str]) -> None:
-    from ft_client import RankMonitorClient, wire
     from bench.events import EventCounter
     from bench.harness import hear
+    from ft_client import RankMonitorClient, wire
 
     counter = EventCounter().install()
 

@@ -63,7 +63,7 @@ def main() -> None:
     args = p.parse_args()
 
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     hang = parse_spec(args.hang)
     crash = parse_spec(args.crash)

@@ -21,18 +21,18 @@ import json
 import logging
 import os
 import sys
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ft_monitor.settings import ServeSpec
 
 
+from ft_monitor.server_log import LOG_FORMAT
+
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
-
-from ft_monitor.server_log import LOG_FORMAT
-
 
 CHECK_SERVE = "--check-serve"
 RUN_CHECKED = "--run-checked"

@@ -33,8 +33,10 @@ MAX_OUTPUT = 1024 * 1024
 
 
 class ConnectionLimits(Protocol):
-    handshake_timeout: float
-    observer_idle_timeout: float
+    @property
+    def handshake_timeout(self) -> float: ...
+    @property
+    def observer_idle_timeout(self) -> float: ...
 
 
 class ConnectionHost(Protocol):

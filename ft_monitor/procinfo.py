@@ -108,14 +108,14 @@ class ProcessHandle:
             self._start_time = start_time(pid)
 
     @classmethod
-    def adopt(cls, pid: int, fd: int) -> "ProcessHandle":
+    def adopt(cls, pid: int, fd: int) -> ProcessHandle:
         """A handle on a pidfd obtained elsewhere (SO_PEERPIDFD); it now owns ``fd``."""
         h = cls.__new__(cls)
         h.pid, h.fd, h._start_time = pid, fd, None
         return h
 
     @classmethod
-    def open(cls, pid: int) -> "ProcessHandle | None":
+    def open(cls, pid: int) -> ProcessHandle | None:
         """A handle on ``pid``, or None when no such process exists."""
         h = cls(pid)
         if h.fd is None and h._start_time is None:
@@ -138,7 +138,7 @@ class ProcessHandle:
             fields = _stat_fields(self.pid)
         except Unknown:
             return True
-        return bool(fields) and len(fields) > 19 and int(fields[19]) == self._start_time and fields[0] != "Z"
+        return fields is not None and len(fields) > 19 and int(fields[19]) == self._start_time and fields[0] != "Z"
 
     def send(self, sig: int) -> bool:
         """Signal the process itself. False if it no longer exists (or is another process now)."""
@@ -190,7 +190,7 @@ class PinnedGroup:
         """Handles owned by someone else: used, never closed here."""
 
     @classmethod
-    def of_leader(cls, leader: ProcessHandle, *, borrowed: bool = False) -> "PinnedGroup | None":
+    def of_leader(cls, leader: ProcessHandle, *, borrowed: bool = False) -> PinnedGroup | None:
         pgid = leader.pgid()
         if pgid is None:
             return None

@@ -30,8 +30,9 @@ import math
 import reprlib
 import signal
 import types
+from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, field, fields
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from ft_client.timeouts import (
     MAX_SECTION_NAME_BYTES,

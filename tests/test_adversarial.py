@@ -14,13 +14,12 @@ import os
 import shutil
 import signal
 import socket
-import stat
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 

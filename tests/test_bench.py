@@ -15,8 +15,8 @@ from bench.harness import Figure, summarize
 from bench.run import markdown_table
 from tests.procs import ROOT
 
-FIGURE_KEYS = {"id", "what", "loop", "unit", "n", "median", "p99", "min", "max", "percentiles", "value", "target", "met",
-               "details"}
+FIGURE_KEYS = {"id", "what", "loop", "unit", "n", "median", "p99", "min", "max", "percentiles", "value", "target",
+               "met", "details"}
 MACHINE_KEYS = {"cpu_model", "cores", "python", "torch", "loop", "loops", "uvloop", "msgpack", "kernel"}
 EXPECTED_IDS = {
     "import.ft_client", "import.client", "import.heavy",

@@ -9,8 +9,8 @@ import socket
 import struct
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import msgpack
 import pytest

@@ -11,8 +11,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
@@ -181,7 +182,7 @@ def test_unwritable_report_still_detects_kills_and_logs(report_path_is_a_directo
     r = report_path_is_a_directory
     assert r["rc"] == -signal.SIGTERM
     assert f"hang detected: rank=0 pid={r['pid']} reason=section section=step" in r["log"]
-    assert f"rank 0: cannot write hang report" in r["log"] and "Is a directory" in r["log"], r["log"]
+    assert "rank 0: cannot write hang report" in r["log"] and "Is a directory" in r["log"], r["log"]
     assert r["daemon_alive"]
 
 

@@ -8,8 +8,8 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -41,8 +41,10 @@ def cluster() -> Iterator[tuple[Path, list[Daemon]]]:
     finally:
         for dm in daemons:
             dm.stop()
-        if os.environ.get('FT_KEEP'): print(d)
-        else: cleanup_dir(d)
+        if os.environ.get('FT_KEEP'):
+            print(d)
+        else:
+            cleanup_dir(d)
 
 
 def _run(d: Path, daemons: list[Daemon], run: str, state_in: str | None, *extra: str) -> list[subprocess.Popen[str]]:

@@ -9,8 +9,9 @@ import signal
 import subprocess
 import sys
 import typing
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import pytest
 

@@ -31,8 +31,9 @@ import os
 import signal
 import socket
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 from torch.distributed.elastic.agent.server import local_elastic_agent as _lea
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
@@ -150,7 +151,7 @@ def _emit(lines: tuple[LogLine, ...]) -> None:
 @contextlib.contextmanager
 def _worker_env(ft: FtRuntime) -> Iterator[None]:
     """Add the FT_* variables to each worker's environment as torch starts them."""
-    original = _lea.start_processes
+    original = getattr(_lea, "start_processes")  # torch internals: checked to exist at start
 
     def start_processes(*args: Any, **kwargs: Any) -> Any:
         envs = kwargs.get("envs")
@@ -162,11 +163,11 @@ def _worker_env(ft: FtRuntime) -> Iterator[None]:
             worker_env.pop(SECRET_ENV, None)  # the job secret is the launchers', not the training code's
         return original(*args, **kwargs)
 
-    _lea.start_processes = start_processes
+    setattr(_lea, "start_processes", start_processes)
     try:
         yield
     finally:
-        _lea.start_processes = original
+        setattr(_lea, "start_processes", original)
 
 
 class FtLocalElasticAgent(_lea.LocalElasticAgent):
@@ -189,7 +190,7 @@ class FtLocalElasticAgent(_lea.LocalElasticAgent):
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         self.ft.monitors.check()
         with _worker_env(self.ft):
-            pids = super()._start_workers(worker_group)
+            pids: dict[int, Any] = super()._start_workers(worker_group)
         self.ft.groups.close()
         self.ft.groups.track(pids.values())  # torch starts each worker in its own session
         self.ft.worker_pids = set(pids.values())
@@ -219,10 +220,10 @@ class FtLocalElasticAgent(_lea.LocalElasticAgent):
         result = self._check_shared_shutdown(worker_group)
         if result is not None:
             return result
-        result = super()._monitor_workers(worker_group)
-        if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
+        watched: RunResult = super()._monitor_workers(worker_group)
+        if watched.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
             self._attempt_ended()
-        return result
+        return watched
 
     def _on_event(self, wg: WorkerGroup, event: LauncherEvent) -> RunResult | None:
         if event.kind is EventKind.HANG:
@@ -289,7 +290,7 @@ class FtLocalElasticAgent(_lea.LocalElasticAgent):
     def _channel(self, wg: WorkerGroup) -> StoreChannel | None:
         """Signing for launcher messages in the store; None (logged once) without a job secret."""
         if self.ft.job_secret is None:
-            if not self._no_secret_warned and wg.group_world_size > 1:
+            if not self._no_secret_warned and (wg.group_world_size or 1) > 1:
                 self._no_secret_warned = True
                 log.warning("ft-launcher: no job secret (%s or --ft-job-secret-file): hang attribution and shutdown "
                             "across nodes are off, since anyone who reaches the rendezvous store could forge them",

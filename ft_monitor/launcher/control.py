@@ -18,9 +18,9 @@ import queue
 import socket
 import socketserver
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
-from typing import Callable
 
 from ft_client import wire
 from ft_client.workload import WorkloadAction
@@ -53,7 +53,7 @@ class LauncherEvent:
 
 
 class _Handler(socketserver.BaseRequestHandler):
-    server: "_Server"
+    server: _Server
 
     def handle(self) -> None:
         if not self.server.slots.acquire(blocking=False):
@@ -108,7 +108,7 @@ class _Handler(socketserver.BaseRequestHandler):
 
 class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     daemon_threads = True
-    owner: "LauncherServer"
+    owner: LauncherServer
     slots: threading.BoundedSemaphore
 
 

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import logging
 import signal
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from ft_monitor.launcher import exit_codes
 from ft_monitor.launcher.progress import Progress, ProgressPolicy

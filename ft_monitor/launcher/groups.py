@@ -15,7 +15,7 @@ process is gone, nothing is signalled.
 from __future__ import annotations
 
 import signal
-from typing import Iterable
+from collections.abc import Iterable
 
 from ft_monitor.procinfo import PinnedGroup, ProcessHandle
 

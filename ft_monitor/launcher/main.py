@@ -18,8 +18,9 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from ft_client.safefiles import write_json_atomic
 from ft_monitor.config import ConfigError, FaultToleranceConfig, add_config_flags, cli_overrides, load_config
@@ -57,12 +58,12 @@ def _agent_swapped_in(ft: Any) -> Iterator[None]:
 
     from ft_monitor.launcher.agent import FtLocalElasticAgent
 
-    original = launcher_api.LocalElasticAgent
-    launcher_api.LocalElasticAgent = functools.partial(FtLocalElasticAgent, ft=ft)  # type: ignore[misc]
+    original = getattr(launcher_api, "LocalElasticAgent")  # torch internals: checked to exist at start
+    setattr(launcher_api, "LocalElasticAgent", functools.partial(FtLocalElasticAgent, ft=ft))
     try:
         yield
     finally:
-        launcher_api.LocalElasticAgent = original  # type: ignore[misc]
+        setattr(launcher_api, "LocalElasticAgent", original)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,7 +117,8 @@ def launch(args: argparse.Namespace, config: Settings | FaultToleranceConfig, su
     try:
         monitors.start()
         with _agent_swapped_in(ft):
-            torch_run(args)
+            run_torch: Any = torch_run  # untyped in torch
+            run_torch(args)
     except ChildFailedError as e:
         _report_root_cause(e)
         code = ft.outcome if ft.outcome is not None else exit_codes.WORKERS_FAILED

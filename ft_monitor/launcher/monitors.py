@@ -17,7 +17,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 from ft_client.observer import ping, try_status
 from ft_client.parent_death import die_with_parent

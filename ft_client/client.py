@@ -33,13 +33,17 @@ import signal
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import replace
 from enum import Enum
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 from ft_client import env, wire
+from ft_client.control import ControlLink
 from ft_client.errors import RankMonitorClientError
+from ft_client.inprocess import events
 from ft_client.parent_death import die_with_parent
+from ft_client.session_info import SessionInfo, SessionInfoError
 from ft_client.stackdump import StackDumper
 from ft_client.state_dict import from_state_dict, overlay_learned, to_state_dict
 from ft_client.sync import max_across_ranks
@@ -83,7 +87,7 @@ class _Section:
 
     __slots__ = ("_client", "_name")
 
-    def __init__(self, client: "RankMonitorClient", name: str) -> None:
+    def __init__(self, client: RankMonitorClient, name: str) -> None:
         self._client = client
         self._name = name
 
@@ -110,7 +114,7 @@ class ConnState(Enum):
     FORKED_CHILD = "forked child"
 
 
-_clients: "weakref.WeakSet[RankMonitorClient]" = weakref.WeakSet()
+_clients: weakref.WeakSet[RankMonitorClient] = weakref.WeakSet()
 
 
 def _detach_clients_in_child() -> None:
@@ -159,6 +163,7 @@ class RankMonitorClient:
         self._iteration = 0  # completed `step` sections, across runs (kept in state_dict)
         self._iteration_sent_at = -ITERATION_REPORT_INTERVAL
         self._path = ""
+        self._control: ControlLink | None = None
         self.rank = rank
         _clients.add(self)
 
@@ -215,29 +220,54 @@ class RankMonitorClient:
 
     def _adopt(self, transport: Transport, hello: wire.HelloOk) -> Timeouts:
         """Take a new connection's session (config from the monitor); return its configured timeouts."""
-        s = hello.session
         try:
-            configured = Timeouts.from_wire(s["timeouts"])
-        except (TimeoutsError, KeyError) as e:
+            info = SessionInfo.from_wire(hello.session)
+        except SessionInfoError:
             transport.close()
-            raise RankMonitorClientError(f"monitor sent invalid timeouts: {e}") from e
+            raise
+        configured = info.timeouts
         self._transport = transport
         self._state = ConnState.CONNECTED
         self._lost_reason = None
-        self._sync_sections = not s.get("skip_section_response", True)
-        self._raise_on_lost = s.get("on_monitor_lost") == "raise"
-        self._request_timeout = float(s.get("client_request_timeout", self._request_timeout))
+        self._sync_sections = not info.skip_section_response
+        self._raise_on_lost = info.on_monitor_lost == "raise"
+        self._request_timeout = info.client_request_timeout
         transport.set_timeout(self._request_timeout)
-        self._safety_factor = float(s.get("safety_factor", DEFAULT_SAFETY_FACTOR))
-        self._min_learned = float(s.get("min_learned_timeout", 0.0))
+        self._safety_factor = info.safety_factor
+        self._min_learned = info.min_learned_timeout
         self._set_timeouts(configured)
-        dump_path = s.get("stack_dump_path")
-        if dump_path:
+        if info.stack_dump_path:
             try:
-                self._dumper.enable(int(s["stack_dump_signal"]), dump_path)
+                self._dumper.enable(info.stack_dump_signal, info.stack_dump_path)
             except OSError as e:
-                log.warning("rank %d: cannot open stack dump file %s: %s", self.rank, dump_path, e)
+                log.warning("rank %d: cannot open stack dump file %s: %s", self.rank, info.stack_dump_path, e)
+        self._open_control(info)
         return configured
+
+    def _open_control(self, info: SessionInfo) -> None:
+        """With ``on_hang: inprocess``, open the control connection the monitor pushes ABORT on."""
+        if self._control is not None:
+            self._control.close()
+            self._control = None
+        if info.on_hang != "inprocess":
+            return
+        try:
+            self._control = ControlLink(self._path, self.rank, self._request_timeout)
+        except (TransportError, OSError) as e:
+            log.warning("rank %d: cannot open the control connection to the monitor (%s); a hang will stop the "
+                        "rank instead of restarting it in-process", self.rank, e)
+        else:
+            events.add_restart_listener(self._restarting)
+
+    def _restarting(self, iteration: int) -> None:
+        """The in-process Wrapper re-enters the training function: sections opened before
+        the fault are gone, and the monitor is told (RESTARTING)."""
+        with self._lock:
+            self._open.clear()
+            self._calc.on_close_all(self._clock())
+            t = self._transport
+            if t is not None:
+                self._event(t, wire.encode(wire.Restarting(iteration)))
 
     def _reconnect_loop(self) -> None:
         """Background thread while LOST: try the monitor's socket again, waiting
@@ -299,6 +329,9 @@ class RankMonitorClient:
         self._reconnector = None
         self._stop_reconnecting = threading.Event()
         self._dumper.abandon()
+        if self._control is not None:
+            self._control.abandon()
+            self._control = None
         self._state = ConnState.FORKED_CHILD
 
     def _path_origin(self, arg: str | None) -> str:
@@ -327,6 +360,10 @@ class RankMonitorClient:
                 self._state = ConnState.SHUT_DOWN
             self._open.clear()
             self._dumper.disable()
+            if self._control is not None:
+                self._control.close()
+                self._control = None
+            events.remove_restart_listener(self._restarting)
 
     # -- progress --------------------------------------------------------------
     def send_heartbeat(self) -> None:

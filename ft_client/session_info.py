@@ -33,6 +33,8 @@ class SessionInfo:
     stack_dump_path: str | None
     skip_section_response: bool
     on_monitor_lost: str
+    on_hang: str
+    """"kill", or "inprocess": the client opens a control connection for ABORT pushes."""
     client_request_timeout: float
     safety_factor: float
     min_learned_timeout: float
@@ -48,6 +50,7 @@ class SessionInfo:
             "stack_dump_path": self.stack_dump_path,
             "skip_section_response": self.skip_section_response,
             "on_monitor_lost": self.on_monitor_lost,
+            "on_hang": self.on_hang,
             "client_request_timeout": self.client_request_timeout,
             "safety_factor": self.safety_factor,
             "min_learned_timeout": self.min_learned_timeout,
@@ -70,6 +73,9 @@ class SessionInfo:
         lost = data.get("on_monitor_lost")
         if lost not in ("warn", "raise"):
             raise SessionInfoError(f"session info on_monitor_lost = {lost!r:.60}: must be 'warn' or 'raise'")
+        on_hang = data.get("on_hang")
+        if on_hang not in ("kill", "inprocess"):
+            raise SessionInfoError(f"session info on_hang = {on_hang!r:.60}: must be 'kill' or 'inprocess'")
         skip = data.get("skip_section_response")
         if not isinstance(skip, bool):
             raise SessionInfoError(f"session info skip_section_response = {skip!r:.60}: must be true or false")
@@ -83,6 +89,7 @@ class SessionInfo:
             stack_dump_path=path,
             skip_section_response=skip,
             on_monitor_lost=lost,
+            on_hang=on_hang,
             client_request_timeout=_positive(data, "client_request_timeout"),
             safety_factor=_positive(data, "safety_factor"),
             min_learned_timeout=_positive(data, "min_learned_timeout", zero_ok=True),

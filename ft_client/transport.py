@@ -249,7 +249,33 @@ class Transport:
         with self._lock:
             if not self.closed:
                 self.closed = True
+                try:
+                    self._sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in receive()
+                except OSError:
+                    pass
                 self._sock.close()
+
+    def receive(self) -> wire.Message:
+        """Block until the daemon pushes a message (the control connection's reader
+        thread; nothing else reads this connection). Raises TransportError when the
+        connection ends or breaks."""
+        self.set_timeout(0.0)  # no kernel timeout: pushes come when they come
+        try:
+            return wire.read_frame_blocking(self._recv_exact_blocking)
+        except wire.ProtocolError as e:
+            raise TransportError(f"monitor sent a malformed message: {e}") from e
+        except OSError as e:
+            raise TransportError(f"monitor connection lost: {e.strerror or e}") from e
+
+    def _recv_exact_blocking(self, n: int) -> bytes:
+        chunks = []
+        while n:
+            chunk = self._sock.recv(n)
+            if not chunk:
+                raise TransportError("monitor closed the connection")
+            chunks.append(chunk)
+            n -= len(chunk)
+        return b"".join(chunks)
 
     def abandon(self) -> None:
         """Close without taking the lock: in a forked child, where another thread of the

@@ -26,6 +26,8 @@ msgpack. The body is an array whose first element is the message type tag::
     CONTROL        [16, action, reason]                request  -> ACK | ERROR   (rank -> launcher)
     HANG_NOTICE    [17, notice]                        request  -> ACK | ERROR   (monitor -> launcher)
     ACK            [18, detail]                        reply
+    ABORT          [19, iteration, reason, hung_rank]  push (monitor -> rank, control connection)
+    RESTARTING     [20, iteration]                     fire-and-forget (rank re-enters, in-process)
 
 Nothing here unpickles or evaluates anything: msgpack with ``raw=False`` and
 ``strict_map_key=True`` yields only None, bool, int, float, str, bytes, list, dict.
@@ -69,6 +71,8 @@ class MsgType(IntEnum):
     CONTROL = 16
     HANG_NOTICE = 17
     ACK = 18
+    ABORT = 19
+    RESTARTING = 20
 
 
 class Role:
@@ -77,6 +81,7 @@ class Role:
     RANK = "rank"  # the training process; one at a time per daemon
     OBSERVER = "observer"  # `ft-monitor status` and tools: STATUS/PING only
     MONITOR = "monitor"  # a monitor daemon talking to the launcher (HANG_NOTICE)
+    CONTROL = "control"  # the rank's second connection: the monitor pushes ABORT there
 
 
 class ErrorCode:
@@ -189,10 +194,27 @@ class Ack:
     detail: dict[str, Any]
 
 
+@dataclass(frozen=True, slots=True)
+class Abort:
+    """Monitor -> rank (control connection): restart in-process now."""
+
+    iteration: int | None
+    """The training iteration the rank last reported, if any."""
+    reason: str
+    hung_rank: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Restarting:
+    """Rank -> monitor: the rank re-enters its training function as this Wrapper iteration."""
+
+    iteration: int
+
+
 Message = (
     Hello | HelloOk | Error | Heartbeat | SectionOpen | SectionClose | SectionCloseAll
     | UpdateConfig | ConfigOk | Status | StatusReply | Ping | Pong | Goodbye | Iteration
-    | Control | HangNotice | Ack
+    | Control | HangNotice | Ack | Abort | Restarting
 )
 
 # Singletons for the messages without fields: decoding them allocates nothing.
@@ -257,6 +279,8 @@ _ENCODERS: dict[type, Any] = {
     Control: lambda m: [MsgType.CONTROL, m.action, m.reason],
     HangNotice: lambda m: [MsgType.HANG_NOTICE, m.notice],
     Ack: lambda m: [MsgType.ACK, m.detail],
+    Abort: lambda m: [MsgType.ABORT, m.iteration, m.reason, m.hung_rank],
+    Restarting: lambda m: [MsgType.RESTARTING, m.iteration],
 }
 
 HEARTBEAT_FRAME = _frame([MsgType.HEARTBEAT])
@@ -295,6 +319,10 @@ def _int(v: object, what: str) -> int:
     return v
 
 
+def _opt_int(v: object, what: str) -> int | None:
+    return None if v is None else _int(v, what)
+
+
 def _name(v: object) -> str:
     name = _str(v, "section name")
     _check_name(name)
@@ -321,6 +349,9 @@ _DECODERS: dict[int, tuple[int, Any]] = {
     MsgType.CONTROL: (2, lambda f: Control(_str(f[0], "action"), _str(f[1], "reason"))),
     MsgType.HANG_NOTICE: (1, lambda f: HangNotice(_dict(f[0], "notice"))),
     MsgType.ACK: (1, lambda f: Ack(_dict(f[0], "detail"))),
+    MsgType.ABORT: (3, lambda f: Abort(_opt_int(f[0], "iteration"), _str(f[1], "reason"),
+                                       _opt_int(f[2], "hung_rank"))),
+    MsgType.RESTARTING: (1, lambda f: Restarting(_int(f[0], "iteration"))),
 }
 
 

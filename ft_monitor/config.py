@@ -127,6 +127,9 @@ class FaultToleranceConfig(BaseModel):
     min_progress_iterations: int = 1
     max_connections: int = 256
     observer_idle_timeout: float = 60.0
+    on_hang: str = "kill"
+    inprocess_restart_timeout: float = 30.0
+    max_inprocess_restarts: int = 10
 
     # -- rules -----------------------------------------------------------------
     @field_validator(
@@ -172,7 +175,8 @@ class FaultToleranceConfig(BaseModel):
             raise ValueError(str(e)) from None
         return self
 
-    @field_validator("num_warmup_iterations", "max_no_progress_cycles", "min_progress_iterations", mode="before")
+    @field_validator("num_warmup_iterations", "max_no_progress_cycles", "min_progress_iterations",
+                     "max_inprocess_restarts", mode="before")
     @classmethod
     def _warmup(cls, v: Any) -> Any:
         v = _number_words(v)
@@ -205,7 +209,7 @@ class FaultToleranceConfig(BaseModel):
     def _request_timeout(cls, v: Any) -> Any:
         return _checked_number(v, 0.0, False, "must be a number of seconds > 0 (a request must not wait forever)")
 
-    @field_validator("handshake_timeout", "observer_idle_timeout", mode="before")
+    @field_validator("handshake_timeout", "observer_idle_timeout", "inprocess_restart_timeout", mode="before")
     @classmethod
     def _handshake(cls, v: Any) -> Any:
         return _checked_number(v, 0.0, False, "must be a number of seconds > 0")
@@ -264,6 +268,14 @@ class FaultToleranceConfig(BaseModel):
             if isinstance(level, int):
                 return level
         raise ValueError("must be DEBUG, INFO, WARNING, ERROR, CRITICAL or a number")
+
+    @field_validator("on_hang", mode="before")
+    @classmethod
+    def _on_hang(cls, v: Any) -> Any:
+        if isinstance(v, str) and v.strip().lower() in ("kill", "inprocess"):
+            return v.strip().lower()
+        raise ValueError("must be 'kill' (stop the rank; the launcher restarts the group) or 'inprocess' (restart "
+                         "in the same processes through ft_client.inprocess.Wrapper, kill as the fallback)")
 
     @field_validator("on_monitor_lost", mode="before")
     @classmethod

@@ -42,9 +42,10 @@ from ft_monitor.exits import ExitWatch
 from ft_monitor.fdlimits import FdReserve, connections_that_fit, raise_fd_limit
 from ft_monitor.launcher_link import LauncherHandoff
 from ft_monitor.listener import ListenerError, bind_unix_listener, remove_socket_file
-from ft_monitor.policy import check, next_deadline
+from ft_monitor.policy import Hang, Reason, check, next_deadline
 from ft_monitor.procinfo import describe_wait_status, zombie_exit_status
 from ft_monitor.rank import Hold, RankResources
+from ft_monitor.server_log import printable
 from ft_monitor.settings import Settings
 from ft_monitor.state import Phase, Session
 from ft_monitor.status import HangSummary, MonitorStatus, build_status
@@ -114,6 +115,8 @@ class MonitorDaemon:
         """How many times in a row a passed deadline waited for unread rank input."""
         self.reserve: FdReserve | None = None
         self._hangs_in_progress = 0
+        self.inprocess_restarts = 0
+        """In-process restarts this daemon asked for (bounded by max_inprocess_restarts)."""
 
     # -- lifecycle -------------------------------------------------------------
     async def startup(self) -> None:
@@ -242,6 +245,9 @@ class MonitorDaemon:
         task that still holds them."""
         self.others.pop(conn, None)
         rank = self.rank
+        if rank is not None and conn is rank.control:
+            rank.control = None
+            return
         if rank is None or conn is not rank.conn:
             return
         self.rank = None
@@ -309,10 +315,58 @@ class MonitorDaemon:
             self.deadline.arm(now + READ_FIRST_DELAY)
             return
         self._read_first = 0
+        if self._restart_inprocess(rank, hang):
+            return
         s.mark_hung()
         case = HangCase(hang, rank.process, rank.report_path(), rank.dump_path(), error_file=rank.error_file)
         self.hangs.append(HangSummary(hang.rank, hang.pid, hang.describe(), str(case.report_path)))
         self.spawn(self._handle_hang(case), rank.hold())
+
+    def _restart_inprocess(self, rank: RankResources, hang: Hang) -> bool:
+        """With ``on_hang: inprocess``, ask the rank to restart in its own process (ABORT on
+        its control connection) instead of killing it; False where that is not possible:
+        the rank has no control connection, the restart budget is spent, or the hang is
+        itself a restart that did not come back (then today's path: dump, kill)."""
+        cfg = self.config
+        if cfg.on_hang != "inprocess" or hang.reason is Reason.INPROCESS_RESTART:
+            return False
+        s = rank.session
+        if rank.control is None:
+            log.warning("rank %d pid %d: on_hang is inprocess but the rank has no control connection (no "
+                        "ft_client.inprocess.Wrapper?); stopping it instead", s.rank, s.pid)
+            return False
+        if self.inprocess_restarts >= cfg.max_inprocess_restarts:
+            log.warning("rank %d pid %d: %d in-process restart(s) used, max_inprocess_restarts is %d; stopping it "
+                        "instead", s.rank, s.pid, self.inprocess_restarts, cfg.max_inprocess_restarts)
+            return False
+        self.inprocess_restarts += 1
+        now = self.clock.now()
+        s.begin_restart(now, cfg.inprocess_restart_timeout)
+        log.error("hang detected: rank=%d pid=%d reason=%s section=%s elapsed=%.3fs timeout=%.3fs: %s; restarting "
+                  "in-process (%d of at most %d), back within %.1fs or stopped", hang.rank, hang.pid,
+                  hang.reason.value, printable(hang.section), hang.elapsed, hang.timeout, hang.describe(),
+                  self.inprocess_restarts, cfg.max_inprocess_restarts, cfg.inprocess_restart_timeout)
+        rank.control.send(wire.Abort(iteration=s.iteration, reason=f"rank {hang.rank}: {hang.describe()}",
+                                     hung_rank=hang.rank))
+        case = HangCase(hang, rank.process, rank.report_path(f"-inprocess{self.inprocess_restarts}"), None,
+                        error_file=rank.error_file)
+        case.actions.append(f"in-process restart requested ({self.inprocess_restarts} of at most "
+                            f"{cfg.max_inprocess_restarts})")
+        case.terminated_by = "inprocess"
+        case.action = "inprocess"
+        self.executor.write_report(case)
+        if self.executor.handoff is not None:  # the launcher records it (summary, restart budget untouched)
+            self.spawn(self._record_with_launcher(case))
+        self.hangs.append(HangSummary(hang.rank, hang.pid, hang.describe(), str(case.report_path)))
+        self._arm()
+        return True
+
+    async def _record_with_launcher(self, case: HangCase) -> None:
+        assert self.executor.handoff is not None
+        try:
+            await self.executor.handoff.notify(case)
+        except Exception:  # the launcher being gone does not stop an in-process restart
+            log.exception("rank %d: telling the launcher of the in-process restart failed", case.hang.rank)
 
     async def _handle_hang(self, case: HangCase) -> None:
         self._hangs_in_progress += 1

@@ -49,6 +49,8 @@ class HangCase:
     dump_path: Path | None
     error_file: str | None = None
     """The rank's torchelastic error file, passed on to the launcher."""
+    action: str = "kill"
+    """"kill", or "inprocess" when the rank was asked to restart in its own process."""
     actions: list[str] = field(default_factory=list)
     dump_captured: bool = False
     terminated_by: str | None = None

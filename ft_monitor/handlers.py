@@ -22,7 +22,7 @@ from ft_client.timeouts import Timeouts, TimeoutsError
 from ft_monitor.connection import Connection
 from ft_monitor.rank import RankResources, error_file_from_hello
 from ft_monitor.server_log import printable
-from ft_monitor.state import Session, SessionError
+from ft_monitor.state import Phase, Session, SessionError
 
 if TYPE_CHECKING:
     from ft_monitor.daemon import MonitorDaemon
@@ -84,6 +84,9 @@ def hello(d: MonitorDaemon, conn: Connection, msg: wire.Hello) -> None:
         conn.hello_done(msg.role)
         conn.send(wire.HelloOk(wire.PROTOCOL_VERSION, {"monitor_pid": os.getpid()}))
         return
+    if msg.role == wire.Role.CONTROL:
+        control_hello(d, conn)
+        return
     if msg.role != wire.Role.RANK:
         raise wire.ProtocolError(f"unknown role {msg.role!r}")
     if conn.pid <= 0:
@@ -120,11 +123,29 @@ def hello(d: MonitorDaemon, conn: Connection, msg: wire.Hello) -> None:
         rank=msg.rank, pid=conn.pid, session=d.sessions_started, timeouts=d.timeouts,
         num_warmup_iterations=cfg.num_warmup_iterations, stack_dump_signal=int(cfg.stack_dump_signal),
         stack_dump_path=str(rank.dump_path()), skip_section_response=cfg.skip_section_response,
-        on_monitor_lost=cfg.on_monitor_lost, client_request_timeout=cfg.client_request_timeout,
+        on_monitor_lost=cfg.on_monitor_lost, on_hang=cfg.on_hang, client_request_timeout=cfg.client_request_timeout,
         safety_factor=cfg.safety_factor, min_learned_timeout=cfg.min_learned_timeout,
     )
     conn.send(wire.HelloOk(wire.PROTOCOL_VERSION, info.to_wire()))
     log.info("rank %d pid %d connected (session %d)", msg.rank, conn.pid, d.sessions_started)
+
+
+def control_hello(d: MonitorDaemon, conn: Connection) -> None:
+    """The rank's control connection: the monitor pushes ABORT there (in-process restart).
+    Only the connected rank's own process may open it, one at a time."""
+    rank = d.rank
+    if rank is None or conn.pid != rank.conn.pid:
+        log.warning("refused a control connection from pid %d: it is not the connected rank's process", conn.pid)
+        conn.fail(wire.ErrorCode.FORBIDDEN, "a control connection must come from the connected rank's process")
+        return
+    if rank.control is not None:
+        conn.fail(wire.ErrorCode.BUSY, "the rank already has a control connection")
+        return
+    conn.hello_done(wire.Role.CONTROL)
+    conn.release_process()
+    d.others.pop(conn, None)
+    rank.control = conn
+    conn.send(wire.HelloOk(wire.PROTOCOL_VERSION, {"session": d.sessions_started}))
 
 
 # -- the rank's messages --------------------------------------------------------
@@ -176,6 +197,19 @@ def _goodbye(d: MonitorDaemon, r: RankResources, msg: wire.Goodbye) -> None:
     d.disconnected(r.conn)
 
 
+def _restarting(d: MonitorDaemon, r: RankResources, msg: wire.Restarting) -> None:
+    """The rank re-enters its training function in-process (its own monitor asked, or a
+    peer's fault reached it through the store)."""
+    was = r.session.phase
+    r.session.restarting(msg.iteration, d.clock.now(), d.config.inprocess_restart_timeout)
+    if was is Phase.ACTIVE:
+        log.warning("rank %d pid %d restarts in-process (iteration %d): a fault elsewhere in the job",
+                    r.session.rank, r.session.pid, msg.iteration)
+    else:
+        log.info("rank %d pid %d re-enters its training function (iteration %d)",
+                 r.session.rank, r.session.pid, msg.iteration)
+
+
 def _control(d: MonitorDaemon, r: RankResources, msg: wire.Control) -> None:
     r.conn.send(wire.Error(wire.ErrorCode.BAD_REQUEST,
                            f"workload control {msg.action!r} needs ft-launcher; this monitor runs standalone"))
@@ -190,4 +224,5 @@ _RANK_HANDLERS: dict[type, Callable[[Any, RankResources, Any], None]] = {
     wire.UpdateConfig: _update_config,
     wire.Goodbye: _goodbye,
     wire.Control: _control,
+    wire.Restarting: _restarting,
 }

@@ -54,7 +54,10 @@ async def notify_launcher(path: str, rank: int, notice: HangNotice, timeout: flo
                   rank, path, e or type(e).__name__)
         return False
     if isinstance(reply, wire.Ack):
-        log.warning("rank %d: launcher acknowledged the hang and stops the worker group", rank)
+        if notice.action == "inprocess":
+            log.info("rank %d: launcher recorded the in-process restart", rank)
+        else:
+            log.warning("rank %d: launcher acknowledged the hang and stops the worker group", rank)
         return True
     log.error("rank %d: launcher refused the hang notice (%r); terminating the rank here", rank, reply)
     return False
@@ -85,6 +88,7 @@ class LauncherHandoff:
             stack_dump=str(case.dump_path) if case.dump_path else None,
             stack_dump_captured=case.dump_captured,
             error_file=case.error_file,
+            action=case.action,
         )
 
     async def notify(self, case: HangCase) -> bool:

@@ -62,6 +62,9 @@ class HangNotice:
     stack_dump: str | None
     stack_dump_captured: bool
     error_file: str | None
+    action: str = "kill"
+    """"kill": the launcher stops and restarts the worker group (ACK hands it over);
+    "inprocess": the ranks restart in their own processes, the launcher only records it."""
 
     def to_wire(self) -> dict[str, Any]:
         return asdict(self)
@@ -73,6 +76,9 @@ class HangNotice:
         unknown = sorted(map(str, set(data) - {f.name for f in fields(cls)}))
         if unknown:
             raise NoticeError(f"hang notice has unknown field(s) {', '.join(unknown)}")
+        action = data.get("action", "kill")
+        if action not in ("kill", "inprocess"):
+            raise NoticeError(f"hang notice action = {action!r:.60}: must be 'kill' or 'inprocess'")
         captured = data.get("stack_dump_captured")
         if not isinstance(captured, bool):
             raise NoticeError(f"hang notice stack_dump_captured = {captured!r:.60}: must be true or false")
@@ -91,4 +97,5 @@ class HangNotice:
             stack_dump=_text(data, "stack_dump", optional=True),
             stack_dump_captured=captured,
             error_file=_text(data, "error_file", optional=True),
+            action=action,
         )

@@ -21,6 +21,7 @@ class Reason(Enum):
     HEARTBEAT = "heartbeat"
     SECTION = "section"
     OUT_OF_SECTION = "out_of_section"
+    INPROCESS_RESTART = "inprocess_restart"
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,13 +62,18 @@ class Hang:
             return f"section {self.section!r} open for {e:.1f} s, timeout {t:.1f} s"
         if self.reason is Reason.OUT_OF_SECTION:
             return f"no section open for {e:.1f} s, out-of-section timeout {t:.1f} s"
+        if self.reason is Reason.INPROCESS_RESTART:
+            return f"not back in the training function {e:.1f} s after an in-process restart, timeout {t:.1f} s"
         if self.reason is Reason.INITIAL_HEARTBEAT:
             return f"no first heartbeat {e:.1f} s after connecting, initial heartbeat timeout {t:.1f} s"
         return f"no heartbeat for {e:.1f} s, heartbeat timeout {t:.1f} s"
 
 
 def deadlines(s: Session) -> list[Deadline]:
-    """Every deadline the session is under now (empty unless ACTIVE)."""
+    """Every deadline the session is under now (empty unless ACTIVE or RESTARTING)."""
+    if s.phase is Phase.RESTARTING and s.restart_deadline is not None and s.restart_since is not None:
+        return [Deadline(s.restart_deadline, Reason.INPROCESS_RESTART, s.restart_since,
+                         s.restart_deadline - s.restart_since)]
     if s.phase is not Phase.ACTIVE:
         return []
     out: list[Deadline] = []

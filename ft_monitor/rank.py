@@ -36,6 +36,8 @@ class RankResources:
     def __init__(self, conn: Connection, session: Session, process: ProcessHandle, *,
                  report_dir: Path, error_file: str | None, exits: ExitWatch) -> None:
         self.conn = conn
+        self.control: Connection | None = None
+        """The rank's control connection (in-process restart pushes ABORT there), if it opened one."""
         self.session = session
         self.process = process
         self.error_file = error_file
@@ -77,8 +79,9 @@ class RankResources:
     def dump_path(self) -> Path:
         return self.session_dir / f"rank{self.session.rank}-pid{self.session.pid}-stack.txt"
 
-    def report_path(self) -> Path:
-        return self.session_dir / f"rank{self.session.rank}-pid{self.session.pid}-hang.json"
+    def report_path(self, tag: str = "") -> Path:
+        """``tag`` tells apart several reports of one process (in-process restarts)."""
+        return self.session_dir / f"rank{self.session.rank}-pid{self.session.pid}{tag}-hang.json"
 
     # -- the process -------------------------------------------------------------
     def watch_exit(self, on_exit: Callable[[RankResources], None]) -> None:

@@ -153,6 +153,12 @@ def _on_monitor_lost(v: Any) -> str:
     return v  # type: ignore[no-any-return]
 
 
+def _on_hang(v: Any) -> str:
+    if v not in ("kill", "inprocess"):
+        raise ValueError("must be 'kill' or 'inprocess'")
+    return str(v)
+
+
 def _report_dir(v: Any) -> str | None:
     if v is None:
         return None
@@ -209,6 +215,9 @@ class Settings:
     min_progress_iterations: int = _setting(1, _whole)
     max_connections: int = _setting(256, _connections)
     observer_idle_timeout: float = _setting(60.0, _POSITIVE)
+    on_hang: str = _setting("kill", _on_hang)
+    inprocess_restart_timeout: float = _setting(30.0, _POSITIVE)
+    max_inprocess_restarts: int = _setting(10, _whole)
 
     def __init__(self, data: Mapping[str, Any] | None = None, /, **values: Any) -> None:
         if data is not None and not isinstance(data, Mapping):

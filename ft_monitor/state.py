@@ -11,7 +11,14 @@ Session phases (`Phase`) and their transitions::
     ACTIVE --GOODBYE------------------------> CLOSING --connection closed--> ENDED
     ACTIVE --connection closed without GOODBYE--------------------------> ENDED (exited)
 
-A HUNG session accepts no further progress: the hang is being acted upon.
+    ACTIVE --deadline passed, on_hang: inprocess (begin_restart)--> RESTARTING
+    ACTIVE --the rank says RESTARTING (a peer's fault)------------> RESTARTING
+    RESTARTING --RESTARTING said, then a heartbeat or section----> ACTIVE (re-entered)
+    RESTARTING --not re-entered by restart_deadline--------------> HUNG (policy.check)
+
+A HUNG session accepts no further progress: the hang is being acted upon. A
+RESTARTING session times nothing but its restart deadline: the rank is aborting
+its collectives and re-entering its training function in the same process.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ MAX_OPEN_SECTIONS = 1024
 
 class Phase(Enum):
     ACTIVE = "active"
+    RESTARTING = "restarting"
     HUNG = "hung"
     CLOSING = "closing"
     ENDED = "ended"
@@ -72,6 +80,14 @@ class Session:
     """When the timeouts in force were set. A running heartbeat or out-of-section
     interval is timed from no earlier than this, so a tighter timeout learned
     mid-run never fires for time spent before it existed."""
+    inprocess_restarts: int = 0
+    """In-process restarts this session went through (RESTARTING -> ACTIVE)."""
+    restart_since: float | None = None
+    """While RESTARTING: when the restart began."""
+    restart_deadline: float | None = None
+    """While RESTARTING: by when the rank must have re-entered its training function."""
+    restart_iteration: int | None = None
+    """The Wrapper iteration the rank said it re-enters (RESTARTING), None until it does."""
 
     def __post_init__(self) -> None:
         if self.out_of_section_since is None and not self.open_sections:
@@ -81,6 +97,7 @@ class Session:
     # -- events ------------------------------------------------------------
     def heartbeat(self, now: float) -> None:
         self.events += 1
+        self._maybe_reentered(now)
         if self.phase is not Phase.ACTIVE:
             return
         self.last_heartbeat = now
@@ -88,6 +105,7 @@ class Session:
 
     def open_section(self, name: str, now: float) -> None:
         self.events += 1
+        self._maybe_reentered(now)
         if self.phase is not Phase.ACTIVE:
             return
         if name in self.open_sections:
@@ -149,6 +167,43 @@ class Session:
 
     def mark_hung(self) -> None:
         self.phase = Phase.HUNG
+
+    # -- in-process restart --------------------------------------------------
+    def begin_restart(self, now: float, timeout: float) -> None:
+        """The monitor asked the rank to restart in-process (its own hang, or a peer's):
+        nothing is timed but re-entry within ``timeout``. Open sections are dropped:
+        the rank is unwinding out of them."""
+        if self.phase is Phase.RESTARTING:
+            return
+        if self.phase is not Phase.ACTIVE:
+            raise SessionError(f"in-process restart in phase {self.phase.value}")
+        self.phase = Phase.RESTARTING
+        self.restart_since = now
+        self.restart_deadline = now + timeout
+        self.restart_iteration = None
+        self.open_sections.clear()
+        self.out_of_section_since = None
+
+    def restarting(self, iteration: int, now: float, timeout: float) -> None:
+        """The rank says it re-enters its training function as ``iteration`` (RESTARTING).
+        From a rank whose monitor did not ask (a peer's fault), this starts the restart."""
+        self.events += 1
+        if self.phase is Phase.ACTIVE:
+            self.begin_restart(now, timeout)
+        if self.phase is not Phase.RESTARTING:
+            raise SessionError(f"RESTARTING in phase {self.phase.value}")
+        self.restart_iteration = iteration
+
+    def _maybe_reentered(self, now: float) -> None:
+        """The first progress after RESTARTING: the rank is back in its training function."""
+        if self.phase is not Phase.RESTARTING or self.restart_iteration is None:
+            return
+        self.phase = Phase.ACTIVE
+        self.inprocess_restarts += 1
+        self.restart_since = self.restart_deadline = None
+        self.last_heartbeat = now
+        self.out_of_section_since = now
+        self.timeouts_since = max(self.timeouts_since, now)
 
     def end(self) -> None:
         self.phase = Phase.ENDED

@@ -10,6 +10,7 @@ runs in milliseconds. The real-process tests (test_e2e_daemon.py, ...) stay on t
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -466,3 +467,103 @@ def test_terminate_then_kill_on_a_target_already_gone_sends_nothing_more() -> No
 
     stopped = asyncio.run(terminate_then_kill(Gone(), signal.SIGTERM, 5.0, never))
     assert stopped.by == "already exited" and sent == [signal.SIGCONT, signal.SIGTERM]
+
+
+# -- in-process restart (on_hang: inprocess) ----------------------------------------------
+INPROCESS = dict(on_hang="inprocess", inprocess_restart_timeout=5.0, max_inprocess_restarts=2,
+                 rank_section_timeouts={"step": 1.0}, rank_heartbeat_timeout=None, initial_rank_heartbeat_timeout=None,
+                 rank_out_of_section_timeout=None, stack_dump_timeout=0)
+
+
+def _rank_with_control(d: MonitorDaemon) -> tuple[Peer, Peer]:
+    rank, control = Peer(d), Peer(d)
+    ok = rank.hello_rank()
+    assert isinstance(ok, wire.HelloOk) and ok.session["on_hang"] == "inprocess"
+    control.send(wire.Hello(wire.PROTOCOL_VERSION, wire.Role.CONTROL, 0, {}))
+    assert isinstance(control.transport.replies()[-1], wire.HelloOk)
+    assert d.rank is not None and d.rank.control is control.conn
+    return rank, control
+
+
+def test_a_hang_with_on_hang_inprocess_pushes_abort_and_the_rank_comes_back(tmp_path: Path) -> None:
+    async def body(d: MonitorDaemon, clock: ManualClock, ops: FakeOps) -> None:
+        rank, control = _rank_with_control(d)
+        rank.send(wire.SectionOpen("step"), wire.Iteration(11))
+        clock.advance(1.01)
+        (abort,) = control.transport.replies()[1:]
+        assert isinstance(abort, wire.Abort) and abort.hung_rank == 0 and abort.iteration == 11
+        assert "section 'step'" in abort.reason
+        s = d.rank.session  # type: ignore[union-attr]
+        assert s.phase is Phase.RESTARTING and d.deadline.at == pytest.approx(1001.0 + 5.0)  # from the verdict
+        assert ops.sent == [], "a rank restarting in-process is not signalled"
+        rank.send(wire.SectionClose("step"), wire.Restarting(1))  # unwinding, then re-entering
+        assert s.phase is Phase.RESTARTING
+        rank.send(wire.SectionOpen("step"))  # first progress after RESTARTING: back
+        assert s.phase is Phase.ACTIVE and s.inprocess_restarts == 1 and list(s.open_sections) == ["step"]
+        clock.advance(0.5)
+        rank.send(wire.SectionClose("step"))
+        clock.advance(10)
+        assert d.inprocess_restarts == 1 and ops.sent == []
+        report = json.loads((tmp_path / "reports" / f"rank0-pid{os.getpid()}-inprocess1-hang.json").read_text())
+        assert report["terminated_by"] == "inprocess" and "in-process restart requested" in report["actions"][0]
+
+    run(body, tmp_path, **INPROCESS)
+
+
+def test_a_rank_that_does_not_come_back_in_time_is_stopped(tmp_path: Path) -> None:
+    async def body(d: MonitorDaemon, clock: ManualClock, ops: FakeOps) -> None:
+        rank, control = _rank_with_control(d)
+        rank.send(wire.SectionOpen("step"))
+        clock.advance(1.01)
+        rank.send(wire.Restarting(1))  # said it restarts, but never makes progress
+        clock.advance(4.9)
+        assert ops.sent == []
+        clock.advance(0.2)
+        await settle()
+        assert d.hangs[-1].message.startswith("not back in the training function")
+        assert ops.sent == [signal.SIGCONT, signal.SIGTERM]
+
+    run(body, tmp_path, **INPROCESS)
+
+
+def test_past_max_inprocess_restarts_a_hang_is_stopped(tmp_path: Path) -> None:
+    async def body(d: MonitorDaemon, clock: ManualClock, ops: FakeOps) -> None:
+        rank, control = _rank_with_control(d)
+        for i in (1, 2):
+            rank.send(wire.SectionOpen("step"))
+            clock.advance(1.01)
+            rank.send(wire.Restarting(i), wire.Heartbeat())
+        assert d.inprocess_restarts == 2 and ops.sent == []
+        rank.send(wire.SectionOpen("step"))
+        clock.advance(1.01)
+        await settle()
+        assert ops.sent == [signal.SIGCONT, signal.SIGTERM]
+
+    run(body, tmp_path, **INPROCESS)
+
+
+def test_without_a_control_connection_on_hang_inprocess_falls_back_to_stopping(tmp_path: Path) -> None:
+    async def body(d: MonitorDaemon, clock: ManualClock, ops: FakeOps) -> None:
+        rank = Peer(d)
+        rank.hello_rank()
+        rank.send(wire.SectionOpen("step"))
+        clock.advance(1.01)
+        await settle()
+        assert ops.sent == [signal.SIGCONT, signal.SIGTERM]
+
+    run(body, tmp_path, **INPROCESS)
+
+
+def test_a_victim_rank_saying_restarting_is_not_judged_while_it_restarts(tmp_path: Path) -> None:
+    async def body(d: MonitorDaemon, clock: ManualClock, ops: FakeOps) -> None:
+        rank, control = _rank_with_control(d)
+        rank.send(wire.SectionOpen("step"))
+        clock.advance(0.5)
+        rank.send(wire.Restarting(1))  # a peer's fault reached it through the store
+        clock.advance(0.9)  # its step deadline would have passed
+        assert d.hangs == [] and d.rank.session.phase is Phase.RESTARTING  # type: ignore[union-attr]
+        assert len(control.transport.replies()) == 1, "no ABORT pushed to a victim"
+        rank.send(wire.Heartbeat())
+        assert d.rank.session.phase is Phase.ACTIVE  # type: ignore[union-attr]
+
+    run(body, tmp_path, **INPROCESS)

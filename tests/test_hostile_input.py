@@ -619,6 +619,9 @@ BAD: dict[str, list[str]] = {
     "min_progress_iterations": ["-2", "1e3x", str(2**63)],
     "max_connections": ["0", "x", "70000"],
     "observer_idle_timeout": ["0", "-1", "x"],
+    "on_hang": ["restart", "", "1"],
+    "inprocess_restart_timeout": ["0", "-1", "x"],
+    "max_inprocess_restarts": ["-1", "x", "1.5"],
 }
 _XFAIL_BAD: dict[tuple[str, str], str] = {}
 

@@ -29,6 +29,7 @@ NON_DEFAULT: dict[str, Any] = {
     "on_monitor_lost": "RAISE", "client_request_timeout": 0.1, "launcher_response_timeout": 0,
     "handshake_timeout": 1, "max_no_progress_cycles": 0, "min_progress_iterations": 10, "max_connections": 1,
     "observer_idle_timeout": 3,
+    "on_hang": "inprocess", "inprocess_restart_timeout": 7.5, "max_inprocess_restarts": 2,
 }
 
 

@@ -36,6 +36,9 @@ ALL_MESSAGES: list[wire.Message] = [
     wire.Control("shutdown_workload_monitoring", "user asked"),
     wire.HangNotice({"rank": 1, "message": "section 'step' open for 12.3 s, timeout 10.0 s", "onset_time": 1.5}),
     wire.Ack({}),
+    wire.Abort(12, "rank 1: section 'step' open for 12.3 s, timeout 10.0 s", 1),
+    wire.Abort(None, "x", None),
+    wire.Restarting(3),
 ]
 
 

@@ -119,6 +119,8 @@ class FtRuntime:
     outcome_message: str = ""
     hangs: list[dict[str, Any]] = field(default_factory=list)
     restarts: list[RestartTiming] = field(default_factory=list)
+    inprocess_restarts: list[dict[str, Any]] = field(default_factory=list)
+    """Hangs the ranks recovered from in their own processes (not charged to --max-restarts)."""
     groups: WorkerGroups = field(default_factory=WorkerGroups)
     job_secret: bytes | None = None
     """Signs launcher messages in the rendezvous store (store_auth); None: cross-node features off."""
@@ -228,6 +230,9 @@ class FtLocalElasticAgent(_lea.LocalElasticAgent):
     def _on_event(self, wg: WorkerGroup, event: LauncherEvent) -> RunResult | None:
         if event.kind is EventKind.HANG:
             assert event.notice is not None
+            if event.notice.action == "inprocess":
+                self._record_inprocess(event.notice)
+                return None
             return self._on_hang(wg, event.notice)
         assert event.action is not None
         log.warning("ft-launcher: rank %d requests %s: %s", event.rank, event.action.value,
@@ -244,6 +249,16 @@ class FtLocalElasticAgent(_lea.LocalElasticAgent):
         wg.spec.rdzv_handler.shutdown = lambda: True  # type: ignore[method-assign]
         return self._stop_for_good(wg, exit_codes.NODE_EXCLUDED,
                                    f"rank {event.rank} asked to exclude this node: {event.reason}", event.rank)
+
+    def _record_inprocess(self, notice: HangNotice) -> None:
+        """A monitor asked its rank to restart in-process: a summary row, no restart here."""
+        row = {"kind": "inprocess", "attempt": self._attempt(), "rank": notice.rank, "pid": notice.pid,
+               "reason": notice.reason, "section": notice.section, "message": notice.message,
+               "iteration": notice.iteration, "detected_time": notice.detected_time, "report": notice.report}
+        self.ft.inprocess_restarts.append(row)
+        log.warning("ft-launcher: rank %d (pid %d) hung: %s; the ranks restart in-process (same processes; "
+                    "in-process restart %d of this run, not counted against --max-restarts)", notice.rank,
+                    notice.pid, printable(notice.message), len(self.ft.inprocess_restarts))
 
     def _on_hang(self, wg: WorkerGroup, notice: HangNotice) -> RunResult | None:
         """Gather the inputs of decide.py's verdict (store, files, daemons), then carry it out."""

@@ -158,6 +158,8 @@ class LauncherServer:
                 log.warning("launcher socket: refused a hang notice from monitor pid %d: %s", peer_pid, printable(e))
                 return wire.Error(wire.ErrorCode.BAD_REQUEST, str(e))
             self.events.put(LauncherEvent(EventKind.HANG, notice.rank, peer_pid, notice=notice))
+            if notice.action == "inprocess":
+                return wire.Ack({"action": "recorded_inprocess_restart"})
             return wire.Ack({"action": "stop_and_restart_worker_group"})
         if isinstance(msg, wire.Control) and hello.role == wire.Role.RANK:
             if not self._is_worker(peer_pid):

@@ -155,9 +155,12 @@ def _report_root_cause(e: Any) -> None:
 
 
 def _print_summary(ft: Any, code: int) -> None:
-    if not ft.hangs and ft.outcome is None and not ft.monitors.restarts:
+    if not ft.hangs and ft.outcome is None and not ft.monitors.restarts and not ft.inprocess_restarts:
         return
     lines = ["", "ft-launcher summary:"]
+    for row in ft.inprocess_restarts:
+        lines.append(f"  attempt {row['attempt']}: rank {row['rank']} (pid {row['pid']}) hung: {row['message']}; "
+                     "restarted in-process (same processes)")
     for hang, timing in zip(ft.hangs, ft.restarts):
         b = timing.breakdown()
         delay = hang.get("elapsed_s", 0.0) - hang.get("timeout_s", 0.0)
@@ -184,6 +187,7 @@ def _write_summary(ft: Any, code: int, path: str) -> None:
     is replaced, never followed."""
     try:
         write_json_atomic(path, {"exit_code": code, "hangs": ft.hangs, "restarts": [t.breakdown() for t in ft.restarts],
+                                 "inprocess_restarts": ft.inprocess_restarts,
                                  "monitor_restarts": ft.monitors.restarts, "outcome": ft.outcome_message})
     except OSError as e:
         log.error("ft-launcher: cannot write the summary %s: %s", path, e)

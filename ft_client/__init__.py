@@ -19,13 +19,21 @@ Importing this package is cheap: stdlib and msgpack only. torch is imported
 lazily, for the cross-rank reduction of learned timeouts.
 """
 
-from ft_client.errors import RankMonitorClientError
-from ft_client.timeouts import HeartbeatTimeouts, SectionTimeouts, Timeouts
+from typing import Any
+
+from ft_client.errors import FtError, MonitorBrokenError, MonitorClosedError, RankMonitorClientError
+from ft_client.timeouts import HeartbeatTimeouts, SectionTimeouts, Timeouts, TimeoutsError
 from ft_client.workload import WorkloadAction, WorkloadControlRequest
 
 __all__ = [
     "RankMonitorClient",
+    "FtError",
     "RankMonitorClientError",
+    "MonitorClosedError",
+    "MonitorBrokenError",
+    "NotEnoughDataError",
+    "TimeoutsError",
+    "TimeoutsCalc",
     "WorkloadAction",
     "WorkloadControlRequest",
     "HeartbeatTimeouts",
@@ -34,13 +42,13 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):  # the client module is loaded on first use
+def __getattr__(name: str) -> Any:  # the client and the calculator are loaded on first use
     if name == "RankMonitorClient":
         from ft_client.client import RankMonitorClient
 
         return RankMonitorClient
-    if name == "TimeoutsCalc":
-        from ft_client.timeouts_calc import TimeoutsCalc
+    if name in ("TimeoutsCalc", "NotEnoughDataError"):
+        from ft_client import timeouts_calc
 
-        return TimeoutsCalc
+        return getattr(timeouts_calc, name)
     raise AttributeError(f"module 'ft_client' has no attribute {name!r}")

@@ -40,7 +40,7 @@ from typing import Any, TypeVar
 
 from ft_client import env, wire
 from ft_client.control import ControlLink
-from ft_client.errors import RankMonitorClientError
+from ft_client.errors import MonitorBrokenError, MonitorClosedError, RankMonitorClientError
 from ft_client.inprocess import events
 from ft_client.parent_death import die_with_parent
 from ft_client.session_info import SessionInfo, SessionInfoError
@@ -185,7 +185,7 @@ class RankMonitorClient:
         """Connect to the rank's monitor, receive its config, arm the stack dump."""
         with self._lock:
             if self._state is ConnState.FORKED_CHILD:
-                raise RankMonitorClientError("this process is a fork of the rank; its client stays with the rank")
+                raise MonitorClosedError("this process is a fork of the rank; its client stays with the rank")
             if self._state in (ConnState.CONNECTED, ConnState.LOST):
                 raise RankMonitorClientError("workload monitoring is already initialized")
             path = socket_path or self._socket_path or os.environ.get(env.RANK_MONITOR_SOCKET)
@@ -299,7 +299,7 @@ class RankMonitorClient:
                     if self._state is not ConnState.LOST:
                         self._mark_lost(str(e))
                     continue
-                if self._state is ConnState.CONNECTED:
+                if self._state is ConnState.CONNECTED:  # type: ignore[comparison-overlap]  # set by _adopt
                     log.warning("rank %d: reconnected to the monitor at %s; hang detection resumed",
                                 self.rank, self._path)
                     return
@@ -447,12 +447,12 @@ class RankMonitorClient:
         with self._lock:
             t = self._transport
             if t is None:
-                raise RankMonitorClientError(self._why_not_connected())
+                raise self._not_connected_error()
             try:
                 reply = t.request(wire.UpdateConfig(timeouts.to_wire()))
             except TransportError as e:
                 self._lost(e, raising=False)
-                raise RankMonitorClientError(f"cannot update timeouts: {e}") from e
+                raise MonitorBrokenError(f"cannot update timeouts: {e}") from e
             if isinstance(reply, wire.Error):
                 raise RankMonitorClientError(f"monitor rejected the timeouts ({reply.code}): {reply.message}")
             if not isinstance(reply, wire.ConfigOk):
@@ -517,7 +517,7 @@ class RankMonitorClient:
 
     def _reduce_observations(self) -> Observations:
         if not self.is_initialized:
-            raise RankMonitorClientError(self._why_not_connected())
+            raise self._not_connected_error()
         with self._lock:
             vector = self._calc.export_vector(self._clock())
         reduced = max_across_ranks(vector)  # outside the lock: other threads keep reporting
@@ -616,6 +616,11 @@ class RankMonitorClient:
             return "this process is a fork of the rank; the rank's client does nothing here"
         return "workload monitoring is not initialized: call init_workload_monitoring() first"
 
+    def _not_connected_error(self) -> RankMonitorClientError:
+        """Lost: the monitor broke the connection; otherwise it was closed on this side."""
+        why = self._why_not_connected()
+        return MonitorBrokenError(why) if self._state is ConnState.LOST else MonitorClosedError(why)
+
     def _not_connected(self) -> Transport | None:
         """No transport. Before init (or after shutdown, or when configured to raise): an
         error. While LOST: carry on (the reconnector is at work). In a forked child:
@@ -629,7 +634,7 @@ class RankMonitorClient:
                 log.warning("rank %d: RankMonitorClient used in a forked child (pid %d); its progress calls do "
                             "nothing here: the rank's monitor watches the rank itself", self.rank, os.getpid())
             return None
-        raise RankMonitorClientError(self._why_not_connected())
+        raise self._not_connected_error()
 
     def _mark_lost(self, reason: str) -> None:
         if self._transport is not None:
@@ -645,7 +650,7 @@ class RankMonitorClient:
         reason = str(e)
         self._mark_lost(reason)
         if self._raise_on_lost and raising:
-            raise RankMonitorClientError(f"rank {self.rank}: {reason}") from e
+            raise MonitorBrokenError(f"rank {self.rank}: {reason}") from e
         log.warning("rank %d: %s; training continues without hang detection until the monitor is back",
                     self.rank, reason)
 

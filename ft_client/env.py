@@ -34,8 +34,8 @@ def rank_from_env(default: int = 0) -> int:
         return default
     try:
         rank = int(value)
-    except ValueError:
-        raise ValueError(f"environment variable {RANK}={value[:40]!r} is not an integer") from None
+    except ValueError as e:
+        raise ValueError(f"environment variable {RANK}={value[:40]!r} is not an integer") from e
     if not 0 <= rank <= MAX_RANK:
         raise ValueError(f"environment variable {RANK}={value[:40]!r} is out of range: a rank is 0..{MAX_RANK}")
     return rank

@@ -1,4 +1,27 @@
-"""Errors raised by the client SDK."""
+"""The one exception family of ft_client and ft_monitor.
+
+Every exception either package raises derives from `FtError`, so ``except
+FtError`` catches anything of ours and nothing else. Each class keeps the
+builtin base that callers caught before (``ValueError`` for bad values,
+``OSError`` for unsafe files, ...), so existing handlers still work::
+
+    FtError
+    ├── RankMonitorClientError          the client cannot do what was asked
+    │   ├── MonitorClosedError          ... because the connection was closed on our side
+    │   │                                   (never initialized, shut down, a forked child)
+    │   ├── MonitorBrokenError          ... because the monitor went away or stopped answering
+    │   ├── NotEnoughDataError          learned timeouts asked for before enough was observed
+    │   └── SessionInfoError            the monitor's handshake broke the rules
+    ├── TransportError                  one connection failed (TransportClosedError, TransportBrokenError)
+    ├── ProtocolError                   a frame or message broke the wire protocol
+    ├── TimeoutsError, StateDictError   a timeouts map or a checkpointed state is invalid
+    ├── UnsafeFileError                 a path others could tamper with
+    └── ft_monitor's: ConfigError, SettingsError, UsageError, ListenerError, SessionError,
+        NoticeError, StatusError, ReportError, SecretError, StoreMessageError
+
+Closed and broken are types (as trio's ClosedResourceError and
+BrokenResourceError are), not fields; the cause is kept (``raise ... from e``).
+"""
 
 from __future__ import annotations
 
@@ -8,4 +31,15 @@ class FtError(Exception):
 
 
 class RankMonitorClientError(FtError):
-    """The client cannot do what was asked: not connected, bad use, daemon gone."""
+    """The client cannot do what was asked: not connected, bad use, monitor gone."""
+
+
+class MonitorClosedError(RankMonitorClientError):
+    """The connection to the monitor was closed on this side: not initialized yet, shut
+    down, or this process is a fork of the rank. Calling init_workload_monitoring()
+    (in the rank) is the way on."""
+
+
+class MonitorBrokenError(RankMonitorClientError):
+    """The monitor went away or stopped answering (raised with ``on_monitor_lost: raise``,
+    and by requests that need an answer)."""

@@ -16,6 +16,6 @@ def die_with_parent(sig: int = signal.SIGTERM) -> bool:
     import ctypes  # here, not at import: the client's import stays light
 
     try:
-        return ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig)) == 0
+        return bool(ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig)) == 0)
     except (OSError, AttributeError):
         return False

@@ -19,10 +19,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from ft_client.errors import FtError
+
 _OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
-class UnsafeFileError(OSError):
+class UnsafeFileError(FtError, OSError):
     """A path where a regular file of ours was expected holds something else."""
 
 

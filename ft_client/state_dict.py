@@ -21,9 +21,11 @@ Must not talk to the daemon, read files or import torch.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
+from ft_client.errors import FtError
 from ft_client.timeouts import (
     LEARNED_HB,
     LEARNED_INITIAL_HB,
@@ -43,7 +45,7 @@ _KEYS = ("format_version", "safety_factor", "timeouts", "observations", "iterati
 _OBS_KEYS = ("initial_hb", "hb_gap", "out_of_section", "sections")
 
 
-class StateDictError(ValueError):
+class StateDictError(FtError, ValueError):
     """A checkpoint dict this client cannot load: unknown version, key or value."""
 
 

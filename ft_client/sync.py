@@ -59,7 +59,7 @@ def max_across_ranks(values: list[float]) -> list[float]:
         device = torch.device("cuda", torch.cuda.current_device())
     elif kind == "accelerator" and _accelerator_available(torch):
         accel = torch.accelerator.current_accelerator()
-        device = torch.device(accel.type, torch.accelerator.current_device_index())
+        device = torch.device(accel.type if accel is not None else "cpu", torch.accelerator.current_device_index())
     else:
         device = torch.device("cpu")
     tensor = torch.tensor(values, dtype=torch.float64, device=device)

@@ -13,8 +13,11 @@ follow nvidia-resiliency-ext so code written for it keeps working.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping
+from typing import Any
+
+from ft_client.errors import FtError
 
 STEP_SECTION = "step"
 WARMUP_SECTION = "warmup"
@@ -40,7 +43,7 @@ MAX_WIRE_BYTES = 24 * 1024
 STATUS_REPLY, which must stay under the 64 KiB frame cap with everything else."""
 
 
-class TimeoutsError(ValueError):
+class TimeoutsError(FtError, ValueError):
     """A timeouts map that does not follow the rules (bad type or value)."""
 
 
@@ -100,11 +103,11 @@ class Timeouts:
             is_out_of_section_calculated=LEARNED_OUT_OF_SECTION in self.learned,
         )
 
-    def with_updates(self, **changes: Any) -> "Timeouts":
+    def with_updates(self, **changes: Any) -> Timeouts:
         return replace(self, **changes)
 
     @classmethod
-    def from_config(cls, config: Any) -> "Timeouts":
+    def from_config(cls, config: Any) -> Timeouts:
         """The timeouts a config (anything with the four timeout settings) puts in force."""
         return cls(
             initial_rank_heartbeat_timeout=config.initial_rank_heartbeat_timeout,
@@ -124,7 +127,7 @@ class Timeouts:
         }
 
     @classmethod
-    def from_wire(cls, data: Mapping[str, Any]) -> "Timeouts":
+    def from_wire(cls, data: Mapping[str, Any]) -> Timeouts:
         """Build from the wire map; raises TimeoutsError naming the bad entry."""
         known = {
             "initial_rank_heartbeat_timeout",

@@ -22,8 +22,8 @@ section that is not open, an untracked name) is ignored; the client detects it.
 from __future__ import annotations
 
 import math
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Collection, Iterable, Mapping, Sequence
 
 from ft_client.errors import RankMonitorClientError
 from ft_client.timeouts import (
@@ -79,7 +79,7 @@ class Observations:
         return [MISSING if v is None else float(v) for v in values]
 
     @classmethod
-    def from_vector(cls, values: Sequence[float], section_names: Sequence[str]) -> "Observations":
+    def from_vector(cls, values: Sequence[float], section_names: Sequence[str]) -> Observations:
         """Inverse of `to_vector`; a negative entry reads as not observed."""
         expected = _HEADER + len(section_names)
         if len(values) != expected:

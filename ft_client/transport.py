@@ -9,8 +9,11 @@ Owns the socket and its two kinds of traffic:
 * requests (handshake, config update, status) are bounded by a timeout on both
   the send and the reply (SO_SNDTIMEO / SO_RCVTIMEO, so no extra poll syscall).
 
-Thread-safe: one lock orders all frames. Raises `TransportError` on failure; the
-caller decides whether that is fatal (see RankMonitorClient's on_monitor_lost).
+Thread-safe: one lock orders all frames. Raises `TransportBrokenError` when the
+daemon went away, stopped answering or sent something malformed (`broken_reason`
+says which), `TransportClosedError` when used after `close()`, and
+`TransportError` when a connection cannot be made; the caller decides whether that
+is fatal (see RankMonitorClient's on_monitor_lost).
 
 Who it talks to is checked, not assumed: the socket path is resolved once
 (`resolve_socket_path`: no symlink owned by another user on the way, the socket's
@@ -29,6 +32,7 @@ import threading
 import time
 
 from ft_client import wire
+from ft_client.errors import FtError
 from ft_client.peer import peer_credentials
 
 MAX_PENDING = 1 << 20
@@ -42,8 +46,20 @@ MAX_KERNEL_TIMEOUT = 1e8
 MAX_SYMLINKS = 40
 
 
-class TransportError(Exception):
-    """The connection failed or was closed."""
+class TransportError(FtError):
+    """A connection to a monitor (or the launcher) could not be made or failed."""
+
+
+class TransportClosedError(TransportError):
+    """Used after this side closed the connection."""
+
+
+class TransportBrokenError(TransportError):
+    """The peer went away, stopped answering in time, or sent something malformed."""
+
+
+class ConnectTimeoutError(TransportError, TimeoutError):
+    """The monitor did not accept the connection in time (its accept queue stayed full)."""
 
 
 def resolve_socket_path(path: str) -> str:
@@ -94,9 +110,10 @@ def _connect(sock: socket.socket, path: str, timeout: float) -> None:
         try:
             sock.connect(path)
             return
-        except BlockingIOError:
+        except BlockingIOError as e:
             if time.monotonic() >= end:
-                raise TimeoutError(f"monitor at {path} did not accept the connection within {timeout:.1f}s") from None
+                raise ConnectTimeoutError(
+                    f"monitor at {path} did not accept the connection within {timeout:.1f}s") from e
             time.sleep(0.001)
 
 
@@ -144,7 +161,7 @@ class Transport:
         """Queue-free fast path: one non-blocking send. Never blocks the caller."""
         with self._lock:
             if self.closed:
-                raise TransportError(self.broken_reason or "connection closed")
+                raise self._closed_error()
             if self._pending:
                 self._flush_nowait()
                 if self._pending:
@@ -156,7 +173,7 @@ class Transport:
                 n = 0
             except OSError as e:
                 self._break(f"monitor connection lost: {e.strerror or e}")
-                raise TransportError(self.broken_reason) from e
+                raise TransportBrokenError(self.broken_reason) from e
             if n < len(frame):
                 self._buffer(frame[n:])
 
@@ -167,14 +184,14 @@ class Transport:
             return
         except OSError as e:
             self._break(f"monitor connection lost: {e.strerror or e}")
-            raise TransportError(self.broken_reason) from e
+            raise TransportBrokenError(self.broken_reason) from e
         del self._pending[:n]
 
     def _buffer(self, data: bytes) -> None:
         self._pending += data
         if len(self._pending) > MAX_PENDING:
             self._break(f"monitor has not read {len(self._pending)} bytes of events; it is stalled")
-            raise TransportError(self.broken_reason)
+            raise TransportBrokenError(self.broken_reason)
 
     # -- requests --------------------------------------------------------------
     def request(self, msg: wire.Message) -> wire.Message:
@@ -182,32 +199,32 @@ class Transport:
         frame = wire.encode(msg)
         with self._lock:
             if self.closed:
-                raise TransportError(self.broken_reason or "connection closed")
+                raise self._closed_error()
             try:
                 if self._pending:
                     self._sock.sendall(self._pending)
                     self._pending.clear()
                 self._sock.sendall(frame)
                 return wire.read_frame_blocking(self._recv_exact)
-            except (BlockingIOError, TimeoutError, socket.timeout) as e:
+            except (BlockingIOError, TimeoutError) as e:
                 self._break(f"monitor did not answer within {self.timeout:.1f}s")
-                raise TransportError(self.broken_reason) from e
+                raise TransportBrokenError(self.broken_reason) from e
             except wire.ProtocolError as e:
                 self._break(f"monitor sent a malformed reply: {e}")
-                raise TransportError(self.broken_reason) from e
+                raise TransportBrokenError(self.broken_reason) from e
             except OSError as e:
                 if e.errno in (errno.EAGAIN, errno.EWOULDBLOCK):
                     self._break(f"monitor did not answer within {self.timeout:.1f}s")
                 else:
                     self._break(f"monitor connection lost: {e.strerror or e}")
-                raise TransportError(self.broken_reason) from e
+                raise TransportBrokenError(self.broken_reason) from e
 
     def _recv_exact(self, n: int) -> bytes:
         chunks = []
         while n:
             chunk = self._recv_spinning(n)
             if not chunk:
-                raise TransportError("monitor closed the connection")
+                raise TransportBrokenError("monitor closed the connection")
             chunks.append(chunk)
             n -= len(chunk)
         return b"".join(chunks)
@@ -234,9 +251,14 @@ class Transport:
                     self._pending.clear()
                 except OSError as e:
                     self._break(f"monitor connection lost: {e.strerror or e}")
-                    raise TransportError(self.broken_reason) from e
+                    raise TransportBrokenError(self.broken_reason) from e
 
     # -- closing ---------------------------------------------------------------
+    def _closed_error(self) -> TransportError:
+        if self.broken_reason is not None:
+            return TransportBrokenError(self.broken_reason)
+        return TransportClosedError("connection closed")
+
     def _break(self, reason: str) -> None:
         self.broken_reason = reason
         self.closed = True
@@ -263,16 +285,16 @@ class Transport:
         try:
             return wire.read_frame_blocking(self._recv_exact_blocking)
         except wire.ProtocolError as e:
-            raise TransportError(f"monitor sent a malformed message: {e}") from e
+            raise TransportBrokenError(f"monitor sent a malformed message: {e}") from e
         except OSError as e:
-            raise TransportError(f"monitor connection lost: {e.strerror or e}") from e
+            raise TransportBrokenError(f"monitor connection lost: {e.strerror or e}") from e
 
     def _recv_exact_blocking(self, n: int) -> bytes:
         chunks = []
         while n:
             chunk = self._sock.recv(n)
             if not chunk:
-                raise TransportError("monitor closed the connection")
+                raise TransportBrokenError("monitor closed the connection")
             chunks.append(chunk)
             n -= len(chunk)
         return b"".join(chunks)

@@ -36,11 +36,14 @@ Nothing here unpickles or evaluates anything: msgpack with ``raw=False`` and
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any, Iterator
+from typing import Any
 
 import msgpack
+
+from ft_client.errors import FtError
 
 PROTOCOL_VERSION = 1
 MAX_FRAME = 64 * 1024
@@ -94,7 +97,7 @@ class ErrorCode:
     PROTOCOL = "protocol"  # malformed frame or message; the connection is closed
 
 
-class ProtocolError(Exception):
+class ProtocolError(FtError):
     """A frame or message that breaks the protocol. The connection must be closed."""
 
 
@@ -231,7 +234,7 @@ GOODBYE = Goodbye()
 
 
 def _frame(body: list[Any]) -> bytes:
-    payload = msgpack.packb(body, use_bin_type=True)
+    payload: bytes = msgpack.packb(body, use_bin_type=True)
     if len(payload) > MAX_FRAME:
         raise ProtocolError(f"message of {len(payload)} bytes exceeds the frame cap of {MAX_FRAME} bytes")
     return _HEADER.pack(len(payload)) + payload
@@ -242,8 +245,8 @@ def _check_name(name: str) -> None:
         raise ProtocolError(f"section name must be a string, got {type(name).__name__}")
     try:
         size = len(name.encode("utf-8"))
-    except UnicodeEncodeError:
-        raise ProtocolError(f"section name {name!r} is not valid UTF-8 text") from None
+    except UnicodeEncodeError as e:
+        raise ProtocolError(f"section name {name!r} is not valid UTF-8 text") from e
     if not 0 < size <= MAX_NAME_BYTES:
         raise ProtocolError(f"section name must be 1..{MAX_NAME_BYTES} bytes of UTF-8, got {size} bytes")
 
@@ -331,7 +334,8 @@ def _name(v: object) -> str:
 
 _DECODERS: dict[int, tuple[int, Any]] = {
     # tag: (number of fields after the tag, builder)
-    MsgType.HELLO: (4, lambda f: Hello(_int(f[0], "version"), _str(f[1], "role"), _int(f[2], "rank"), _dict(f[3], "info"))),
+    MsgType.HELLO: (4, lambda f: Hello(_int(f[0], "version"), _str(f[1], "role"), _int(f[2], "rank"),
+                                       _dict(f[3], "info"))),
     MsgType.HELLO_OK: (2, lambda f: HelloOk(_int(f[0], "version"), _dict(f[1], "session"))),
     MsgType.ERROR: (2, lambda f: Error(_str(f[0], "error code"), _str(f[1], "error message"))),
     MsgType.HEARTBEAT: (0, lambda f: HEARTBEAT),
@@ -377,7 +381,8 @@ def decode_body(body: bytes | memoryview) -> Message:
     nfields, build = spec
     if len(obj) != nfields + 1:
         raise ProtocolError(f"{MsgType(tag).name} takes {nfields} field(s), got {len(obj) - 1}")
-    return build(obj[1:])
+    msg: Message = build(obj[1:])
+    return msg
 
 
 class FrameDecoder:

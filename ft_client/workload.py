@@ -19,7 +19,7 @@ class WorkloadAction(Enum):
     """Stop every node, with no further restarts."""
 
     @classmethod
-    def parse(cls, value: "WorkloadAction | str") -> "WorkloadAction":
+    def parse(cls, value: WorkloadAction | str) -> WorkloadAction:
         if isinstance(value, WorkloadAction):
             return value
         for action in cls:

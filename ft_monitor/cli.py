@@ -24,6 +24,8 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from ft_client.errors import FtError
+
 if TYPE_CHECKING:
     from ft_monitor.settings import ServeSpec
 
@@ -40,7 +42,7 @@ RUN_CHECKED = "--run-checked"
 SETTINGS_MARKER = "ft-monitor-settings: "
 
 
-class UsageError(Exception):
+class UsageError(FtError):
     pass
 
 
@@ -53,9 +55,9 @@ def _new_loop_factory(name: str) -> Callable[[], Any]:
             import uvloop
 
             return uvloop.new_event_loop
-        except ImportError:
+        except ImportError as e:
             if name == "uvloop":
-                raise UsageError("--loop uvloop: uvloop is not installed (pip install uvloop)") from None
+                raise UsageError("--loop uvloop: uvloop is not installed (pip install uvloop)") from e
     return asyncio.new_event_loop
 
 

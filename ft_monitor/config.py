@@ -18,13 +18,15 @@ import math
 import os
 import reprlib
 import signal
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
 from ft_client import env as ft_env
+from ft_client.errors import FtError
 from ft_client.timeouts import (
     MAX_SECTION_NAME_BYTES,
     MAX_SECTIONS,
@@ -35,7 +37,7 @@ from ft_client.timeouts import (
 )
 
 
-class ConfigError(ValueError):
+class ConfigError(FtError, ValueError):
     """A setting that breaks a rule. The message is meant for the user, as is."""
 
 
@@ -97,7 +99,7 @@ def parse_signal(value: Any) -> signal.Signals:
 
 
 class FaultToleranceConfig(BaseModel):
-    """Settings of the monitor daemon (and, later, the launcher).
+    """Settings of the monitor daemon and of ft-launcher.
 
     Timeouts are in seconds; None (YAML ``null``, CLI ``none``) turns one off.
     docs/configuration.md describes each field.
@@ -141,8 +143,8 @@ class FaultToleranceConfig(BaseModel):
         v = _number_words(v)
         try:
             return check_timeout(v, "value")
-        except ValueError:
-            raise ValueError(_TIMEOUT_RULE) from None
+        except ValueError as e:
+            raise ValueError(_TIMEOUT_RULE) from e
 
     @field_validator("rank_section_timeouts", mode="before")
     @classmethod
@@ -163,16 +165,16 @@ class FaultToleranceConfig(BaseModel):
                 raise ValueError(f"section name {name[:40]!r}... is longer than {MAX_SECTION_NAME_BYTES} bytes")
             try:
                 out[name.strip()] = check_timeout(_number_words(_none_words(value)), name)
-            except ValueError:
-                raise ValueError(f"section {shown(name)} = {shown(value)}: {_TIMEOUT_RULE}") from None
+            except ValueError as e:
+                raise ValueError(f"section {shown(name)} = {shown(value)}: {_TIMEOUT_RULE}") from e
         return out
 
     @model_validator(mode="after")
-    def _timeouts_fit_the_wire(self) -> "FaultToleranceConfig":
+    def _timeouts_fit_the_wire(self) -> FaultToleranceConfig:
         try:
             check_wire_size(self.timeouts())
         except TimeoutsError as e:
-            raise ValueError(str(e)) from None
+            raise ValueError(str(e)) from e
         return self
 
     @field_validator("num_warmup_iterations", "max_no_progress_cycles", "min_progress_iterations",
@@ -219,14 +221,14 @@ class FaultToleranceConfig(BaseModel):
     def _signal(cls, v: Any) -> Any:
         try:
             sig = parse_signal(v)
-        except (KeyError, ValueError):
-            raise ValueError("must be a signal name or number, e.g. SIGTERM, TERM or 15") from None
+        except (KeyError, ValueError) as e:
+            raise ValueError("must be a signal name or number, e.g. SIGTERM, TERM or 15") from e
         if sig in (signal.SIGSTOP, signal.SIGCONT):
             raise ValueError(f"{sig.name} cannot be used here")
         return sig
 
     @model_validator(mode="after")
-    def _distinct_signals(self) -> "FaultToleranceConfig":
+    def _distinct_signals(self) -> FaultToleranceConfig:
         if self.stack_dump_signal == self.rank_termination_signal:
             raise ValueError(
                 f"stack_dump_signal = {self.stack_dump_signal.name} is also rank_termination_signal: "
@@ -295,7 +297,7 @@ class FaultToleranceConfig(BaseModel):
         try:
             return str(Path(v).expanduser().absolute())
         except RuntimeError as e:  # ~user that does not exist
-            raise ValueError(f"cannot expand the path: {e}") from None
+            raise ValueError(f"cannot expand the path: {e}") from e
 
     # -- derived -------------------------------------------------------------
     def timeouts(self) -> Timeouts:
@@ -401,13 +403,13 @@ def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
     try:
         text = Path(path).read_text()
     except OSError as e:
-        raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from None
+        raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from e
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
-    except RecursionError:
-        raise ConfigError(f"config file {path} is nested too deeply to read") from None
+        raise ConfigError(f"config file {path} is not valid YAML: {e}") from e
+    except RecursionError as e:
+        raise ConfigError(f"config file {path} is nested too deeply to read") from e
     section = find_fault_tolerance_section(data)
     if section is None:
         raise ConfigError(f"config file {path} has no 'fault_tolerance:' mapping")
@@ -479,11 +481,12 @@ def load_config(
             merged[key] = value
             origin[key] = _origin_label(source, key)
     if ignored:
-        (log or logging.getLogger("ft_monitor.config")).warning("ignored nvidia-resiliency-ext setting(s) with no meaning here: %s", ", ".join(sorted(set(ignored))))
+        (log or logging.getLogger("ft_monitor.config")).warning(
+            "ignored nvidia-resiliency-ext setting(s) with no meaning here: %s", ", ".join(sorted(set(ignored))))
     try:
         return FaultToleranceConfig(**merged)
     except ValidationError as e:
-        raise ConfigError(_format_validation_error(e, merged, origin)) from None
+        raise ConfigError(_format_validation_error(e, merged, origin)) from e
 
 
 def _origin_label(source: str, key: str) -> str:

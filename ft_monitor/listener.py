@@ -16,13 +16,15 @@ import socket
 import stat
 from pathlib import Path
 
+from ft_client.errors import FtError
+
 AF_UNIX_PATH_MAX = 107
 """sun_path is 108 bytes on Linux, one of them the terminating NUL."""
 PRIVATE_DIR_HINT = ("use a private directory: $XDG_RUNTIME_DIR/ft/rank0.sock where $XDG_RUNTIME_DIR is set "
                     "(it is the user's own, mode 0700), else a directory of your own such as ~/.ft/rank0.sock")
 
 
-class ListenerError(RuntimeError):
+class ListenerError(FtError, RuntimeError):
     pass
 
 
@@ -31,7 +33,7 @@ def _check_dir(directory: Path) -> None:
         try:
             directory.mkdir(mode=0o700, parents=True)
         except OSError as e:
-            raise ListenerError(f"cannot create socket directory {directory}: {e.strerror}") from None
+            raise ListenerError(f"cannot create socket directory {directory}: {e.strerror}") from e
         os.chmod(directory, 0o700)  # mkdir's mode is masked by the umask
         return
     st = os.stat(directory)
@@ -71,7 +73,7 @@ def _clear_stale(path: Path) -> None:
         if e.errno in (errno.ECONNREFUSED, errno.ENOENT):
             os.unlink(path)
             return
-        raise ListenerError(f"cannot tell whether {path} is in use: {e}") from None
+        raise ListenerError(f"cannot tell whether {path} is in use: {e}") from e
     finally:
         probe.close()
     raise ListenerError(f"another daemon is already serving {path}; stop it or choose another path")
@@ -101,7 +103,7 @@ def bind_unix_listener(path: str | os.PathLike[str], backlog: int = socket.SOMAX
         return sock, os.lstat(p).st_ino
     except OSError as e:
         sock.close()
-        raise ListenerError(f"cannot listen on {p}: {e.strerror or e}") from None
+        raise ListenerError(f"cannot listen on {p}: {e.strerror or e}") from e
 
 
 def remove_socket_file(path: str | os.PathLike[str], inode: int) -> bool:

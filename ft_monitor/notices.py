@@ -9,14 +9,17 @@ once and a peer cannot slip a wrong type past the reader: `from_wire` raises
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Mapping
+from typing import Any
+
+from ft_client.errors import FtError
 
 MAX_TEXT = 4096
 MAX_INT = 2**63 - 1
 
 
-class NoticeError(ValueError):
+class NoticeError(FtError, ValueError):
     """A notice whose fields do not follow the rules."""
 
 
@@ -70,7 +73,7 @@ class HangNotice:
         return asdict(self)
 
     @classmethod
-    def from_wire(cls, data: Mapping[str, Any]) -> "HangNotice":
+    def from_wire(cls, data: Mapping[str, Any]) -> HangNotice:
         if not isinstance(data, Mapping):
             raise NoticeError(f"hang notice must be a map, got {type(data).__name__}")
         unknown = sorted(map(str, set(data) - {f.name for f in fields(cls)}))

@@ -19,6 +19,7 @@ import os
 import select
 import signal
 
+from ft_client.errors import FtError
 from ft_client.peer import PeerCred, peer_credentials, peer_pidfd
 
 __all__ = ["PeerCred", "peer_credentials", "ProcessHandle", "PinnedGroup", "descendants", "group_members",
@@ -27,7 +28,7 @@ __all__ = ["PeerCred", "peer_credentials", "ProcessHandle", "PinnedGroup", "desc
 _GONE = (errno.ENOENT, errno.ESRCH)
 
 
-class Unknown(Exception):
+class Unknown(FtError):
     """/proc could not be read for a reason other than the process being gone."""
 
 

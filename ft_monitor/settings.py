@@ -34,6 +34,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
+from ft_client.errors import FtError
 from ft_client.timeouts import (
     MAX_SECTION_NAME_BYTES,
     MAX_SECTIONS,
@@ -50,7 +51,7 @@ FAULTHANDLER_RESERVED = frozenset({signal.SIGSEGV, signal.SIGFPE, signal.SIGABRT
 LOOPS = ("auto", "asyncio", "uvloop")
 
 
-class SettingsError(ValueError):
+class SettingsError(FtError, ValueError):
     """A setting that breaks a rule. The message is meant for the user, as is."""
 
 
@@ -80,8 +81,8 @@ def _is_number(v: Any) -> bool:
 def _timeout(v: Any) -> float | None:
     try:
         return check_timeout(v, "value")
-    except ValueError:
-        raise ValueError(_TIMEOUT_RULE) from None
+    except ValueError as e:
+        raise ValueError(_TIMEOUT_RULE) from e
 
 
 def _section_timeouts(v: Any) -> Mapping[str, float | None]:
@@ -97,8 +98,8 @@ def _section_timeouts(v: Any) -> Mapping[str, float | None]:
             raise ValueError(f"section name {name[:40]!r}... is longer than {MAX_SECTION_NAME_BYTES} bytes")
         try:
             out[name] = check_timeout(value, name)
-        except ValueError:
-            raise ValueError(f"section {_shown(name)} = {_shown(value)}: {_TIMEOUT_RULE}") from None
+        except ValueError as e:
+            raise ValueError(f"section {_shown(name)} = {_shown(value)}: {_TIMEOUT_RULE}") from e
     return types.MappingProxyType(out)
 
 
@@ -128,8 +129,8 @@ def _signal(v: Any) -> signal.Signals:
         if isinstance(v, bool) or not isinstance(v, int):
             raise ValueError(v)
         sig = signal.Signals(v)
-    except ValueError:
-        raise ValueError("must be a signal number, e.g. 15 for SIGTERM") from None
+    except ValueError as e:
+        raise ValueError("must be a signal number, e.g. 15 for SIGTERM") from e
     if sig in (signal.SIGSTOP, signal.SIGCONT):
         raise ValueError(f"{sig.name} cannot be used here")
     return sig
@@ -244,7 +245,7 @@ class Settings:
             try:
                 typed = f.metadata["rule"](value)
             except ValueError as e:
-                raise SettingsError(f"invalid setting {f.name} = {_shown(value)}: {e}") from None
+                raise SettingsError(f"invalid setting {f.name} = {_shown(value)}: {e}") from e
             object.__setattr__(self, f.name, typed)
         self._check_across_fields()
 
@@ -263,7 +264,7 @@ class Settings:
         try:
             check_wire_size(self.timeouts())
         except TimeoutsError as e:
-            raise SettingsError(f"invalid settings: {e}") from None
+            raise SettingsError(f"invalid settings: {e}") from e
 
     # -- derived -------------------------------------------------------------
     def timeouts(self) -> Timeouts:
@@ -310,7 +311,7 @@ def _loads(text: str | bytes, what: str) -> Any:
     try:
         return json.loads(text)
     except (ValueError, UnicodeDecodeError) as e:
-        raise SettingsError(f"invalid {what}: not JSON ({e})") from None
+        raise SettingsError(f"invalid {what}: not JSON ({e})") from e
 
 
 @dataclass(frozen=True)

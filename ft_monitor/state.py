@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from ft_client.errors import FtError
 from ft_client.timeouts import STEP_SECTION, WARMUP_SECTION, Timeouts
 
 MAX_OPEN_SECTIONS = 1024
@@ -40,7 +41,7 @@ class Phase(Enum):
     ENDED = "ended"
 
 
-class SessionError(ValueError):
+class SessionError(FtError, ValueError):
     """A well-formed message that makes no sense in the session's state."""
 
 

@@ -12,11 +12,11 @@ import pytest
 
 from ft_monitor import cli
 from ft_monitor.config import (
-    cli_overrides,
     FIELDS,
     IGNORED_NVRX_FIELDS,
     ConfigError,
     FaultToleranceConfig,
+    cli_overrides,
     find_fault_tolerance_section,
     load_config,
     parse_signal,

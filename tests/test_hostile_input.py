@@ -21,15 +21,16 @@ import struct
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import msgpack
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from ft_client import RankMonitorClient, wire
+from ft_client import RankMonitorClient, RankMonitorClientError, wire
 from ft_monitor import cli
 from ft_monitor.config import FIELDS
 from ft_monitor.state import MAX_OPEN_SECTIONS

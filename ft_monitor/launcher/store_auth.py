@@ -23,9 +23,11 @@ import json
 import math
 import os
 import stat
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
+from ft_client.errors import FtError
 from ft_client.safefiles import UnsafeFileError, read_bounded
 
 SECRET_ENV = "FT_JOB_SECRET"
@@ -37,11 +39,11 @@ MAX_TEXT = 4096
 MAX_MESSAGE_BYTES = 16 * 1024
 
 
-class SecretError(ValueError):
+class SecretError(FtError, ValueError):
     """The job secret cannot be used (unreadable, too short, readable by others)."""
 
 
-class StoreMessageError(ValueError):
+class StoreMessageError(FtError, ValueError):
     """A store value that is not an authentic, well-formed message of this job."""
 
 
@@ -107,7 +109,7 @@ class ShutdownRequest:
         return {"reason": self.reason, "rank": self.rank, "host": self.host}
 
     @classmethod
-    def from_body(cls, body: Mapping[str, Any]) -> "ShutdownRequest":
+    def from_body(cls, body: Mapping[str, Any]) -> ShutdownRequest:
         return cls(_text(body, "reason"), _rank(body, "rank", optional=True), _text(body, "host"))
 
 
@@ -126,7 +128,7 @@ class HangRecord:
         return {"rank": self.rank, "onset_time": self.onset_time, "message": self.message, "host": self.host}
 
     @classmethod
-    def from_body(cls, body: Mapping[str, Any]) -> "HangRecord":
+    def from_body(cls, body: Mapping[str, Any]) -> HangRecord:
         onset = body.get("onset_time")
         if isinstance(onset, bool) or not isinstance(onset, (int, float)) or not math.isfinite(onset) or onset < 0:
             raise StoreMessageError("field onset_time must be a finite number of seconds >= 0")

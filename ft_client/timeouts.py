@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ft_client.errors import FtError
+from ft_client.names import section_name_problem
 
 STEP_SECTION = "step"
 WARMUP_SECTION = "warmup"
@@ -37,7 +38,6 @@ def learned_section_key(name: str) -> str:
 
 MAX_SECTIONS = 256
 """Configured sections at most (the timeouts map must fit in one 64 KiB frame)."""
-MAX_SECTION_NAME_BYTES = 256
 MAX_WIRE_BYTES = 24 * 1024
 """The timeouts map, encoded, at most: it travels inside HELLO_OK, CONFIG_OK and
 STATUS_REPLY, which must stay under the 64 KiB frame cap with everything else."""
@@ -148,11 +148,9 @@ class Timeouts:
             raise TimeoutsError(f"rank_section_timeouts has {len(sections)} sections; at most {MAX_SECTIONS}")
         checked: dict[str, float | None] = {}
         for name, value in sections.items():
-            if not isinstance(name, str) or not name:
-                raise TimeoutsError(f"rank_section_timeouts key {name!r}: must be a non-empty string")
-            if len(name.encode("utf-8", "replace")) > MAX_SECTION_NAME_BYTES:
-                raise TimeoutsError(f"rank_section_timeouts key {name[:40]!r}...: longer than "
-                                    f"{MAX_SECTION_NAME_BYTES} bytes")
+            problem = section_name_problem(name)
+            if problem is not None:
+                raise TimeoutsError(f"rank_section_timeouts key {str(name)[:40]!r}: {problem}")
             checked[name] = check_timeout(value, f"rank_section_timeouts[{name!r}]")
         learned = data.get("learned") or []
         if not isinstance(learned, (list, tuple, set, frozenset)) or not all(isinstance(x, str) for x in learned):

@@ -49,10 +49,20 @@ class NotEnoughDataError(RankMonitorClientError, ValueError):
     """A learned timeout was asked for before anything it needs was observed."""
 
 
+SAFETY_FACTOR_RULE = "must be a number >= 1.0 (a factor below 1 makes timeouts shorter than observed)"
+"""The one safety-factor rule: the config, the settings and the checkpoint loader all use it
+(a checkpoint cannot carry a factor the config refuses)."""
+
+
+def safety_factor_ok(value: object) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and value >= 1.0)
+
+
 def check_safety_factor(value: object) -> float:
-    """Validate a safety factor: a finite number > 0."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"safety_factor = {value!r}: must be a finite number > 0")
+    """Validate a safety factor (SAFETY_FACTOR_RULE)."""
+    if not safety_factor_ok(value) or not isinstance(value, (int, float)):
+        raise ValueError(f"safety_factor = {value!r}: {SAFETY_FACTOR_RULE}")
     return float(value)
 
 

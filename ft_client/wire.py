@@ -44,12 +44,13 @@ from typing import Any
 import msgpack
 
 from ft_client.errors import FtError
+from ft_client.names import MAX_SECTION_NAME_BYTES, section_name_problem
 
 PROTOCOL_VERSION = 1
 MAX_FRAME = 64 * 1024
 """Largest body accepted, in bytes. Checked on the length prefix, before decoding."""
-MAX_NAME_BYTES = 256
-"""Longest section name, in UTF-8 bytes."""
+MAX_NAME_BYTES = MAX_SECTION_NAME_BYTES
+"""Longest section name, in UTF-8 bytes (the rule is ft_client.names')."""
 
 _HEADER = struct.Struct(">I")
 HEADER_SIZE = _HEADER.size
@@ -241,14 +242,9 @@ def _frame(body: list[Any]) -> bytes:
 
 
 def _check_name(name: str) -> None:
-    if not isinstance(name, str):
-        raise ProtocolError(f"section name must be a string, got {type(name).__name__}")
-    try:
-        size = len(name.encode("utf-8"))
-    except UnicodeEncodeError as e:
-        raise ProtocolError(f"section name {name!r} is not valid UTF-8 text") from e
-    if not 0 < size <= MAX_NAME_BYTES:
-        raise ProtocolError(f"section name must be 1..{MAX_NAME_BYTES} bytes of UTF-8, got {size} bytes")
+    problem = section_name_problem(name)
+    if problem is not None:
+        raise ProtocolError(problem)
 
 
 def encode(msg: Message) -> bytes:
@@ -385,6 +381,15 @@ def decode_body(body: bytes | memoryview) -> Message:
     return msg
 
 
+def frame_length(header: bytes | bytearray, offset: int = 0) -> int:
+    """The body length a frame's prefix announces, checked against MAX_FRAME (the one
+    place the rule is written: the decoder, blocking readers and the launcher link use it)."""
+    (size,) = _HEADER.unpack_from(header, offset)
+    if size == 0 or size > MAX_FRAME:
+        raise ProtocolError(f"frame length {size} outside 1..{MAX_FRAME}")
+    return int(size)
+
+
 class FrameDecoder:
     """Incremental decoder: feed bytes as they arrive, get whole messages out.
 
@@ -410,9 +415,7 @@ class FrameDecoder:
         end = len(buf)
         try:
             while end - pos >= HEADER_SIZE:
-                (size,) = _HEADER.unpack_from(buf, pos)
-                if size == 0 or size > MAX_FRAME:
-                    raise ProtocolError(f"frame length {size} outside 1..{MAX_FRAME}")
+                size = frame_length(buf, pos)
                 stop = pos + HEADER_SIZE + size
                 if stop > end:
                     break
@@ -426,8 +429,4 @@ class FrameDecoder:
 
 def read_frame_blocking(recv_exact: Any) -> Message:
     """Read one message with ``recv_exact(n) -> bytes`` (blocking helpers in clients)."""
-    header = recv_exact(HEADER_SIZE)
-    (size,) = _HEADER.unpack(header)
-    if size == 0 or size > MAX_FRAME:
-        raise ProtocolError(f"frame length {size} outside 1..{MAX_FRAME}")
-    return decode_body(recv_exact(size))
+    return decode_body(recv_exact(frame_length(recv_exact(HEADER_SIZE))))

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
-import reprlib
 import signal
 from collections.abc import Mapping
 from pathlib import Path
@@ -28,13 +26,9 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, mo
 from ft_client import env as ft_env
 from ft_client.errors import FtError
 from ft_client.timeouts import (
-    MAX_SECTION_NAME_BYTES,
-    MAX_SECTIONS,
     Timeouts,
-    TimeoutsError,
-    check_timeout,
-    check_wire_size,
 )
+from ft_monitor import rules
 
 
 class ConfigError(FtError, ValueError):
@@ -72,30 +66,14 @@ IGNORED_NVRX_FIELDS = frozenset(
     }
 )
 
-_TIMEOUT_RULE = "must be a number of seconds > 0, or null to disable"
-MAX_WHOLE = 2**63 - 1
-"""Whole-number settings travel in msgpack as signed 64-bit integers."""
-_WHOLE_RULE = f"must be a whole number >= 0 and <= {MAX_WHOLE}"
-FAULTHANDLER_RESERVED = frozenset({signal.SIGSEGV, signal.SIGFPE, signal.SIGABRT, signal.SIGBUS, signal.SIGILL})
+MAX_WHOLE = rules.MAX_WHOLE
+FAULTHANDLER_RESERVED = rules.FAULTHANDLER_RESERVED
+parse_signal = rules.parse_signal
+shown = rules.shown
 """Signals faulthandler keeps for crashes: it cannot register them to dump on request."""
 MAX_YAML_DEPTH = 64
 
 
-def parse_signal(value: Any) -> signal.Signals:
-    """'SIGTERM', 'term', 15 or signal.SIGTERM -> signal.SIGTERM."""
-    if isinstance(value, signal.Signals):
-        return value
-    if isinstance(value, int) and not isinstance(value, bool):
-        return signal.Signals(value)
-    if isinstance(value, str):
-        text = value.strip()
-        if text.lstrip("-").isdigit():
-            return signal.Signals(int(text))
-        name = text.upper()
-        if not name.startswith("SIG"):
-            name = "SIG" + name
-        return signal.Signals[name]
-    raise ValueError(value)
 
 
 class FaultToleranceConfig(BaseModel):
@@ -139,12 +117,7 @@ class FaultToleranceConfig(BaseModel):
     )
     @classmethod
     def _timeout(cls, v: Any) -> Any:
-        v = _none_words(v)
-        v = _number_words(v)
-        try:
-            return check_timeout(v, "value")
-        except ValueError as e:
-            raise ValueError(_TIMEOUT_RULE) from e
+        return rules.timeout(_number_words(_none_words(v)))
 
     @field_validator("rank_section_timeouts", mode="before")
     @classmethod
@@ -153,138 +126,91 @@ class FaultToleranceConfig(BaseModel):
             return {}
         if isinstance(v, str):
             v = parse_section_timeouts(v)
-        if not isinstance(v, Mapping):
-            raise ValueError("must be a map of section name to seconds or null (CLI form: step:30,ckpt:none)")
-        if len(v) > MAX_SECTIONS:
-            raise ValueError(f"has {len(v)} sections; at most {MAX_SECTIONS}")
-        out: dict[str, float | None] = {}
-        for name, value in v.items():
-            if not isinstance(name, str) or not name.strip():
-                raise ValueError(f"section name {shown(name)} must be a non-empty string")
-            if len(name.encode("utf-8", "replace")) > MAX_SECTION_NAME_BYTES:
-                raise ValueError(f"section name {name[:40]!r}... is longer than {MAX_SECTION_NAME_BYTES} bytes")
-            try:
-                out[name.strip()] = check_timeout(_number_words(_none_words(value)), name)
-            except ValueError as e:
-                raise ValueError(f"section {shown(name)} = {shown(value)}: {_TIMEOUT_RULE}") from e
-        return out
+        if isinstance(v, Mapping):  # names with blanks around them
+            v = {(k.strip() if isinstance(k, str) and k.strip() else k): x for k, x in v.items()}
+        return rules.section_timeouts(v, lambda x: _number_words(_none_words(x)))
 
     @model_validator(mode="after")
     def _timeouts_fit_the_wire(self) -> FaultToleranceConfig:
-        try:
-            check_wire_size(self.timeouts())
-        except TimeoutsError as e:
-            raise ValueError(str(e)) from e
+        problem = rules.timeouts_problem(self.timeouts())
+        if problem is not None:
+            raise ValueError(problem)
         return self
 
     @field_validator("num_warmup_iterations", "max_no_progress_cycles", "min_progress_iterations",
                      "max_inprocess_restarts", mode="before")
     @classmethod
     def _warmup(cls, v: Any) -> Any:
-        v = _number_words(v)
-        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_WHOLE:
-            raise ValueError(_WHOLE_RULE)
-        return v
+        return rules.whole(_number_words(v))
 
     @field_validator("max_connections", mode="before")
     @classmethod
     def _max_connections(cls, v: Any) -> Any:
-        v = _number_words(v)
-        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 65536:
-            raise ValueError("must be a whole number from 1 to 65536 (connections besides the rank's)")
-        return v
+        return rules.connections(_number_words(v))
 
     @field_validator("safety_factor", mode="before")
     @classmethod
     def _safety(cls, v: Any) -> Any:
-        return _checked_number(v, 1.0, True, "must be a number >= 1.0 (a factor below 1 makes timeouts shorter "
-                                              "than observed)")
+        return rules.safety_factor(_number_words(v))
 
     @field_validator("termination_grace_time", "stack_dump_timeout", "min_learned_timeout",
                      "launcher_response_timeout", mode="before")
     @classmethod
     def _duration(cls, v: Any) -> Any:
-        return _checked_number(v, 0.0, True, "must be a number of seconds >= 0")
+        return rules.duration(_number_words(v))
 
     @field_validator("client_request_timeout", mode="before")
     @classmethod
     def _request_timeout(cls, v: Any) -> Any:
-        return _checked_number(v, 0.0, False, "must be a number of seconds > 0 (a request must not wait forever)")
+        return rules.request_timeout(_number_words(v))
 
     @field_validator("handshake_timeout", "observer_idle_timeout", "inprocess_restart_timeout", mode="before")
     @classmethod
     def _handshake(cls, v: Any) -> Any:
-        return _checked_number(v, 0.0, False, "must be a number of seconds > 0")
+        return rules.positive_seconds(_number_words(v))
 
     @field_validator("rank_termination_signal", "stack_dump_signal", mode="before")
     @classmethod
     def _signal(cls, v: Any) -> Any:
-        try:
-            sig = parse_signal(v)
-        except (KeyError, ValueError) as e:
-            raise ValueError("must be a signal name or number, e.g. SIGTERM, TERM or 15") from e
-        if sig in (signal.SIGSTOP, signal.SIGCONT):
-            raise ValueError(f"{sig.name} cannot be used here")
-        return sig
+        return rules.signal_number(v)
 
     @model_validator(mode="after")
     def _distinct_signals(self) -> FaultToleranceConfig:
-        if self.stack_dump_signal == self.rank_termination_signal:
-            raise ValueError(
-                f"stack_dump_signal = {self.stack_dump_signal.name} is also rank_termination_signal: "
-                "the dump signal must not stop the rank; choose another (default SIGUSR2)"
-            )
-        if self.stack_dump_signal in (signal.SIGTERM, signal.SIGINT, signal.SIGKILL):
-            raise ValueError(
-                f"stack_dump_signal = {self.stack_dump_signal.name} would stop the rank instead of dumping its "
-                "stack; use SIGUSR1, SIGUSR2 or a real-time signal"
-            )
-        if self.stack_dump_signal in FAULTHANDLER_RESERVED:
-            raise ValueError(
-                f"stack_dump_signal = {self.stack_dump_signal.name} is kept by faulthandler for crashes and cannot "
-                "dump a stack on request; use SIGUSR1, SIGUSR2 or a real-time signal"
-            )
+        problem = rules.signals_problem(self.stack_dump_signal, self.rank_termination_signal)
+        if problem is not None:
+            raise ValueError(problem)
         return self
 
     @field_validator("skip_section_response", mode="before")
     @classmethod
     def _bool(cls, v: Any) -> Any:
-        if isinstance(v, bool):
-            return v
-        if isinstance(v, int) and v in (0, 1):
-            return bool(v)
-        if isinstance(v, str) and v.strip().lower() in _TRUE | _FALSE:
-            return v.strip().lower() in _TRUE
-        raise ValueError("must be true or false")
+        if isinstance(v, int) and not isinstance(v, bool) and v in (0, 1):
+            v = bool(v)
+        elif isinstance(v, str) and v.strip().lower() in _TRUE | _FALSE:
+            v = v.strip().lower() in _TRUE
+        return rules.boolean(v)
 
     @field_validator("log_level", mode="before")
     @classmethod
     def _log_level(cls, v: Any) -> Any:
-        if isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_WHOLE:
-            return v
         if isinstance(v, str):
             name = v.strip().upper()
-            if name.isdigit() and int(name) <= MAX_WHOLE:
-                return int(name)
             level = logging.getLevelName(name)
-            if isinstance(level, int):
-                return level
-        raise ValueError("must be DEBUG, INFO, WARNING, ERROR, CRITICAL or a number")
+            if name.isdigit():
+                v = int(name)
+            elif isinstance(level, int):
+                v = level
+        return rules.log_level(v)
 
     @field_validator("on_hang", mode="before")
     @classmethod
     def _on_hang(cls, v: Any) -> Any:
-        if isinstance(v, str) and v.strip().lower() in ("kill", "inprocess"):
-            return v.strip().lower()
-        raise ValueError("must be 'kill' (stop the rank; the launcher restarts the group) or 'inprocess' (restart "
-                         "in the same processes through ft_client.inprocess.Wrapper, kill as the fallback)")
+        return rules.on_hang(v.strip().lower() if isinstance(v, str) else v)
 
     @field_validator("on_monitor_lost", mode="before")
     @classmethod
     def _on_lost(cls, v: Any) -> Any:
-        if isinstance(v, str) and v.strip().lower() in ("warn", "raise"):
-            return v.strip().lower()
-        raise ValueError("must be 'warn' (log once, keep training) or 'raise'")
+        return rules.on_monitor_lost(v.strip().lower() if isinstance(v, str) else v)
 
     @field_validator("report_dir", mode="before")
     @classmethod
@@ -295,7 +221,7 @@ class FaultToleranceConfig(BaseModel):
         if not isinstance(v, (str, os.PathLike)) or not str(v):
             raise ValueError("must be a directory path")
         try:
-            return str(Path(v).expanduser().absolute())
+            return rules.report_dir(str(Path(v).expanduser().absolute()))
         except RuntimeError as e:  # ~user that does not exist
             raise ValueError(f"cannot expand the path: {e}") from e
 
@@ -305,31 +231,9 @@ class FaultToleranceConfig(BaseModel):
         return Timeouts.from_config(self)
 
 
-_REPR = reprlib.Repr()
-_REPR.maxstring = _REPR.maxother = 120
-_REPR.maxlist = _REPR.maxdict = _REPR.maxtuple = _REPR.maxset = 8
-_REPR.maxlevel = 2
-
-
-def shown(value: Any) -> str:
-    """repr() of a user's value for an error line: bounded in size and depth (a YAML alias
-    can make a small file a huge or cyclic value)."""
-    return _REPR.repr(value)
-
-
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
 FIELDS: tuple[str, ...] = tuple(FaultToleranceConfig.model_fields)
-
-
-def _checked_number(v: Any, bound: float, inclusive: bool, rule: str) -> float:
-    """A finite number >= bound (or > bound), from a number or its text; else ValueError(rule)."""
-    v = _number_words(v)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise ValueError(rule)
-    if v < bound or (v == bound and not inclusive):
-        raise ValueError(rule)
-    return float(v)
 
 
 def _none_words(v: Any) -> Any:

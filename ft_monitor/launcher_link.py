@@ -25,10 +25,7 @@ log = logging.getLogger("ft_monitor.launcher_link")
 
 
 async def _read(reader: asyncio.StreamReader) -> wire.Message:
-    header = await reader.readexactly(wire.HEADER_SIZE)
-    size = int.from_bytes(header, "big")
-    if size == 0 or size > wire.MAX_FRAME:
-        raise wire.ProtocolError(f"frame length {size} outside 1..{wire.MAX_FRAME}")
+    size = wire.frame_length(await reader.readexactly(wire.HEADER_SIZE))
     return wire.decode_body(await reader.readexactly(size))
 
 

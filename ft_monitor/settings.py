@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
-import reprlib
 import signal
 import types
 from collections.abc import Callable, Mapping
@@ -35,19 +33,9 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from ft_client.errors import FtError
-from ft_client.timeouts import (
-    MAX_SECTION_NAME_BYTES,
-    MAX_SECTIONS,
-    Timeouts,
-    TimeoutsError,
-    check_timeout,
-    check_wire_size,
-)
+from ft_client.timeouts import Timeouts
+from ft_monitor import rules
 
-MAX_WHOLE = 2**63 - 1
-"""Whole-number settings travel in msgpack as signed 64-bit integers."""
-FAULTHANDLER_RESERVED = frozenset({signal.SIGSEGV, signal.SIGFPE, signal.SIGABRT, signal.SIGBUS, signal.SIGILL})
-"""Signals faulthandler keeps for crashes: it cannot register them to dump on request."""
 LOOPS = ("auto", "asyncio", "uvloop")
 
 
@@ -55,121 +43,11 @@ class SettingsError(FtError, ValueError):
     """A setting that breaks a rule. The message is meant for the user, as is."""
 
 
-_REPR = reprlib.Repr()
-_REPR.maxstring = _REPR.maxother = 120
-_REPR.maxlist = _REPR.maxdict = _REPR.maxtuple = _REPR.maxset = 8
-_REPR.maxlevel = 2
+_shown = rules.shown
 
 
-def _shown(value: Any) -> str:
-    """repr() of a value for an error line, bounded in size and depth (as config.shown)."""
-    return _REPR.repr(value)
-
-
-# -- rules, on the JSON form of each value (the text forms are config.py's job) --------------
-# Each takes a value and returns it in its field's type, or raises ValueError(rule).
-# The rule texts are config.py's.
-
-_TIMEOUT_RULE = "must be a number of seconds > 0, or null to disable"
-_WHOLE_RULE = f"must be a whole number >= 0 and <= {MAX_WHOLE}"
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _timeout(v: Any) -> float | None:
-    try:
-        return check_timeout(v, "value")
-    except ValueError as e:
-        raise ValueError(_TIMEOUT_RULE) from e
-
-
-def _section_timeouts(v: Any) -> Mapping[str, float | None]:
-    if not isinstance(v, Mapping):
-        raise ValueError("must be a map of section name to seconds or null (CLI form: step:30,ckpt:none)")
-    if len(v) > MAX_SECTIONS:
-        raise ValueError(f"has {len(v)} sections; at most {MAX_SECTIONS}")
-    out: dict[str, float | None] = {}
-    for name, value in v.items():
-        if not isinstance(name, str) or not name.strip() or name != name.strip():
-            raise ValueError(f"section name {_shown(name)} must be a non-empty string without surrounding blanks")
-        if len(name.encode("utf-8", "replace")) > MAX_SECTION_NAME_BYTES:
-            raise ValueError(f"section name {name[:40]!r}... is longer than {MAX_SECTION_NAME_BYTES} bytes")
-        try:
-            out[name] = check_timeout(value, name)
-        except ValueError as e:
-            raise ValueError(f"section {_shown(name)} = {_shown(value)}: {_TIMEOUT_RULE}") from e
-    return types.MappingProxyType(out)
-
-
-def _whole(v: Any) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_WHOLE:
-        raise ValueError(_WHOLE_RULE)
-    return v
-
-
-def _connections(v: Any) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 65536:
-        raise ValueError("must be a whole number from 1 to 65536 (connections besides the rank's)")
-    return v
-
-
-def _number(bound: float, inclusive: bool, rule: str) -> Callable[[Any], float]:
-    def check(v: Any) -> float:
-        if not _is_number(v) or v < bound or (v == bound and not inclusive):
-            raise ValueError(rule)
-        return float(v)
-
-    return check
-
-
-def _signal(v: Any) -> signal.Signals:
-    try:
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise ValueError(v)
-        sig = signal.Signals(v)
-    except ValueError as e:
-        raise ValueError("must be a signal number, e.g. 15 for SIGTERM") from e
-    if sig in (signal.SIGSTOP, signal.SIGCONT):
-        raise ValueError(f"{sig.name} cannot be used here")
-    return sig
-
-
-def _bool(v: Any) -> bool:
-    if not isinstance(v, bool):
-        raise ValueError("must be true or false")
-    return v
-
-
-def _log_level(v: Any) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_WHOLE:
-        raise ValueError("must be a logging level number (DEBUG 10, INFO 20, ...)")
-    return v
-
-
-def _on_monitor_lost(v: Any) -> str:
-    if v not in ("warn", "raise"):
-        raise ValueError("must be 'warn' (log once, keep training) or 'raise'")
-    return v  # type: ignore[no-any-return]
-
-
-def _on_hang(v: Any) -> str:
-    if v not in ("kill", "inprocess"):
-        raise ValueError("must be 'kill' or 'inprocess'")
-    return str(v)
-
-
-def _report_dir(v: Any) -> str | None:
-    if v is None:
-        return None
-    if not isinstance(v, str) or not v.startswith("/"):
-        raise ValueError("must be an absolute directory path, or null")
-    return v
-
-
-_DURATION = _number(0.0, True, "must be a number of seconds >= 0")
-_POSITIVE = _number(0.0, False, "must be a number of seconds > 0")
+def _frozen_sections(v: Any) -> Mapping[str, float | None]:
+    return types.MappingProxyType(rules.section_timeouts(v))
 
 
 def _setting(default: Any, rule: Callable[[Any], Any]) -> Any:
@@ -192,33 +70,31 @@ class Settings:
     takes its default; an unknown field or a bad value raises SettingsError.
     """
 
-    initial_rank_heartbeat_timeout: float | None = _setting(None, _timeout)
-    rank_heartbeat_timeout: float | None = _setting(None, _timeout)
-    rank_section_timeouts: Mapping[str, float | None] = _setting({}, _section_timeouts)
-    rank_out_of_section_timeout: float | None = _setting(None, _timeout)
-    num_warmup_iterations: int = _setting(5, _whole)
-    safety_factor: float = _setting(5.0, _number(1.0, True, "must be a number >= 1.0 (a factor below 1 makes "
-                                                             "timeouts shorter than observed)"))
-    min_learned_timeout: float = _setting(5.0, _DURATION)
-    rank_termination_signal: signal.Signals = _setting(signal.SIGTERM, _signal)
-    termination_grace_time: float = _setting(5.0, _DURATION)
-    stack_dump_signal: signal.Signals = _setting(signal.SIGUSR2, _signal)
-    stack_dump_timeout: float = _setting(5.0, _DURATION)
-    report_dir: str | None = _setting(None, _report_dir)
-    skip_section_response: bool = _setting(True, _bool)
-    log_level: int = _setting(logging.INFO, _log_level)
-    on_monitor_lost: str = _setting("warn", _on_monitor_lost)
-    client_request_timeout: float = _setting(10.0, _number(0.0, False, "must be a number of seconds > 0 (a request "
-                                                                       "must not wait forever)"))
-    launcher_response_timeout: float = _setting(10.0, _DURATION)
-    handshake_timeout: float = _setting(10.0, _POSITIVE)
-    max_no_progress_cycles: int = _setting(3, _whole)
-    min_progress_iterations: int = _setting(1, _whole)
-    max_connections: int = _setting(256, _connections)
-    observer_idle_timeout: float = _setting(60.0, _POSITIVE)
-    on_hang: str = _setting("kill", _on_hang)
-    inprocess_restart_timeout: float = _setting(30.0, _POSITIVE)
-    max_inprocess_restarts: int = _setting(10, _whole)
+    initial_rank_heartbeat_timeout: float | None = _setting(None, rules.timeout)
+    rank_heartbeat_timeout: float | None = _setting(None, rules.timeout)
+    rank_section_timeouts: Mapping[str, float | None] = _setting({}, _frozen_sections)
+    rank_out_of_section_timeout: float | None = _setting(None, rules.timeout)
+    num_warmup_iterations: int = _setting(5, rules.whole)
+    safety_factor: float = _setting(5.0, rules.safety_factor)
+    min_learned_timeout: float = _setting(5.0, rules.duration)
+    rank_termination_signal: signal.Signals = _setting(signal.SIGTERM, rules.signal_number)
+    termination_grace_time: float = _setting(5.0, rules.duration)
+    stack_dump_signal: signal.Signals = _setting(signal.SIGUSR2, rules.signal_number)
+    stack_dump_timeout: float = _setting(5.0, rules.duration)
+    report_dir: str | None = _setting(None, rules.report_dir)
+    skip_section_response: bool = _setting(True, rules.boolean)
+    log_level: int = _setting(logging.INFO, rules.log_level)
+    on_monitor_lost: str = _setting("warn", rules.on_monitor_lost)
+    client_request_timeout: float = _setting(10.0, rules.request_timeout)
+    launcher_response_timeout: float = _setting(10.0, rules.duration)
+    handshake_timeout: float = _setting(10.0, rules.positive_seconds)
+    max_no_progress_cycles: int = _setting(3, rules.whole)
+    min_progress_iterations: int = _setting(1, rules.whole)
+    max_connections: int = _setting(256, rules.connections)
+    observer_idle_timeout: float = _setting(60.0, rules.positive_seconds)
+    on_hang: str = _setting("kill", rules.on_hang)
+    inprocess_restart_timeout: float = _setting(30.0, rules.positive_seconds)
+    max_inprocess_restarts: int = _setting(10, rules.whole)
 
     def __init__(self, data: Mapping[str, Any] | None = None, /, **values: Any) -> None:
         if data is not None and not isinstance(data, Mapping):
@@ -250,21 +126,11 @@ class Settings:
         self._check_across_fields()
 
     def _check_across_fields(self) -> None:
-        dump, term = self.stack_dump_signal, self.rank_termination_signal
-        if dump == term:
-            raise SettingsError(f"invalid settings: stack_dump_signal = {dump.name} is also rank_termination_signal: "
-                                "the dump signal must not stop the rank; choose another (default SIGUSR2)")
-        if dump in (signal.SIGTERM, signal.SIGINT, signal.SIGKILL):
-            raise SettingsError(f"invalid settings: stack_dump_signal = {dump.name} would stop the rank instead of "
-                                "dumping its stack; use SIGUSR1, SIGUSR2 or a real-time signal")
-        if dump in FAULTHANDLER_RESERVED:
-            raise SettingsError(f"invalid settings: stack_dump_signal = {dump.name} is kept by faulthandler for "
-                                "crashes and cannot dump a stack on request; use SIGUSR1, SIGUSR2 or a real-time "
-                                "signal")
-        try:
-            check_wire_size(self.timeouts())
-        except TimeoutsError as e:
-            raise SettingsError(f"invalid settings: {e}") from e
+        problem = rules.signals_problem(self.stack_dump_signal, self.rank_termination_signal)
+        if problem is None:
+            problem = rules.timeouts_problem(self.timeouts())
+        if problem is not None:
+            raise SettingsError(f"invalid settings: {problem}")
 
     # -- derived -------------------------------------------------------------
     def timeouts(self) -> Timeouts:

@@ -496,7 +496,7 @@ def test_section_caps_are_checked_at_start() -> None:
     many = {f"s{i}": 1.0 for i in range(300)}
     with pytest.raises(ConfigError, match=r"^invalid setting rank_section_timeouts = .*: has 300 sections; at most 256$"):
         load_config(environ=NO_ENV, cli={"rank_section_timeouts": many})
-    with pytest.raises(ConfigError, match=r"is longer than 256 bytes$"):
+    with pytest.raises(ConfigError, match=r"section name must be 1\.\.256 bytes of UTF-8, got 300 bytes$"):
         load_config(environ=NO_ENV, cli={"rank_section_timeouts": {"x" * 300: 1.0}})
     big = {f"{i:03d}" + "n" * 240: 1.0 for i in range(200)}  # within both caps, too big for a frame
     with pytest.raises(ConfigError, match=r"^invalid settings: the timeouts map takes \d+ bytes encoded; at most "):

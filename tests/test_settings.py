@@ -92,8 +92,8 @@ def test_settings_are_frozen_and_typed() -> None:
         ({"max_connections": 0}, "invalid setting max_connections = 0: must be a whole number from 1 to 65536 "
                                  "(connections besides the rank's)"),
         ({"rank_termination_signal": 19}, "invalid setting rank_termination_signal = 19: SIGSTOP cannot be used here"),
-        ({"stack_dump_signal": "SIGUSR1"}, "invalid setting stack_dump_signal = 'SIGUSR1': must be a signal number, "
-                                           "e.g. 15 for SIGTERM"),
+        ({"stack_dump_signal": "SIGNOPE"}, "invalid setting stack_dump_signal = 'SIGNOPE': must be a signal name "
+                                           "or number"),
         ({"stack_dump_signal": 15}, "invalid settings: stack_dump_signal = SIGTERM is also rank_termination_signal: "
                                     "the dump signal must not stop the rank; choose another (default SIGUSR2)"),
         ({"stack_dump_signal": 11}, "invalid settings: stack_dump_signal = SIGSEGV is kept by faulthandler"),
@@ -102,7 +102,7 @@ def test_settings_are_frozen_and_typed() -> None:
                                         "training) or 'raise'"),
         ({"report_dir": "reports"}, "invalid setting report_dir = 'reports': must be an absolute directory path, "
                                     "or null"),
-        ({"log_level": "INFO"}, "invalid setting log_level = 'INFO': must be a logging level number"),
+        ({"log_level": "INFO"}, "invalid setting log_level = 'INFO': must be DEBUG, INFO, WARNING, ERROR, CRITICAL or a number"),
         ({"rank_section_timeouts": {"step": -1}}, "invalid setting rank_section_timeouts = {'step': -1}: section "
                                                   "'step' = -1: must be a number of seconds > 0, or null to disable"),
         ({"rank_section_timeouts": [1]}, "invalid setting rank_section_timeouts = [1]: must be a map of section name"),

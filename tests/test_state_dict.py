@@ -140,8 +140,11 @@ def test_bad_values_are_refused() -> None:
         match=r"^ft state_dict observations.hb_gap = 'x': must be a number of seconds >= 0, or null$",
     ):
         from_state_dict({"observations": {"hb_gap": "x"}})
-    with pytest.raises(StateDictError, match=r"^ft state_dict: safety_factor = 0: must be a finite number > 0$"):
+    with pytest.raises(StateDictError, match=r"^ft state_dict: safety_factor = 0: must be a number >= 1\.0 \(a factor below 1 makes timeouts shorter than observed\)$"):
         from_state_dict({"safety_factor": 0})
+    # the config's rule: a checkpoint cannot carry a factor the config refuses
+    with pytest.raises(StateDictError, match=r"^ft state_dict: safety_factor = 0.5: must be a number >= 1\.0 \(a factor below 1 makes timeouts shorter than observed\)$"):
+        from_state_dict({"safety_factor": 0.5})
     with pytest.raises(
         StateDictError,
         match=r"^ft state_dict timeouts.learned has 'section:ckpt', but that timeout has no value$",

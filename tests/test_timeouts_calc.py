@@ -155,8 +155,9 @@ def test_calc_uses_slots() -> None:
 
 
 def test_bad_safety_factor() -> None:
-    with pytest.raises(ValueError, match=r"^safety_factor = 0: must be a finite number > 0$"):
-        TimeoutsCalc((), safety_factor=0)
+    for bad in (0, 0.5, float("nan"), True):
+        with pytest.raises(ValueError, match=r"^safety_factor = .*: must be a number >= 1\.0 \(a factor below 1 makes timeouts shorter than observed\)$"):
+            TimeoutsCalc((), safety_factor=bad)
 
 
 # -- reduction vector --------------------------------------------------------------

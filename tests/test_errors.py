@@ -1,0 +1,114 @@
+"""One exception family: every exception ft_client and ft_monitor define derives from
+FtError; closed and broken connections are told apart by type; causes are kept."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pkgutil
+import socket
+from pathlib import Path
+
+import pytest
+
+import ft_client
+import ft_monitor
+from ft_client import (
+    FtError,
+    MonitorBrokenError,
+    MonitorClosedError,
+    NotEnoughDataError,
+    RankMonitorClient,
+    RankMonitorClientError,
+)
+from ft_client.transport import ConnectTimeoutError, Transport, TransportBrokenError, TransportClosedError
+from ft_monitor.config import ConfigError, load_config
+from tests.procs import Daemon
+
+SKIP = {"ft_monitor.launcher.agent", "ft_monitor.launcher.main"}  # import torch.distributed.elastic
+
+
+def _modules() -> list[str]:
+    names = []
+    for pkg in (ft_client, ft_monitor):
+        for info in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
+            if info.name not in SKIP:
+                names.append(info.name)
+    return names
+
+
+def test_every_exception_class_of_ours_derives_from_ft_error() -> None:
+    found = []
+    for name in _modules():
+        module = importlib.import_module(name)
+        for _, obj in inspect.getmembers(module, inspect.isclass):
+            if issubclass(obj, BaseException) and obj.__module__ == name:
+                found.append(obj)
+                assert issubclass(obj, FtError), f"{name}.{obj.__name__} is not an FtError"
+    assert len(found) >= 20, found  # the walk did find them
+
+
+def test_the_public_names_and_their_bases() -> None:
+    assert {"FtError", "MonitorClosedError", "MonitorBrokenError", "NotEnoughDataError", "TimeoutsCalc"} \
+        <= set(ft_client.__all__)
+    assert ft_monitor.FtError is FtError
+    assert issubclass(MonitorClosedError, RankMonitorClientError)
+    assert issubclass(MonitorBrokenError, RankMonitorClientError)
+    assert issubclass(NotEnoughDataError, RankMonitorClientError) and issubclass(NotEnoughDataError, ValueError)
+    assert issubclass(ConfigError, ValueError) and issubclass(ConnectTimeoutError, TimeoutError)
+
+
+def test_a_client_used_before_init_or_after_shutdown_raises_closed(workdir: Path) -> None:
+    c = RankMonitorClient(str(workdir / "none.sock"))
+    with pytest.raises(MonitorClosedError, match="not initialized"):
+        c.set_timeouts(c.timeouts)
+    d = Daemon(workdir).wait_ready()
+    try:
+        c.init_workload_monitoring(str(d.socket))
+        c.shutdown_workload_monitoring()
+        with pytest.raises(MonitorClosedError):
+            c.send_heartbeat()
+    finally:
+        d.stop()
+
+
+def test_a_monitor_that_went_away_raises_broken_with_its_cause(workdir: Path) -> None:
+    d = Daemon(workdir, "--ft-on-monitor-lost", "raise").wait_ready()
+    c = RankMonitorClient(str(d.socket))
+    c.init_workload_monitoring()
+    d.stop()
+    with pytest.raises(MonitorBrokenError) as info:
+        for _ in range(1000):
+            c.send_heartbeat()
+    assert isinstance(info.value.__cause__, TransportBrokenError)
+    with pytest.raises(MonitorBrokenError, match="lost"):
+        c.set_timeouts(c.timeouts)
+    c.shutdown_workload_monitoring()
+
+
+def test_transport_closed_here_versus_broken_by_the_peer(tmp_path: Path) -> None:
+    tmp_path.chmod(0o700)
+    path = str(tmp_path / "s.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
+        server.bind(path)
+        server.listen()
+        t = Transport(path, 1.0)
+        t.close()
+        with pytest.raises(TransportClosedError):
+            t.send_event(b"\0\0\0\1\x90")
+        t2 = Transport(path, 1.0)
+        peer, _ = server.accept()
+        peer.close()
+        peer2, _ = server.accept()
+        peer2.close()  # the daemon end goes away
+        with pytest.raises(TransportBrokenError) as info:
+            t2.request(ft_client.wire.PING)
+        t2.close()
+    assert info.value.__cause__ is not None or "closed" in str(info.value)
+
+
+def test_a_config_file_error_keeps_its_cause(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(tmp_path / "missing.yaml", environ={})
+    assert isinstance(info.value.__cause__, OSError)
+    assert isinstance(info.value, FtError)

@@ -164,6 +164,11 @@ class RankMonitorClient:
         self._iteration_sent_at = -ITERATION_REPORT_INTERVAL
         self._path = ""
         self._control: ControlLink | None = None
+        self._restart: events.Restart | None | bool = None
+        """In-process restart under way: True between the Wrapper's abort and its re-entry
+        (progress calls then report nothing: the rank is unwinding); the `events.Restart`
+        after re-entry until the first progress call reports it (REENTERED); else None."""
+        self._restart_hook = _RestartHook(self)
         self.rank = rank
         _clients.add(self)
 
@@ -216,6 +221,7 @@ class RankMonitorClient:
             if self._to_load is not None:  # load_state_dict() came first: push at the handshake
                 loaded, self._to_load = self._to_load, None
                 self.set_timeouts(overlay_learned(self._timeouts, loaded))
+            events.add_restart_listener(self._restart_hook)
             _die_with_launcher()
 
     def _adopt(self, transport: Transport, hello: wire.HelloOk) -> Timeouts:
@@ -256,18 +262,40 @@ class RankMonitorClient:
         except (TransportError, OSError) as e:
             log.warning("rank %d: cannot open the control connection to the monitor (%s); a hang will stop the "
                         "rank instead of restarting it in-process", self.rank, e)
-        else:
-            events.add_restart_listener(self._restarting)
 
-    def _restarting(self, iteration: int) -> None:
-        """The in-process Wrapper re-enters the training function: sections opened before
-        the fault are gone, and the monitor is told (RESTARTING)."""
+    def _aborting(self, iteration: int) -> None:
+        """An in-process Wrapper leaves the training function after a fault (any thread):
+        the monitor is told (RESTARTING) and stops timing this rank, and progress calls
+        made while the rank unwinds are not reported."""
         with self._lock:
-            self._open.clear()
-            self._calc.on_close_all(self._clock())
+            self._restart = True
             t = self._transport
             if t is not None:
                 self._event(t, wire.encode(wire.Restarting(iteration)))
+
+    def _entering(self, restart: events.Restart) -> None:
+        """The Wrapper calls the training function again: sections opened before the fault
+        are gone, partial intervals are not learned from, and the first progress call
+        tells the monitor the rank is back (REENTERED)."""
+        with self._lock:
+            self._open.clear()
+            self._calc.start(self._clock())
+            self._restart = restart
+
+    def _restart_gate(self, t: Transport | None) -> bool:
+        """Called by progress calls while a restart is under way: True to report nothing
+        (unwinding); after re-entry, the first call sends REENTERED and goes on."""
+        restart = self._restart
+        if restart is True:
+            return True
+        self._restart = None
+        if isinstance(restart, events.Restart):
+            restart.progress()
+            if t is not None:
+                f = restart.fault
+                self._event(t, wire.encode(wire.Reentered(restart.iteration, f.reason, f.rank, f.source,
+                                                          dict(restart.times))))
+        return False
 
     def _reconnect_loop(self) -> None:
         """Background thread while LOST: try the monitor's socket again, waiting
@@ -363,12 +391,15 @@ class RankMonitorClient:
             if self._control is not None:
                 self._control.close()
                 self._control = None
-            events.remove_restart_listener(self._restarting)
+            events.remove_restart_listener(self._restart_hook)
+            self._restart = None
 
     # -- progress --------------------------------------------------------------
     def send_heartbeat(self) -> None:
         with self._lock:
             t = self._transport or self._not_connected()
+            if self._restart is not None and self._restart_gate(t):
+                return
             self._calc.on_heartbeat(self._clock())
             if t is not None:
                 self._event(t, wire.HEARTBEAT_FRAME)
@@ -378,6 +409,9 @@ class RankMonitorClient:
             if name in self._open:
                 raise RankMonitorClientError(f"section {name!r} is already open; end_section({name!r}) first")
             t = self._transport or self._not_connected()
+            if self._restart is not None and self._restart_gate(t):
+                self._open[name] = False
+                return
             self._calc.on_section_open(name, self._clock())
             send = t is not None and name in self._ipc
             self._open[name] = send
@@ -393,6 +427,8 @@ class RankMonitorClient:
             if sent is None:
                 raise RankMonitorClientError(f"section {name!r} is not open; start_section({name!r}) first")
             t = self._transport or self._not_connected()
+            if self._restart is not None and self._restart_gate(t):
+                return
             now = self._clock()
             self._calc.on_section_close(name, now)
             if name == STEP_SECTION:
@@ -413,6 +449,8 @@ class RankMonitorClient:
         with self._lock:
             t = self._transport or self._not_connected()
             self._open.clear()
+            if self._restart is not None and self._restart_gate(t):
+                return
             self._calc.on_close_all(self._clock())
             if t is not None:
                 self._event(t, _CLOSE_ALL_FRAME)
@@ -653,6 +691,26 @@ class RankMonitorClient:
             raise MonitorBrokenError(f"rank {self.rank}: {reason}") from e
         log.warning("rank %d: %s; training continues without hang detection until the monitor is back",
                     self.rank, reason)
+
+
+class _RestartHook:
+    """The client's `events.RestartListener`, holding it weakly (a listener must not keep a
+    dropped client alive)."""
+
+    __slots__ = ("_client",)
+
+    def __init__(self, client: RankMonitorClient) -> None:
+        self._client = weakref.ref(client)
+
+    def aborting(self, iteration: int) -> None:
+        client = self._client()
+        if client is not None:
+            client._aborting(iteration)
+
+    def entering(self, restart: events.Restart) -> None:
+        client = self._client()
+        if client is not None:
+            client._entering(restart)
 
 
 def _hello_info() -> dict[str, Any]:

@@ -34,7 +34,7 @@ class ControlLink:
             except TransportError:
                 return
             if isinstance(msg, wire.Abort):
-                fault = events.Fault(reason=msg.reason, rank=msg.hung_rank, source="monitor")
+                fault = events.Fault(reason=msg.reason, rank=msg.hung_rank, iteration=msg.iteration, source="monitor")
                 log.warning("rank %d: the monitor asks for an in-process restart: %s", self.rank, msg.reason)
                 if not events.report_fault(fault):
                     log.error("rank %d: no ft_client.inprocess.Wrapper runs in this process to restart it; the "

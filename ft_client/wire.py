@@ -27,7 +27,9 @@ msgpack. The body is an array whose first element is the message type tag::
     HANG_NOTICE    [17, notice]                        request  -> ACK | ERROR   (monitor -> launcher)
     ACK            [18, detail]                        reply
     ABORT          [19, iteration, reason, hung_rank]  push (monitor -> rank, control connection)
-    RESTARTING     [20, iteration]                     fire-and-forget (rank re-enters, in-process)
+    RESTARTING     [20, iteration]                     fire-and-forget (rank leaves for an in-process restart)
+    REENTERED      [21, iteration, reason, fault_rank, source, times]
+                                                       fire-and-forget (rank back, first progress made)
 
 Nothing here unpickles or evaluates anything: msgpack with ``raw=False`` and
 ``strict_map_key=True`` yields only None, bool, int, float, str, bytes, list, dict.
@@ -35,6 +37,7 @@ Nothing here unpickles or evaluates anything: msgpack with ``raw=False`` and
 
 from __future__ import annotations
 
+import math
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -46,7 +49,7 @@ import msgpack
 from ft_client.errors import FtError
 from ft_client.names import MAX_SECTION_NAME_BYTES, section_name_problem
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_FRAME = 64 * 1024
 """Largest body accepted, in bytes. Checked on the length prefix, before decoding."""
 MAX_NAME_BYTES = MAX_SECTION_NAME_BYTES
@@ -77,6 +80,7 @@ class MsgType(IntEnum):
     ACK = 18
     ABORT = 19
     RESTARTING = 20
+    REENTERED = 21
 
 
 class Role:
@@ -203,22 +207,42 @@ class Abort:
     """Monitor -> rank (control connection): restart in-process now."""
 
     iteration: int | None
-    """The training iteration the rank last reported, if any."""
+    """The in-process (Wrapper) iteration the fault belongs to, as the monitor knows it from
+    RESTARTING (0 before any): a rank already past it ignores the ABORT."""
     reason: str
     hung_rank: int | None
 
 
 @dataclass(frozen=True, slots=True)
 class Restarting:
-    """Rank -> monitor: the rank re-enters its training function as this Wrapper iteration."""
+    """Rank -> monitor: a fault was seen; the rank aborts, leaves its training function and
+    restarts it in-process as this Wrapper iteration. The monitor times nothing but the
+    restart until REENTERED."""
 
     iteration: int
+
+
+MAX_TIMES = 16
+"""Entries in a REENTERED times map."""
+
+
+@dataclass(frozen=True, slots=True)
+class Reentered:
+    """Rank -> monitor: the rank is back in its training function as Wrapper ``iteration``
+    and made progress; why it restarted, and when (wall clock) each phase of the restart
+    ended (`ft_client.inprocess.timeline`)."""
+
+    iteration: int
+    reason: str
+    fault_rank: int | None
+    source: str
+    times: dict[str, float]
 
 
 Message = (
     Hello | HelloOk | Error | Heartbeat | SectionOpen | SectionClose | SectionCloseAll
     | UpdateConfig | ConfigOk | Status | StatusReply | Ping | Pong | Goodbye | Iteration
-    | Control | HangNotice | Ack | Abort | Restarting
+    | Control | HangNotice | Ack | Abort | Restarting | Reentered
 )
 
 # Singletons for the messages without fields: decoding them allocates nothing.
@@ -280,6 +304,7 @@ _ENCODERS: dict[type, Any] = {
     Ack: lambda m: [MsgType.ACK, m.detail],
     Abort: lambda m: [MsgType.ABORT, m.iteration, m.reason, m.hung_rank],
     Restarting: lambda m: [MsgType.RESTARTING, m.iteration],
+    Reentered: lambda m: [MsgType.REENTERED, m.iteration, m.reason, m.fault_rank, m.source, m.times],
 }
 
 HEARTBEAT_FRAME = _frame([MsgType.HEARTBEAT])
@@ -322,6 +347,18 @@ def _opt_int(v: object, what: str) -> int | None:
     return None if v is None else _int(v, what)
 
 
+def _times(v: object) -> dict[str, float]:
+    d = _dict(v, "times")
+    if len(d) > MAX_TIMES:
+        raise ProtocolError(f"times has {len(d)} entries, at most {MAX_TIMES}")
+    out: dict[str, float] = {}
+    for k, t in d.items():
+        if not isinstance(k, str) or isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t):
+            raise ProtocolError(f"times entry {k!r:.40}: {t!r:.40} must map a name to a finite number")
+        out[k] = float(t)
+    return out
+
+
 def _name(v: object) -> str:
     name = _str(v, "section name")
     _check_name(name)
@@ -352,6 +389,8 @@ _DECODERS: dict[int, tuple[int, Any]] = {
     MsgType.ABORT: (3, lambda f: Abort(_opt_int(f[0], "iteration"), _str(f[1], "reason"),
                                        _opt_int(f[2], "hung_rank"))),
     MsgType.RESTARTING: (1, lambda f: Restarting(_int(f[0], "iteration"))),
+    MsgType.REENTERED: (5, lambda f: Reentered(_int(f[0], "iteration"), _str(f[1], "reason"),
+                                               _opt_int(f[2], "fault_rank"), _str(f[3], "source"), _times(f[4]))),
 }
 
 

@@ -48,7 +48,7 @@ from ft_monitor.rank import Hold, RankResources
 from ft_monitor.server_log import printable
 from ft_monitor.settings import Settings
 from ft_monitor.state import Phase, Session
-from ft_monitor.status import HangSummary, MonitorStatus, build_status
+from ft_monitor.status import HangSummary, InprocessRestart, MonitorStatus, build_status
 
 log = logging.getLogger("ft_monitor.server")
 
@@ -117,6 +117,8 @@ class MonitorDaemon:
         self._hangs_in_progress = 0
         self.inprocess_restarts = 0
         """In-process restarts this daemon asked for (bounded by max_inprocess_restarts)."""
+        self.last_restart: InprocessRestart | None = None
+        """The rank's last in-process restart, as its REENTERED said (STATUS)."""
 
     # -- lifecycle -------------------------------------------------------------
     async def startup(self) -> None:
@@ -346,7 +348,7 @@ class MonitorDaemon:
                   "in-process (%d of at most %d), back within %.1fs or stopped", hang.rank, hang.pid,
                   hang.reason.value, printable(hang.section), hang.elapsed, hang.timeout, hang.describe(),
                   self.inprocess_restarts, cfg.max_inprocess_restarts, cfg.inprocess_restart_timeout)
-        rank.control.send(wire.Abort(iteration=s.iteration, reason=f"rank {hang.rank}: {hang.describe()}",
+        rank.control.send(wire.Abort(iteration=s.wrapper_iteration, reason=f"rank {hang.rank}: {hang.describe()}",
                                      hung_rank=hang.rank))
         case = HangCase(hang, rank.process, rank.report_path(f"-inprocess{self.inprocess_restarts}"), None,
                         error_file=rank.error_file)
@@ -354,6 +356,7 @@ class MonitorDaemon:
                             f"{cfg.max_inprocess_restarts})")
         case.terminated_by = "inprocess"
         case.action = "inprocess"
+        case.restart_iteration = s.wrapper_iteration + 1
         self.executor.write_report(case)
         if self.executor.handoff is not None:  # the launcher records it (summary, restart budget untouched)
             self.spawn(self._record_with_launcher(case))
@@ -394,5 +397,5 @@ class MonitorDaemon:
             now=self.clock.now(), monitor_pid=os.getpid(), socket=str(self.socket_path),
             started_at=self.started_at, sessions=self.sessions_started, timeouts=self.timeouts,
             iteration_high=self.iteration_high, session=self.rank.session if self.rank else None,
-            hangs=self.hangs,
+            hangs=self.hangs, last_restart=self.last_restart,
         )

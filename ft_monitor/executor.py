@@ -51,6 +51,8 @@ class HangCase:
     """The rank's torchelastic error file, passed on to the launcher."""
     action: str = "kill"
     """"kill", or "inprocess" when the rank was asked to restart in its own process."""
+    restart_iteration: int | None = None
+    """With action "inprocess": the Wrapper iteration the ranks restart as."""
     actions: list[str] = field(default_factory=list)
     dump_captured: bool = False
     terminated_by: str | None = None

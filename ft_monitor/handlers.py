@@ -17,12 +17,14 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ft_client import wire
+from ft_client.inprocess import timeline
 from ft_client.session_info import SessionInfo
 from ft_client.timeouts import Timeouts, TimeoutsError
 from ft_monitor.connection import Connection
 from ft_monitor.rank import RankResources, error_file_from_hello
 from ft_monitor.server_log import printable
 from ft_monitor.state import Phase, Session, SessionError
+from ft_monitor.status import InprocessRestart
 
 if TYPE_CHECKING:
     from ft_monitor.daemon import MonitorDaemon
@@ -30,6 +32,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("ft_monitor.server")
 
 MAX_LOGGED_SESSION_ERRORS = 5
+MAX_REASON = 4096
 
 
 def dispatch(d: MonitorDaemon, conn: Connection, msg: wire.Message) -> None:
@@ -198,16 +201,28 @@ def _goodbye(d: MonitorDaemon, r: RankResources, msg: wire.Goodbye) -> None:
 
 
 def _restarting(d: MonitorDaemon, r: RankResources, msg: wire.Restarting) -> None:
-    """The rank re-enters its training function in-process (its own monitor asked, or a
-    peer's fault reached it through the store)."""
+    """The rank's Wrapper saw a fault and restarts in-process (its own monitor asked, a
+    peer's fault reached it through the store, or its function raised)."""
     was = r.session.phase
     r.session.restarting(msg.iteration, d.clock.now(), d.config.inprocess_restart_timeout)
     if was is Phase.ACTIVE:
-        log.warning("rank %d pid %d restarts in-process (iteration %d): a fault elsewhere in the job",
-                    r.session.rank, r.session.pid, msg.iteration)
+        log.warning("rank %d pid %d restarts in-process as iteration %d (a fault elsewhere in the job, or an "
+                    "exception); back within %.1fs or stopped", r.session.rank, r.session.pid, msg.iteration,
+                    d.config.inprocess_restart_timeout)
     else:
-        log.info("rank %d pid %d re-enters its training function (iteration %d)",
+        log.info("rank %d pid %d leaves its training function (in-process iteration %d next)",
                  r.session.rank, r.session.pid, msg.iteration)
+
+
+def _reentered(d: MonitorDaemon, r: RankResources, msg: wire.Reentered) -> None:
+    """The rank is back in its training function, in the same process."""
+    r.session.reentered(msg.iteration, d.clock.now())
+    d.last_restart = InprocessRestart(msg.iteration, msg.reason[:MAX_REASON], msg.fault_rank, msg.source[:64],
+                                      {k[:32]: v for k, v in msg.times.items()})
+    took = timeline.breakdown(msg.times.get(timeline.FAULT, 0.0), [msg.times])
+    log.warning("rank %d pid %d re-entered its training function (in-process iteration %d) after: %s (%s)",
+                r.session.rank, r.session.pid, msg.iteration, printable(msg.reason[:MAX_REASON]),
+                timeline.describe(took))
 
 
 def _control(d: MonitorDaemon, r: RankResources, msg: wire.Control) -> None:
@@ -225,4 +240,5 @@ _RANK_HANDLERS: dict[type, Callable[[Any, RankResources, Any], None]] = {
     wire.Goodbye: _goodbye,
     wire.Control: _control,
     wire.Restarting: _restarting,
+    wire.Reentered: _reentered,
 }

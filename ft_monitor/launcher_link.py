@@ -86,6 +86,7 @@ class LauncherHandoff:
             stack_dump_captured=case.dump_captured,
             error_file=case.error_file,
             action=case.action,
+            restart_iteration=case.restart_iteration,
         )
 
     async def notify(self, case: HangCase) -> bool:

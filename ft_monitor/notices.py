@@ -68,6 +68,8 @@ class HangNotice:
     action: str = "kill"
     """"kill": the launcher stops and restarts the worker group (ACK hands it over);
     "inprocess": the ranks restart in their own processes, the launcher only records it."""
+    restart_iteration: int | None = None
+    """With "inprocess": the Wrapper iteration the ranks restart as (their REENTERED says it too)."""
 
     def to_wire(self) -> dict[str, Any]:
         return asdict(self)
@@ -101,4 +103,5 @@ class HangNotice:
             stack_dump_captured=captured,
             error_file=_text(data, "error_file", optional=True),
             action=action,
+            restart_iteration=_int(data, "restart_iteration", optional=True, low=1),
         )

@@ -12,13 +12,15 @@ Session phases (`Phase`) and their transitions::
     ACTIVE --connection closed without GOODBYE--------------------------> ENDED (exited)
 
     ACTIVE --deadline passed, on_hang: inprocess (begin_restart)--> RESTARTING
-    ACTIVE --the rank says RESTARTING (a peer's fault)------------> RESTARTING
-    RESTARTING --RESTARTING said, then a heartbeat or section----> ACTIVE (re-entered)
+    ACTIVE --the rank says RESTARTING (its Wrapper saw a fault)---> RESTARTING
+    RESTARTING --REENTERED (back in the function, progress made)--> ACTIVE
     RESTARTING --not re-entered by restart_deadline--------------> HUNG (policy.check)
 
 A HUNG session accepts no further progress: the hang is being acted upon. A
-RESTARTING session times nothing but its restart deadline: the rank is aborting
-its collectives and re-entering its training function in the same process.
+RESTARTING session times nothing but its restart deadline and ignores progress:
+the rank is aborting its collectives and re-entering its training function in
+the same process. Re-entered, it is timed as a new session is (the initial
+heartbeat counts from re-entry, no section open).
 """
 
 from __future__ import annotations
@@ -88,7 +90,9 @@ class Session:
     restart_deadline: float | None = None
     """While RESTARTING: by when the rank must have re-entered its training function."""
     restart_iteration: int | None = None
-    """The Wrapper iteration the rank said it re-enters (RESTARTING), None until it does."""
+    """The Wrapper iteration the rank said it restarts as (RESTARTING), None until it does."""
+    wrapper_iteration: int = 0
+    """The in-process (Wrapper) iteration the rank runs, as its REENTERED messages said."""
 
     def __post_init__(self) -> None:
         if self.out_of_section_since is None and not self.open_sections:
@@ -98,7 +102,6 @@ class Session:
     # -- events ------------------------------------------------------------
     def heartbeat(self, now: float) -> None:
         self.events += 1
-        self._maybe_reentered(now)
         if self.phase is not Phase.ACTIVE:
             return
         self.last_heartbeat = now
@@ -106,7 +109,6 @@ class Session:
 
     def open_section(self, name: str, now: float) -> None:
         self.events += 1
-        self._maybe_reentered(now)
         if self.phase is not Phase.ACTIVE:
             return
         if name in self.open_sections:
@@ -186,8 +188,9 @@ class Session:
         self.out_of_section_since = None
 
     def restarting(self, iteration: int, now: float, timeout: float) -> None:
-        """The rank says it re-enters its training function as ``iteration`` (RESTARTING).
-        From a rank whose monitor did not ask (a peer's fault), this starts the restart."""
+        """The rank leaves its training function to restart it in-process as ``iteration``
+        (RESTARTING). From a rank whose monitor did not ask (a peer's fault, or an exception),
+        this starts the restart."""
         self.events += 1
         if self.phase is Phase.ACTIVE:
             self.begin_restart(now, timeout)
@@ -195,14 +198,20 @@ class Session:
             raise SessionError(f"RESTARTING in phase {self.phase.value}")
         self.restart_iteration = iteration
 
-    def _maybe_reentered(self, now: float) -> None:
-        """The first progress after RESTARTING: the rank is back in its training function."""
-        if self.phase is not Phase.RESTARTING or self.restart_iteration is None:
+    def reentered(self, iteration: int, now: float) -> None:
+        """The rank is back in its training function as ``iteration`` and made progress
+        (REENTERED): timed again from ``now`` as a new session is."""
+        self.events += 1
+        if self.phase is Phase.ACTIVE and iteration > self.wrapper_iteration:
+            self.wrapper_iteration = iteration  # the RESTARTING went to a monitor we replaced
             return
+        if self.phase is not Phase.RESTARTING:
+            raise SessionError(f"REENTERED in phase {self.phase.value}")
         self.phase = Phase.ACTIVE
+        self.wrapper_iteration = iteration
         self.inprocess_restarts += 1
         self.restart_since = self.restart_deadline = None
-        self.last_heartbeat = now
+        self.last_heartbeat = None
         self.out_of_section_since = now
         self.timeouts_since = max(self.timeouts_since, now)
 

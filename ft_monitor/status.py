@@ -50,6 +50,27 @@ class HangSummary:
 
 
 @dataclass(frozen=True, slots=True)
+class InprocessRestart:
+    """The rank's last in-process restart, as its REENTERED said."""
+
+    iteration: int
+    """The Wrapper iteration it re-entered."""
+    reason: str
+    fault_rank: int | None
+    source: str
+    times: dict[str, float]
+    """Wall-clock end of each phase (ft_client.inprocess.timeline.PHASES) on this rank."""
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"iteration": self.iteration, "reason": self.reason, "fault_rank": self.fault_rank,
+                "source": self.source, "times": dict(self.times)}
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> InprocessRestart:
+        return cls(d["iteration"], d["reason"], d["fault_rank"], d["source"], dict(d["times"]))
+
+
+@dataclass(frozen=True, slots=True)
 class RankStatus:
     rank: int
     pid: int
@@ -79,6 +100,7 @@ class MonitorStatus:
     """`Timeouts.to_wire()` of the timeouts in force."""
     rank: RankStatus | None
     last_hang: HangSummary | None
+    last_restart: InprocessRestart | None = None
 
     @property
     def connected(self) -> bool:
@@ -115,6 +137,8 @@ class MonitorStatus:
         if self.last_hang is not None:
             h = self.last_hang
             out["last_hang"] = {"rank": h.rank, "pid": h.pid, "message": h.message, "report": h.report}
+        if self.last_restart is not None:
+            out["last_restart"] = self.last_restart.to_wire()
         return out
 
     @classmethod
@@ -139,11 +163,13 @@ class MonitorStatus:
                                                                      nd["timeout_s"]),
                 )
             h = st.get("last_hang")
+            lr = st.get("last_restart")
             return cls(
                 monitor_pid=st["monitor_pid"], socket=st["socket"], uptime_s=st["uptime_s"],
                 sessions=st["sessions"], hangs_detected=st["hangs_detected"],
                 iteration_high=st.get("iteration_high"), timeouts=dict(st["timeouts"]), rank=rank,
                 last_hang=None if h is None else HangSummary(h["rank"], h["pid"], h["message"], h["report"]),
+                last_restart=None if lr is None else InprocessRestart.from_wire(lr),
             )
         except (KeyError, TypeError) as e:
             raise StatusError(f"status reply without the field(s) this version sends: {e}") from e
@@ -151,7 +177,7 @@ class MonitorStatus:
 
 def build_status(*, now: float, monitor_pid: int, socket: str, started_at: float, sessions: int,
                  timeouts: Timeouts, iteration_high: int | None, session: Session | None,
-                 hangs: Iterable[HangSummary]) -> MonitorStatus:
+                 hangs: Iterable[HangSummary], last_restart: InprocessRestart | None = None) -> MonitorStatus:
     """The status at ``now`` (pure)."""
     hangs = list(hangs)
     rank = None
@@ -173,7 +199,7 @@ def build_status(*, now: float, monitor_pid: int, socket: str, started_at: float
     return MonitorStatus(
         monitor_pid=monitor_pid, socket=socket, uptime_s=now - started_at, sessions=sessions,
         hangs_detected=len(hangs), iteration_high=iteration_high, timeouts=timeouts.to_wire(), rank=rank,
-        last_hang=hangs[-1] if hangs else None,
+        last_hang=hangs[-1] if hangs else None, last_restart=last_restart,
     )
 
 
@@ -223,4 +249,7 @@ def format_status(status: MonitorStatus | Mapping[str, Any]) -> str:
     if st.last_hang is not None:
         h = st.last_hang
         lines.append(f"last hang: rank {h.rank} pid {h.pid}: {h.message} (report {h.report})")
+    if st.last_restart is not None:
+        lr = st.last_restart
+        lines.append(f"last in-process restart: iteration {lr.iteration}, after: {lr.reason}")
     return "\n".join(lines)

@@ -32,6 +32,7 @@ from ft_monitor.policy import Hang, Reason
 from ft_monitor.procinfo import ProcessHandle
 from ft_monitor.settings import Settings
 from ft_monitor.state import Phase
+from ft_monitor.status import InprocessRestart
 
 
 def settings(**kw: Any) -> Settings:
@@ -475,6 +476,11 @@ INPROCESS = dict(on_hang="inprocess", inprocess_restart_timeout=5.0, max_inproce
                  rank_out_of_section_timeout=None, stack_dump_timeout=0)
 
 
+def _reentered(iteration: int) -> wire.Reentered:
+    return wire.Reentered(iteration, "rank 0: section 'step' open for 1.0 s, timeout 1.0 s", 0, "monitor",
+                          {"fault": 1.0, "seen": 2.0})
+
+
 def _rank_with_control(d: MonitorDaemon) -> tuple[Peer, Peer]:
     rank, control = Peer(d), Peer(d)
     ok = rank.hello_rank()
@@ -491,15 +497,19 @@ def test_a_hang_with_on_hang_inprocess_pushes_abort_and_the_rank_comes_back(tmp_
         rank.send(wire.SectionOpen("step"), wire.Iteration(11))
         clock.advance(1.01)
         (abort,) = control.transport.replies()[1:]
-        assert isinstance(abort, wire.Abort) and abort.hung_rank == 0 and abort.iteration == 11
+        assert isinstance(abort, wire.Abort) and abort.hung_rank == 0 and abort.iteration == 0
         assert "section 'step'" in abort.reason
         s = d.rank.session  # type: ignore[union-attr]
         assert s.phase is Phase.RESTARTING and d.deadline.at == pytest.approx(1001.0 + 5.0)  # from the verdict
         assert ops.sent == [], "a rank restarting in-process is not signalled"
-        rank.send(wire.SectionClose("step"), wire.Restarting(1))  # unwinding, then re-entering
-        assert s.phase is Phase.RESTARTING
-        rank.send(wire.SectionOpen("step"))  # first progress after RESTARTING: back
+        rank.send(wire.Restarting(1), wire.SectionClose("step"))  # the Wrapper saw the fault; unwinding
+        assert s.phase is Phase.RESTARTING and s.open_sections == {}
+        clock.advance(2.0)
+        assert s.phase is Phase.RESTARTING and ops.sent == []
+        rank.send(_reentered(1), wire.SectionOpen("step"))  # back, first progress made
         assert s.phase is Phase.ACTIVE and s.inprocess_restarts == 1 and list(s.open_sections) == ["step"]
+        assert s.wrapper_iteration == 1 and d.status().last_restart == InprocessRestart(
+            1, "rank 0: section 'step' open for 1.0 s, timeout 1.0 s", 0, "monitor", {"fault": 1.0, "seen": 2.0})
         clock.advance(0.5)
         rank.send(wire.SectionClose("step"))
         clock.advance(10)
@@ -532,8 +542,10 @@ def test_past_max_inprocess_restarts_a_hang_is_stopped(tmp_path: Path) -> None:
         for i in (1, 2):
             rank.send(wire.SectionOpen("step"))
             clock.advance(1.01)
-            rank.send(wire.Restarting(i), wire.Heartbeat())
+            rank.send(wire.Restarting(i), _reentered(i), wire.Heartbeat())
         assert d.inprocess_restarts == 2 and ops.sent == []
+        aborts = [m for m in control.transport.replies() if isinstance(m, wire.Abort)]
+        assert [a.iteration for a in aborts] == [0, 1]  # the in-process iteration each fault belongs to
         rank.send(wire.SectionOpen("step"))
         clock.advance(1.01)
         await settle()
@@ -563,7 +575,21 @@ def test_a_victim_rank_saying_restarting_is_not_judged_while_it_restarts(tmp_pat
         clock.advance(0.9)  # its step deadline would have passed
         assert d.hangs == [] and d.rank.session.phase is Phase.RESTARTING  # type: ignore[union-attr]
         assert len(control.transport.replies()) == 1, "no ABORT pushed to a victim"
-        rank.send(wire.Heartbeat())
+        rank.send(wire.Heartbeat())  # unwinding: progress does not count as back
+        assert d.rank.session.phase is Phase.RESTARTING  # type: ignore[union-attr]
+        rank.send(_reentered(1), wire.Heartbeat())
         assert d.rank.session.phase is Phase.ACTIVE  # type: ignore[union-attr]
+        clock.advance(0.9)  # no section open after re-entry: nothing is due
+        assert d.hangs == []
+
+    run(body, tmp_path, **INPROCESS)
+
+
+def test_reentered_without_restarting_is_ignored_and_counted(tmp_path: Path) -> None:
+    async def body(d: MonitorDaemon, clock: ManualClock, ops: FakeOps) -> None:
+        rank, _ = _rank_with_control(d)
+        rank.send(_reentered(0))  # out of place: iteration 0 is not a restart
+        s = d.rank.session  # type: ignore[union-attr]
+        assert s.phase is Phase.ACTIVE and s.errors == 1 and d.status().last_restart is None
 
     run(body, tmp_path, **INPROCESS)

@@ -191,8 +191,8 @@ CASES = [
     ("hello-role-bytes", frame([1, 1, b"observer", -1, {}]), P, "role must be a string, got bytes"),
     ("hello-rank-bool", frame([1, 1, "rank", True, {}]), P, "rank must be an integer, got bool"),
     ("hello-info-list", frame([1, 1, "observer", -1, []]), P, "info must be a map, got list"),
-    ("hello-unknown-role", frame([1, 1, "root", 0, {}]), P, "unknown role 'root'"),
-    ("hello-monitor-role", frame([1, 1, "monitor", 0, {}]), P, "unknown role 'monitor'"),
+    ("hello-unknown-role", frame([1, wire.PROTOCOL_VERSION, "root", 0, {}]), P, "unknown role 'root'"),
+    ("hello-monitor-role", frame([1, wire.PROTOCOL_VERSION, "monitor", 0, {}]), P, "unknown role 'monitor'"),
     # unknown type tags
     ("unknown-tag", frame([99]), P, "unknown message type 99"),
     ("negative-tag", frame([-1]), P, "unknown message type -1"),
@@ -220,8 +220,13 @@ CASES = [
     ("name-bytes", HELLO_RANK + frame([5, b"step"]), P, "section name must be a string, got bytes"),
     ("name-int", HELLO_RANK + frame([6, 7]), P, "section name must be a string, got int"),
     ("iteration-str", HELLO_RANK + frame([15, "7"]), P, "iteration must be an integer, got str"),
+    ("reentered-times-nan", HELLO_RANK + frame([21, 1, "r", None, "exception", {"seen": float("nan")}]), P,
+     "times entry 'seen': nan must map a name to a finite number"),
+    ("reentered-times-list", HELLO_RANK + frame([21, 1, "r", None, "exception", []]), P, "times must be a map"),
+    ("reentered-times-many", HELLO_RANK + frame([21, 1, "r", None, "exception", {str(i): 1.0 for i in range(17)}]),
+     P, "times has 17 entries, at most 16"),
     # protocol versions
-    ("version-2", hello(wire.Role.OBSERVER, 2), wire.ErrorCode.VERSION, "protocol version 2 is not supported"),
+    ("version-1", hello(wire.Role.OBSERVER, 1), wire.ErrorCode.VERSION, "protocol version 1 is not supported"),
     ("version-0-rank", hello(wire.Role.RANK, 0), wire.ErrorCode.VERSION, "protocol version 0 is not supported"),
     ("version-u64", hello(wire.Role.RANK, 2**64 - 1), wire.ErrorCode.VERSION, f"protocol version {2**64 - 1} is not"),
 ]

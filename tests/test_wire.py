@@ -39,6 +39,8 @@ ALL_MESSAGES: list[wire.Message] = [
     wire.Abort(12, "rank 1: section 'step' open for 12.3 s, timeout 10.0 s", 1),
     wire.Abort(None, "x", None),
     wire.Restarting(3),
+    wire.Reentered(2, "rank 1: ValueError: bad batch", 1, "exception", {"fault": 1.5, "seen": 1.6}),
+    wire.Reentered(1, "", None, "monitor", {}),
 ]
 
 

@@ -1,18 +1,22 @@
 """The meeting point of the in-process restart `Wrapper` and the monitor client.
 
-Neither imports the other: the client (its control connection to the monitor)
+Neither imports the other. The client (its control connection to the monitor)
 reports a fault the monitor found with `report_fault`; a `Wrapper` running in
-this process takes it with `set_fault_handler`. The other way, the Wrapper
-announces each re-entry with `announce_restart`, and the client, which tells
-its monitor (RESTARTING), listens with `add_restart_listener`. Pure Python, no
-torch: importing it costs nothing.
+this process takes it with `set_fault_handler`. The other way, the Wrapper tells
+every `RestartListener` (the client, which tells its monitor) when it starts
+leaving the function for a restart (`aborting`) and when it re-enters it
+(`entering`, with the `Restart` record of what happened). The first progress
+after re-entry, from `CallWrapper.ping()` or from the client, is stamped on that
+record with `Restart.progress`. Pure Python, no torch: importing it costs nothing.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,15 +30,41 @@ class Fault:
     iteration: int | None = None
     """The Wrapper iteration the fault belongs to, when known (a stale fault is ignored)."""
     source: str = "monitor"
-    """"monitor" (a hang verdict), "exception", "timeout" (no ping), "peer" (another rank)."""
+    """"monitor" (a hang verdict), "exception", "timeout" (no ping), "exit" (a rank left the
+    Wrapper), "store" (the restart store is unreachable)."""
+
+
+@dataclass(slots=True)
+class Restart:
+    """One in-process restart as this rank lived it: the fault, and the wall-clock time
+    (``time.time()``) at which each phase ended (`ft_client.inprocess.timeline.PHASES`)."""
+
+    iteration: int
+    """The iteration being entered (1 for the first restart)."""
+    fault: Fault
+    times: dict[str, float] = field(default_factory=dict)
+
+    def progress(self, now: float | None = None) -> bool:
+        """Stamp the first progress after re-entry; True the first time only."""
+        if "first_progress" in self.times:
+            return False
+        self.times["first_progress"] = time.time() if now is None else now
+        return True
+
+
+class RestartListener(Protocol):
+    def aborting(self, iteration: int) -> None:
+        """The Wrapper saw a fault and leaves the function; it restarts as ``iteration``."""
+
+    def entering(self, restart: Restart) -> None:
+        """The Wrapper calls the function again as ``restart.iteration``."""
 
 
 FaultHandler = Callable[[Fault], None]
-RestartListener = Callable[[int], None]
 
 _lock = threading.Lock()
 _fault_handler: FaultHandler | None = None
-_restart_listeners: list[RestartListener] = []
+_listeners: list[RestartListener] = []
 
 
 def set_fault_handler(handler: FaultHandler | None) -> None:
@@ -56,19 +86,28 @@ def report_fault(fault: Fault) -> bool:
 
 def add_restart_listener(listener: RestartListener) -> None:
     with _lock:
-        if listener not in _restart_listeners:
-            _restart_listeners.append(listener)
+        if listener not in _listeners:
+            _listeners.append(listener)
 
 
 def remove_restart_listener(listener: RestartListener) -> None:
     with _lock:
-        if listener in _restart_listeners:
-            _restart_listeners.remove(listener)
+        if listener in _listeners:
+            _listeners.remove(listener)
 
 
-def announce_restart(iteration: int) -> None:
-    """The Wrapper is about to (re-)enter the wrapped function with ``iteration``."""
+def _each_listener() -> list[RestartListener]:
     with _lock:
-        listeners = list(_restart_listeners)
-    for listener in listeners:
-        listener(iteration)
+        return list(_listeners)
+
+
+def announce_aborting(iteration: int) -> None:
+    """The Wrapper leaves the function to restart it as ``iteration``."""
+    for listener in _each_listener():
+        listener.aborting(iteration)
+
+
+def announce_entering(restart: Restart) -> None:
+    """The Wrapper is about to call the function again as ``restart.iteration``."""
+    for listener in _each_listener():
+        listener.entering(restart)

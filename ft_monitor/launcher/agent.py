@@ -40,6 +40,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from ft_client import env as ft_env
+from ft_client.inprocess import timeline
 from ft_client.workload import WorkloadAction
 from ft_monitor.launcher import exit_codes
 from ft_monitor.launcher.control import EventKind, LauncherEvent, LauncherServer
@@ -55,6 +56,7 @@ from ft_monitor.launcher.decide import (
     triage_hang,
 )
 from ft_monitor.launcher.groups import WorkerGroups
+from ft_monitor.launcher.inprocess import InprocessLedger
 from ft_monitor.launcher.monitors import MonitorPool
 from ft_monitor.launcher.progress import ProgressTracker
 from ft_monitor.launcher.rootcause import read_stack, write_error_file
@@ -70,6 +72,8 @@ SHUTDOWN_KEY = "ft_launcher/shutdown"
 SHUTDOWN_ACKS_KEY = "ft_launcher/shutdown_acks"
 HANG_KEY = "ft_launcher/hang/{}"
 STORE_POLL_INTERVAL = 1.0
+INPROCESS_POLL_INTERVAL = 1.0
+"""Seconds between reads of the monitors' STATUS for ranks back from an in-process restart."""
 PIN_INTERVAL = 1.0
 """Seconds between pinning the processes in the workers' groups (their children)."""
 ATTRIBUTION_WINDOW = 0.5
@@ -119,8 +123,12 @@ class FtRuntime:
     outcome_message: str = ""
     hangs: list[dict[str, Any]] = field(default_factory=list)
     restarts: list[RestartTiming] = field(default_factory=list)
-    inprocess_restarts: list[dict[str, Any]] = field(default_factory=list)
-    """Hangs the ranks recovered from in their own processes (not charged to --max-restarts)."""
+    inprocess: InprocessLedger = field(default_factory=InprocessLedger)
+    """Restarts the ranks went through in their own processes (not charged to --max-restarts)."""
+
+    @property
+    def inprocess_restarts(self) -> list[dict[str, Any]]:
+        return self.inprocess.summary()
     groups: WorkerGroups = field(default_factory=WorkerGroups)
     job_secret: bytes | None = None
     """Signs launcher messages in the rendezvous store (store_auth); None: cross-node features off."""
@@ -182,6 +190,7 @@ class FtLocalElasticAgent(_lea.LocalElasticAgent):
         self._pending_error: tuple[str, dict[str, Any]] | None = None
         self._bad_store_values: set[bytes] = set()
         self._no_secret_warned = False
+        self._inprocess_checked = 0.0
 
     # -- start ---------------------------------------------------------------
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
@@ -208,6 +217,7 @@ class FtLocalElasticAgent(_lea.LocalElasticAgent):
         ft = self.ft
         ft.monitors.check()
         self._note_first_step()
+        self._note_inprocess()
         if time.monotonic() - self._pinned_at >= PIN_INTERVAL:
             self._pinned_at = time.monotonic()
             ft.groups.pin_members()
@@ -252,13 +262,25 @@ class FtLocalElasticAgent(_lea.LocalElasticAgent):
 
     def _record_inprocess(self, notice: HangNotice) -> None:
         """A monitor asked its rank to restart in-process: a summary row, no restart here."""
-        row = {"kind": "inprocess", "attempt": self._attempt(), "rank": notice.rank, "pid": notice.pid,
-               "reason": notice.reason, "section": notice.section, "message": notice.message,
-               "iteration": notice.iteration, "detected_time": notice.detected_time, "report": notice.report}
-        self.ft.inprocess_restarts.append(row)
-        log.warning("ft-launcher: rank %d (pid %d) hung: %s; the ranks restart in-process (same processes; "
-                    "in-process restart %d of this run, not counted against --max-restarts)", notice.rank,
-                    notice.pid, printable(notice.message), len(self.ft.inprocess_restarts))
+        self.ft.inprocess.on_notice(notice, self._attempt())
+        self._inprocess_checked = 0.0  # look for the ranks' return at the next tick
+        log.warning("ft-launcher: rank %d (pid %d) hung: %s; the ranks restart in-process as iteration %s (same "
+                    "processes; not counted against --max-restarts)", notice.rank, notice.pid,
+                    printable(notice.message), notice.restart_iteration)
+
+    def _note_inprocess(self) -> None:
+        """Complete the rows of in-process restarts every local rank is back from."""
+        now = time.monotonic()
+        if now - self._inprocess_checked < INPROCESS_POLL_INTERVAL:
+            return
+        self._inprocess_checked = now
+        statuses = self.ft.monitors.statuses()
+        back = {lr: st.last_restart if st is not None else None for lr, st in statuses.items()}
+        for row in self.ft.inprocess.on_statuses(back, len(statuses), self._attempt()):
+            b = row.phases or {}
+            log.warning("ft-launcher: all ranks back in their step loop %.2fs after rank %s's fault, in the same "
+                        "processes (in-process iteration %d; %s): %s", b.get("total") or 0.0, row.rank, row.iteration,
+                        timeline.describe(b), printable(row.message or "-"))
 
     def _on_hang(self, wg: WorkerGroup, notice: HangNotice) -> RunResult | None:
         """Gather the inputs of decide.py's verdict (store, files, daemons), then carry it out."""

@@ -159,8 +159,12 @@ def _print_summary(ft: Any, code: int) -> None:
         return
     lines = ["", "ft-launcher summary:"]
     for row in ft.inprocess_restarts:
-        lines.append(f"  attempt {row['attempt']}: rank {row['rank']} (pid {row['pid']}) hung: {row['message']}; "
-                     "restarted in-process (same processes)")
+        lines.append(f"  attempt {row['attempt']}: in-process restart {row['iteration']} (same processes) after "
+                     f"rank {row['rank']}: {row['message']}")
+        phases = row["phases"] or {}
+        if phases.get("total") is not None:
+            lines.append(f"    all ranks back in their step loop {phases['total']:.2f} s after the fault: "
+                         + ", ".join(f"{k} {v:.3f}s" for k, v in phases.items() if k != "total" and v is not None))
     for hang, timing in zip(ft.hangs, ft.restarts):
         b = timing.breakdown()
         delay = hang.get("elapsed_s", 0.0) - hang.get("timeout_s", 0.0)

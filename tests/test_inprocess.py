@@ -1,0 +1,210 @@
+"""In-process restart (ft_client.inprocess.Wrapper), with real processes and gloo on CPU.
+
+Each test starts 2 ranks of tests/workers/inprocess_worker.py (a small DDP job whose
+state is kept in memory across restarts) with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT
+and waits for what they print. Restarts must happen in the same processes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.procs import ROOT, WORKERS, Daemon
+
+pytestmark = pytest.mark.e2e
+WORKER = WORKERS / "inprocess_worker.py"
+
+
+_next_port = itertools.count()
+
+
+def _free_port() -> int:
+    """A port whose successor is free too (the Wrapper's store is at MASTER_PORT + 1), below
+    the kernel's ephemeral range (gloo's listeners take ports from there) and in a block of
+    its own per xdist worker: the store's listener allows address reuse, so two jobs that
+    picked the same port would quietly share one store."""
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
+    base = 21000 + 400 * worker + 200 * (os.getpid() % 2)
+    for _ in range(100):
+        port = base + (2 * next(_next_port)) % 200
+        try:
+            with socket.socket() as s, socket.socket() as s2:
+                s.bind(("127.0.0.1", port))
+                s2.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+    raise AssertionError("no two free consecutive ports")
+
+
+class Job:
+    def __init__(self, workdir: Path, scenario: str, *args: str, world: int = 2,
+                 env: dict[int, dict[str, str]] | None = None) -> None:
+        port = _free_port()
+        self.logs = [workdir / f"{scenario}-rank{r}.log" for r in range(world)]
+        self.procs = []
+        for r in range(world):
+            e = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r),
+                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **((env or {}).get(r, {}))}
+            out = open(self.logs[r], "w")
+            self.procs.append(subprocess.Popen([sys.executable, str(WORKER), scenario, *args], env=e, cwd=ROOT,
+                                               stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
+            out.close()
+
+    def output(self, rank: int) -> str:
+        return self.logs[rank].read_text()
+
+    def wait(self, timeout: float = 60.0) -> list[int]:
+        end = time.monotonic() + timeout
+        codes = []
+        for p in self.procs:
+            try:
+                codes.append(p.wait(max(0.1, end - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                for q in self.procs:  # the worker dumps its threads' stacks on SIGUSR1 (faulthandler)
+                    if q.poll() is None:
+                        os.kill(q.pid, signal.SIGUSR1)
+                time.sleep(1.0)
+                self.kill()
+                raise AssertionError("ranks did not finish in time:\n" + "\n".join(
+                    self.output(r)[-3000:] for r in range(len(self.procs)))) from None
+        return codes
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+                p.wait(10)
+
+
+@pytest.fixture
+def jobs() -> Iterator[list[Job]]:
+    started: list[Job] = []
+    yield started
+    for j in started:
+        j.kill()
+
+
+def _starts(text: str) -> list[tuple[int, int, int]]:
+    """(pid, iteration, start step) of each entry into the training function."""
+    return [(int(m[1]), int(m[2]), int(m[3]))
+            for m in re.finditer(r"pid (\d+) iteration (\d+) start step (\d+)", text)]
+
+
+def _finished(text: str) -> float:
+    m = re.search(r"finished loss ([0-9.]+)", text)
+    assert m, text[-2000:]
+    return float(m[1])
+
+
+def test_an_exception_on_one_rank_restarts_all_in_the_same_processes(workdir: Path, jobs: list[Job]) -> None:
+    jobs.append(j := Job(workdir, "raise"))
+    assert j.wait() == [0, 0]
+    for r in (0, 1):
+        out = j.output(r)
+        starts = _starts(out)
+        assert [(it, step) for _, it, step in starts] == [(0, 0), (1, 5)], out[-2000:]  # restored at step 5
+        assert len({pid for pid, _, _ in starts}) == 1 and starts[0][0] == j.procs[r].pid
+        assert "in-process restart 1 after: rank 1: ValueError: bad batch (test)" in out
+        steps = [int(s) for s in re.findall(r"iteration \d+ step (\d+) loss", out)]
+        assert steps == list(range(12)), steps  # every step exactly once: nothing lost, nothing redone
+    # the restored state is exactly the one a run without a fault reaches
+    jobs.append(ok := Job(workdir, "ok"))
+    assert ok.wait() == [0, 0]
+    for r in (0, 1):
+        assert _finished(j.output(r)) == _finished(ok.output(r))
+
+
+def test_a_rank_blocked_in_a_collective_is_freed_when_its_peer_hangs(workdir: Path, jobs: list[Job]) -> None:
+    # rank 1 sleeps at step 5 without ping(); rank 0 waits in DDP's all_reduce for it
+    jobs.append(j := Job(workdir, "hang", "--soft-timeout", "5"))
+    assert j.wait() == [0, 0]
+    assert "rank 1 hangs" in j.output(1)
+    for r in (0, 1):
+        assert [(it, step) for _, it, step in _starts(j.output(r))] == [(0, 0), (1, 5)]
+        assert "no ping() for" in j.output(r)
+
+
+def test_atomic_blocks_are_never_interrupted(workdir: Path, jobs: list[Job]) -> None:
+    jobs.append(j := Job(workdir, "atomic"))
+    assert j.wait() == [0, 0]
+    out = j.output(0)
+    assert out.index("rank 0 in atomic") < out.index("rank 0 atomic done") < out.index("in-process restart 1")
+
+
+def test_a_failing_health_check_ends_the_process(workdir: Path, jobs: list[Job]) -> None:
+    jobs.append(j := Job(workdir, "health"))
+    codes = j.wait()
+    assert codes[0] == 3, j.output(0)
+    assert "gave up: HealthCheckError: rank 0: health check failed after a fault: GPU 0 fell off the bus" \
+        in j.output(0)
+    assert codes[1] != 0  # its peer cannot meet it at the barrier (or loses the store): not silently on
+
+
+def test_a_rank_that_died_makes_the_others_give_up_at_the_barrier(workdir: Path, jobs: list[Job]) -> None:
+    jobs.append(j := Job(workdir, "die"))
+    start = time.monotonic()
+    codes = j.wait(60)
+    assert codes[1] == 17
+    assert codes[0] == 3 and "BarrierTimeoutError" in j.output(0), j.output(0)[-2000:]
+    assert time.monotonic() - start < 15 + 20  # barrier_timeout plus start-up and a margin
+
+
+def test_a_fault_reported_by_the_monitor_restarts_every_rank(workdir: Path, jobs: list[Job]) -> None:
+    jobs.append(j := Job(workdir, "report"))
+    assert j.wait() == [0, 0]
+    for r in (0, 1):
+        assert "in-process restart 1 after: test fault from the monitor" in j.output(r)
+
+
+def test_twenty_restarts_leak_no_threads_or_descriptors(workdir: Path, jobs: list[Job]) -> None:
+    jobs.append(j := Job(workdir, "cycles"))
+    assert j.wait(90) == [0, 0]
+    for r in (0, 1):
+        starts = re.findall(r"iteration (\d+) start step \d+ threads (\d+) fds (\d+)", j.output(r))
+        assert [int(it) for it, _, _ in starts] == list(range(21))
+        threads = {int(t) for _, t, _ in starts}
+        fds = [int(f) for _, _, f in starts]
+        assert threads <= {2, 3}, threads  # main, monitor and (until the iteration's outcome is known) watcher
+        assert max(fds[1:]) == min(fds[1:]), fds  # iteration 0 opens the store; later ones add nothing
+        finished = re.search(r"finished loss \S+ threads (\d+) fds (\d+)", j.output(r))
+        assert finished and finished[1] == "1", j.output(r)[-500:]  # every thread the Wrapper started is gone
+
+
+def test_a_hang_found_by_the_monitor_daemon_restarts_in_process(workdir: Path, jobs: list[Job]) -> None:
+    """Each rank beside its own `ft-monitor serve` with on_hang: inprocess: rank 1 hangs
+    inside `data`, its monitor pushes ABORT, both ranks restart in their processes, and
+    neither monitor stops anything."""
+    flags = ("--ft-on-hang", "inprocess", "--ft-rank-section-timeouts", "data:3",
+             "--ft-inprocess-restart-timeout", "20", "--ft-stack-dump-timeout", "0")
+    daemons = [Daemon(workdir, *flags, name=f"rank{r}.sock").wait_ready() for r in (0, 1)]
+    try:
+        env = {r: {"FT_RANK_MONITOR_IPC_SOCKET": str(daemons[r].socket)} for r in (0, 1)}
+        jobs.append(j := Job(workdir, "monitored", env=env))
+        assert j.wait(60) == [0, 0], j.output(0)[-2000:] + j.output(1)[-2000:]
+        for r in (0, 1):
+            assert [(it, step) for _, it, step in _starts(j.output(r))] == [(0, 0), (1, 5)]
+        log1 = daemons[1].log()
+        assert "restarting in-process (1 of at most 10)" in log1
+        assert "re-entered its training function (in-process iteration 1)" in log1
+        report = daemons[1].report(rank=1)
+        assert report["terminated_by"] == "inprocess"
+        log0 = daemons[0].log()  # the victim: told through the store, never blamed
+        assert "restarts in-process as iteration 1" in log0 and "hang detected" not in log0
+        assert "re-entered its training function (in-process iteration 1)" in log0
+        for d in daemons:
+            assert "sent SIGTERM" not in d.log() and "SIGKILL" not in d.log()
+    finally:
+        for d in daemons:
+            d.stop()

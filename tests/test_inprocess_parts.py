@@ -1,0 +1,168 @@
+"""The pieces of in-process restart, without processes: the phase timeline, the store
+protocol (on an in-process HashStore), the launcher's rows, and the client's side of a
+restart against a daemon running in this process."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from torch.distributed import HashStore
+
+from ft_client import RankMonitorClient
+from ft_client.inprocess import events, timeline
+from ft_client.inprocess.store import DONE, FaultRecord, RestartStore, namespace
+from ft_monitor.launcher.inprocess import InprocessLedger
+from ft_monitor.notices import HangNotice
+from ft_monitor.status import InprocessRestart
+from tests.procs import wait_until
+from tests.test_client_states import QUIET, ThreadDaemon
+
+# -- timeline (pure) ------------------------------------------------------------------
+
+
+def stamps(base: float, **offsets: float) -> dict[str, float]:
+    return {k: base + v for k, v in offsets.items()}
+
+
+def test_phases_end_when_the_last_rank_ends_them_and_add_up_to_the_total() -> None:
+    r0 = stamps(100, seen=0.01, aborted=0.02, left=0.05, finalized=0.20, barrier=0.30, pg_ready=0.40,
+                first_progress=0.45)
+    r1 = stamps(100, seen=0.03, aborted=0.04, left=0.04, finalized=0.25, barrier=0.30, entered=0.31,
+                first_progress=0.50)  # no pg_ready: counted from its re-entry
+    b = timeline.breakdown(100.0, [r0, r1])
+    assert b == {"notify": 0.03, "abort": 0.01, "interrupt": 0.01, "finalize": 0.2, "barrier": 0.05,
+                 "reinit": 0.1, "first_step": 0.1, "total": 0.5}
+    assert sum(v for k, v in b.items() if k != "total") == pytest.approx(b["total"])  # type: ignore[misc]
+    assert timeline.describe(b).startswith("notify 0.030s, abort 0.010s, interrupt 0.010s")
+
+
+def test_a_phase_stamped_out_of_order_counts_zero_and_an_unfinished_rank_leaves_no_total() -> None:
+    # the rank that raised left its function before it saw (and aborted) the fault
+    raised = stamps(0, left=0.0, seen=0.001, aborted=0.002, finalized=0.1, barrier=0.2, entered=0.2)
+    b = timeline.breakdown(0.0, [raised])
+    assert b["interrupt"] == 0.0 and b["first_step"] is None and b["total"] is None
+    assert timeline.breakdown(0.0, []) == {**{n: None for n, _ in timeline.PHASES}, "total": None}
+
+
+# -- the store protocol ------------------------------------------------------------------
+
+
+def test_the_first_fault_wins_and_a_done_iteration_takes_no_fault() -> None:
+    s = RestartStore(HashStore(), 2, prefix="t/")
+    first = FaultRecord("rank 1: ValueError: x", 1, "exception", 1, 5.0)
+    assert s.report(0, first) == (True, first)
+    won, current = s.report(0, FaultRecord("rank 0: later", 0, "timeout", 0, 6.0))
+    assert not won and current == first and s.outcome(0, 0) == first
+    s.complete(1)
+    assert s.outcome(1, 0) is None  # one of two ranks done
+    s.complete(1)
+    assert s.outcome(1, 0) is True and s.base.get("t/iter/1/outcome") == DONE
+    assert s.report(1, first) == (False, None)
+
+
+def test_a_garbage_outcome_is_still_a_fault() -> None:
+    s = RestartStore(HashStore(), 1, prefix="t/")
+    s.base.set("t/iter/0/outcome", b"\xff not json")
+    record = s.outcome(0, 3)
+    assert isinstance(record, FaultRecord) and record.source == "unknown" and record.by == 3
+    assert record.reason.startswith("unreadable fault record")
+
+
+def test_waits_are_bounded_and_a_waiter_wakes_on_the_outcome() -> None:
+    s = RestartStore(HashStore(), 2, prefix="t/")
+    assert s.wait_outcome(0, 0, 0.05) is None
+    assert s.barrier(0, "barrier", 0.05) == 1  # one of two arrived: who to blame is in the error
+    watcher = s.clone()
+    assert watcher is not None
+    got: list[object] = []
+    t = threading.Thread(target=lambda: got.append(watcher.wait_outcome(2, 0, 10)))
+    t.start()
+    s.report(2, FaultRecord("r", None, "monitor", 1, 1.0))
+    t.join(10)
+    assert isinstance(got[0], FaultRecord) and got[0].reason == "r"
+
+
+def test_keys_are_per_attempt(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job7")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    assert namespace() == "ft_inprocess/job7/2/"
+    assert RestartStore(HashStore(), 1).key(3, "outcome") == "ft_inprocess/job7/2/iter/3/outcome"
+
+
+# -- the launcher's rows (pure) -----------------------------------------------------------
+
+
+def _notice(**kw: object) -> HangNotice:
+    base = dict(rank=1, pid=4242, reason="section", section="step", message="section 'step' open for 3.0 s",
+                elapsed_s=3.0, timeout_s=3.0, onset_time=97.0, detected_time=100.0, iteration=12,
+                report="/r.json", stack_dump=None, stack_dump_captured=False, error_file=None,
+                action="inprocess", restart_iteration=1)
+    base.update(kw)
+    return HangNotice(**base)  # type: ignore[arg-type]
+
+
+def _back(iteration: int, t0: float, reason: str = "rank 1: section 'step' open", source: str = "monitor",
+          fault_rank: int | None = 1) -> InprocessRestart:
+    return InprocessRestart(iteration, reason, fault_rank, source,
+                            stamps(t0, fault=0.01, seen=0.02, aborted=0.03, left=0.05, finalized=0.1, barrier=0.2,
+                                   pg_ready=0.3, first_progress=0.4))
+
+
+def test_a_row_is_complete_when_every_local_rank_is_back() -> None:
+    ledger = InprocessLedger()
+    ledger.on_notice(_notice(), attempt=0)
+    assert ledger.on_statuses({0: _back(1, 100.0), 1: None}, 2, attempt=0) == []
+    (row,) = ledger.on_statuses({0: _back(1, 100.0), 1: _back(1, 100.05)}, 2, attempt=0)
+    assert row.rank == 1 and row.reason == "section" and row.detected_time == 100.0
+    assert row.phases is not None and row.phases["total"] == pytest.approx(0.45)  # from the verdict
+    assert ledger.on_statuses({0: _back(1, 100.0), 1: _back(1, 100.05)}, 2, attempt=0) == []  # once
+    (summary,) = ledger.summary()
+    assert summary["kind"] == "inprocess" and summary["iteration"] == 1 and summary["ranks_back"] == [0, 1]
+
+
+def test_a_restart_without_a_notice_is_recorded_from_the_ranks() -> None:
+    ledger = InprocessLedger()
+    back = _back(1, 50.0, reason="rank 0: ValueError: bad batch", source="exception", fault_rank=0)
+    (row,) = ledger.on_statuses({0: back}, 1, attempt=3)
+    assert (row.rank, row.reason, row.message, row.attempt) == (0, "exception", "rank 0: ValueError: bad batch", 3)
+    assert row.detected_time == pytest.approx(50.01) and row.phases["total"] == pytest.approx(0.39)  # type: ignore[index]
+    ledger.on_statuses({0: _back(1, 70.0)}, 1, attempt=4)  # a new process-level attempt counts anew
+    assert [(r["attempt"], r["iteration"]) for r in ledger.summary()] == [(3, 1), (4, 1)]
+
+
+# -- the client during a restart -------------------------------------------------------------
+
+
+def test_the_client_reports_a_restart_and_nothing_while_the_rank_unwinds(tmp_path: Path) -> None:
+    sock = tmp_path / "s" / "m.sock"
+    d = ThreadDaemon(sock, **{**QUIET, "rank_section_timeouts": {"step": 600.0}})
+    c = RankMonitorClient(str(sock))
+    try:
+        c.init_workload_monitoring()
+        c.start_section("step")
+        c.send_heartbeat()
+        wait_until(lambda: d.status().get("heartbeats") == 1, 5, "the first heartbeat")
+        events.announce_aborting(1)
+        wait_until(lambda: d.status().get("phase") == "restarting", 5, "the daemon to learn of the restart")
+        time.sleep(0.05)  # the interrupted step, unwinding for a while
+        c.end_section("step")  # the with-block's exit while unwinding
+        c.send_heartbeat()
+        restart = events.Restart(1, events.Fault("rank 1: ValueError: x", 1, 0, "exception"),
+                                 {"fault": time.time(), "seen": time.time()})
+        events.announce_entering(restart)
+        assert d.status()["phase"] == "restarting" and d.status()["heartbeats"] == 1  # nothing sent meanwhile
+        c.start_section("step")  # first progress after re-entry
+        wait_until(lambda: d.status().get("phase") == "active", 5, "the daemon to see the rank back")
+        st = d.status()
+        assert st["last_restart"]["iteration"] == 1 and st["last_restart"]["source"] == "exception"
+        assert "first_progress" in st["last_restart"]["times"] and "first_progress" in restart.times
+        assert [s["name"] for s in st["open_sections"]] == ["step"]
+        c.end_section("step")
+        obs = c._calc.observations(time.monotonic())
+        assert obs.sections["step"] < 0.05, "the interrupted step is not learned from"
+    finally:
+        c.shutdown_workload_monitoring()
+        d.stop()

@@ -1,0 +1,148 @@
+"""A rank of a small DDP job (gloo, CPU) run under ft_client.inprocess.Wrapper.
+
+    RANK=r WORLD_SIZE=n MASTER_ADDR=127.0.0.1 MASTER_PORT=p python inprocess_worker.py SCENARIO [--steps N]
+
+Prints one line per event the tests wait for ("iteration I start step S", "finished",
+...). Scenarios: ok, raise (rank 1 raises at step 5 of iteration 0), hang (rank 1
+sleeps at step 5 of iteration 0 with no ping), atomic (a fault arrives while rank 0 is
+inside atomic()), health (health_check fails), die (rank 1 exits at step 5),
+report (rank 0 reports a fault through events.report_fault at step 5), cycles (a fault
+at step 2 of every iteration until iteration 20), monitored (a RankMonitorClient with
+sections `step` and, inside it, `data`; rank 1 hangs inside `data` at step 5 of
+iteration 0 and its monitor daemon pushes ABORT, while rank 0 waits in DDP's all-reduce
+outside `data`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ft_client.inprocess import CallWrapper, Wrapper, events
+
+
+def say(*parts: object) -> None:
+    print(" ".join(map(str, parts)), flush=True)
+
+
+def fds() -> int:
+    """Open descriptors, not counting /proc files (another thread may be reading one)."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += not os.readlink(f"/proc/self/fd/{fd}").startswith("/proc/")
+        except OSError:
+            pass
+    return n
+
+
+def main() -> int:
+    import faulthandler
+    import logging
+    import signal
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the tests ask for a stack when a run hangs
+
+    logging.basicConfig(level=logging.DEBUG if os.environ.get("FT_INPROCESS_DEBUG") else logging.WARNING,
+                        format="%(asctime)s %(threadName)s %(name)s %(message)s")
+    p = argparse.ArgumentParser()
+    p.add_argument("scenario")
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--soft-timeout", type=float, default=30.0)
+    args = p.parse_args()
+    scenario = args.scenario
+    rank = int(os.environ["RANK"])
+    torch.set_num_threads(1)
+    saved: dict[str, object] = {}  # the in-memory copy the function restores from
+    client = None
+    if scenario == "monitored":
+        from ft_client import RankMonitorClient
+
+        client = RankMonitorClient()
+        client.init_workload_monitoring()
+
+    def health(call: CallWrapper) -> None:
+        if scenario == "health" and rank == 0:
+            raise RuntimeError("GPU 0 fell off the bus (test)")
+
+    @Wrapper(soft_timeout=args.soft_timeout, hard_timeout=args.soft_timeout + 30, barrier_timeout=15,
+             completion_timeout=30, monitor_thread_interval=0.01, health_check=health, max_iterations=25)
+    def train(call: CallWrapper) -> float:
+        call.init_process_group("gloo")
+        torch.manual_seed(0)
+        model = DDP(nn.Linear(8, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        start = 0
+        if "model" in saved:
+            model.module.load_state_dict(saved["model"])  # type: ignore[arg-type]
+            opt.load_state_dict(saved["opt"])  # type: ignore[arg-type]
+            start = int(saved["step"])  # type: ignore[call-overload]
+        say(f"rank {rank} pid {os.getpid()} iteration {call.iteration} start step {start} threads "
+            f"{threading.active_count()} fds {fds()}")
+        loss = torch.tensor(0.0)
+        for step in range(start, args.steps):
+            call.ping()
+            if client is not None:
+                client.start_section("step")
+            first = call.iteration == 0
+            if scenario in ("raise", "health") and rank == 1 and first and step == 5:
+                raise ValueError("bad batch (test)")
+            if client is not None:
+                client.start_section("data")
+            if scenario in ("hang", "monitored") and rank == 1 and first and step == 5:
+                say(f"rank {rank} hangs")
+                time.sleep(3600)
+            if client is not None:
+                client.end_section("data")
+            if scenario == "die" and rank == 1 and first and step == 5:
+                os._exit(17)
+            if scenario == "report" and rank == 0 and first and step == 5:
+                events.report_fault(events.Fault("test fault from the monitor", 0))
+                time.sleep(3600)
+            if scenario == "cycles" and step == 2 and call.iteration < 20 and rank == 1:
+                raise RuntimeError(f"fault in iteration {call.iteration}")
+            if scenario == "atomic" and rank == 0 and first and step == 5:
+                with call.atomic():
+                    say(f"rank {rank} in atomic")
+                    time.sleep(1.0)  # rank 1 raises meanwhile
+                    say(f"rank {rank} atomic done")
+            if scenario == "atomic" and rank == 1 and first and step == 5:
+                time.sleep(0.3)
+                raise ValueError("fault while rank 0 is in atomic()")
+            g = torch.Generator().manual_seed(step * 100 + rank)
+            x = torch.randn(16, 8, generator=g)
+            loss = (model(x) - x.sum(dim=1, keepdim=True)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            saved.update(model={k: v.clone() for k, v in model.module.state_dict().items()},
+                         opt=opt.state_dict(), step=step + 1)
+            if client is not None:
+                client.end_section("step")
+                client.send_heartbeat()
+            say(f"rank {rank} iteration {call.iteration} step {step} loss {loss.item():.6f}")
+        dist.barrier()
+        dist.destroy_process_group()
+        return float(loss.item())
+
+    try:
+        final = train()
+    except BaseException as e:
+        say(f"rank {rank} gave up: {type(e).__name__}: {e}")
+        return 3
+    say(f"rank {rank} finished loss {final:.6f} threads {threading.active_count()} fds {fds()}")
+    if client is not None:
+        client.shutdown_workload_monitoring()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,6 +1,7 @@
 """Print what happened in a demo run, from ft-launcher's --ft-summary-json file.
 
     python examples/demo_summary.py SUMMARY.json
+    python examples/demo_summary.py PROCESS_SUMMARY.json INPROCESS_SUMMARY.json   # side by side
 """
 
 from __future__ import annotations
@@ -8,21 +9,30 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 
 def innermost_frame(dump: str) -> str:
-    """The innermost frame of the first thread in a faulthandler dump."""
-    for line in dump.splitlines():
-        line = line.strip()
-        if line.startswith("File "):
-            return line
+    """The innermost frame of the main thread (the one whose stack starts at a module's top
+    level) in the first faulthandler dump of the file, else of its first thread."""
+    first_dump = dump.split("\n\n\n")[0]
+    threads = [[line.strip() for line in block.splitlines() if line.strip().startswith("File ")]
+               for block in first_dump.split("hread 0x")[1:]]
+    main = [frames for frames in threads if frames and frames[-1].endswith("in <module>")]
+    for frames in main + threads:
+        if frames:
+            return frames[0]
     return "(no frame in the dump)"
 
 
-def main() -> int:
-    summary = json.loads(Path(sys.argv[1]).read_text())
-    print("\n=== demo summary ===")
-    if not summary["hangs"]:
+def pids(summary: dict[str, Any]) -> list[str]:
+    """Each attempt's worker pids, rank order."""
+    return [", ".join(str(p) for _, p in sorted(a["pids"].items(), key=lambda kv: int(kv[0])))
+            for a in summary.get("attempts", [])]
+
+
+def describe(summary: dict[str, Any]) -> None:
+    if not summary["hangs"] and not summary.get("inprocess_restarts"):
         print("no hang was detected")
     for hang, restart in zip(summary["hangs"], summary["restarts"]):
         late_ms = (hang["elapsed_s"] - hang["timeout_s"]) * 1000
@@ -36,7 +46,57 @@ def main() -> int:
             parts = ", ".join(f"{k} {v:.2f}s" for k, v in restart.items() if k != "total" and v is not None)
             print(f"restart     : all ranks back in their step loop {restart['total']:.2f} s after detection ({parts})")
         print(f"root cause  : {hang['error_file']}")
+    for row in summary.get("inprocess_restarts", []):
+        print(f"fault       : rank {row['rank']} (pid {row['pid']}) in attempt {row['attempt']}: {row['message']}")
+        report = json.loads(Path(row["report"]).read_text()) if row.get("report") else {}
+        if report.get("stack_dump_captured"):
+            print(f"where       : {innermost_frame(Path(report['stack_dump']).read_text())}")
+        phases = row.get("phases") or {}
+        if phases.get("total") is not None:
+            parts = ", ".join(f"{k} {v:.3f}s" for k, v in phases.items() if k != "total" and v is not None)
+            print(f"restart     : in-process (iteration {row['iteration']}), all ranks back in their step loop "
+                  f"{phases['total']:.2f} s after detection ({parts})")
+        if report:
+            print(f"hang report : {row['report']}")
+    attempts = pids(summary)
+    if attempts:
+        print("worker pids : " + "; ".join(f"attempt {i}: {p}" for i, p in enumerate(attempts)))
     print(f"exit code   : {summary['exit_code']}")
+
+
+def restart_seconds(summary: dict[str, Any]) -> float | None:
+    for restart in summary["restarts"]:
+        if restart.get("total") is not None:
+            return float(restart["total"])
+    for row in summary.get("inprocess_restarts", []):
+        if (row.get("phases") or {}).get("total") is not None:
+            return float(row["phases"]["total"])
+    return None
+
+
+def compare(process: dict[str, Any], inprocess: dict[str, Any]) -> None:
+    rows = [
+        ("restart", "process restart", "in-process restart"),
+        ("worker pids", " -> ".join(pids(process)) or "-", " -> ".join(pids(inprocess)) or "-"),
+        ("attempts", str(len(process.get("attempts", []))), str(len(inprocess.get("attempts", [])))),
+    ]
+    a, b = restart_seconds(process), restart_seconds(inprocess)
+    rows.append(("detected -> all ranks stepping", "-" if a is None else f"{a:.2f} s", "-" if b is None else f"{b:.2f} s"))
+    rows.append(("exit code", str(process["exit_code"]), str(inprocess["exit_code"])))
+    width = [max(len(r[i]) for r in rows) for i in range(3)]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, width)))
+
+
+def main() -> int:
+    summaries = [json.loads(Path(p).read_text()) for p in sys.argv[1:]]
+    for i, summary in enumerate(summaries):
+        title = "demo summary" if len(summaries) == 1 else ("process restart", "in-process restart")[min(i, 1)]
+        print(f"\n=== {title} ===")
+        describe(summary)
+    if len(summaries) == 2:
+        print("\n=== side by side ===")
+        compare(*summaries)
     return 0
 
 

@@ -12,15 +12,22 @@ What it shows:
 * resuming from the last checkpoint after a restart;
 * ``--hang rank=R,step=S,attempt=A`` (or env FT_DEMO_HANG) makes rank R hang at
   step S of attempt A (TORCHELASTIC_RESTART_COUNT; -1: every attempt), in a function named
-  ``write_metrics_to_stuck_filesystem`` so the stack dump says where.
+  ``write_metrics_to_stuck_filesystem`` so the stack dump says where;
+* ``--inprocess``: the training function runs under ``ft_client.inprocess.Wrapper``. Run
+  it with ``--ft-on-hang inprocess``: a hang then restarts the training function in the
+  same processes (from an in-memory copy of the last checkpoint), the process restart
+  staying the fallback. The hang happens in the Wrapper's first iteration only.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,6 +35,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ft_client import RankMonitorClient
+from ft_client.inprocess import CallWrapper, Wrapper
 
 
 def parse_spec(text: str | None) -> dict[str, int] | None:
@@ -60,31 +68,55 @@ def main() -> None:
     p.add_argument("--control", default=os.environ.get("FT_DEMO_CONTROL"), metavar="STEP:ACTION",
                    help="local rank 0 sends a workload control request (ShutdownWorkload, ExcludeThisNode) at "
                         "STEP of the first attempt (or env FT_DEMO_CONTROL, e.g. set for one node only)")
+    p.add_argument("--inprocess", action="store_true",
+                   help="run the training function under ft_client.inprocess.Wrapper (use with --ft-on-hang "
+                        "inprocess)")
     args = p.parse_args()
+    client = RankMonitorClient()
+    if not args.inprocess:
+        dist.init_process_group("gloo")
+        train(args, client, {}, None)
+        return
+    memory: dict[str, Any] = {}  # the last checkpoint, kept in memory across in-process restarts
 
-    dist.init_process_group("gloo")
+    @Wrapper(soft_timeout=600, hard_timeout=660, barrier_timeout=60, completion_timeout=60)
+    def run(call: CallWrapper) -> None:
+        call.init_process_group("gloo")
+        train(args, client, memory, call)
+
+    run()
+    client.shutdown_workload_monitoring()
+
+
+def train(args: argparse.Namespace, client: RankMonitorClient, memory: dict[str, Any],
+          call: CallWrapper | None) -> None:
+    """The training function: called once, or under the Wrapper once per in-process iteration."""
     rank = dist.get_rank()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    iteration = call.iteration if call is not None else 0
     hang = parse_spec(args.hang)
     crash = parse_spec(args.crash)
     ckpt_path = Path(args.ckpt_dir) / "ckpt.pt"
+    where = f"attempt {attempt}" + (f" iteration {iteration}" if call is not None else "")
 
     torch.manual_seed(0)
     model = DDP(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1)))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    client = RankMonitorClient()
 
     start = 0
-    if ckpt_path.exists():
-        ckpt = torch.load(ckpt_path, weights_only=False)
+    ckpt = memory or (torch.load(ckpt_path, weights_only=False) if ckpt_path.exists() else None)
+    if ckpt:
         model.module.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["opt"])
         start = ckpt["step"]
-        client.load_state_dict(ckpt.get("ft", {}))  # learned timeouts from the last run
-        print(f"[rank {rank}] attempt {attempt}: resumed at step {start}", flush=True)
-    client.init_workload_monitoring()
+        if not client.is_initialized:
+            client.load_state_dict(ckpt.get("ft", {}))  # learned timeouts from the last run
+        print(f"[rank {rank}] {where}: resumed at step {start} (pid {os.getpid()}, from "
+              f"{'memory' if memory else 'disk'})", flush=True)
+    if not client.is_initialized:
+        client.init_workload_monitoring()
     learned = sorted(client.timeouts.learned)
-    print(f"[rank {rank}] attempt {attempt}: timeouts in force {client.timeouts.to_wire()}"
+    print(f"[rank {rank}] {where}: timeouts in force {client.timeouts.to_wire()}"
           + (f" (learned: {', '.join(learned)})" if learned else ""), flush=True)
 
     loss = torch.tensor(0.0)
@@ -96,11 +128,13 @@ def main() -> None:
             loss.backward()
             opt.step()
             time.sleep(args.step_time)
-            if hang and (rank, step) == (hang["rank"], hang["step"]) and hang["attempt"] in (attempt, -1):
-                print(f"[rank {rank}] attempt {attempt}: hanging at step {step} (on purpose)", flush=True)
+            if hang and (rank, step) == (hang["rank"], hang["step"]) and hang["attempt"] in (attempt, -1) \
+                    and iteration == 0:
+                print(f"[rank {rank}] {where}: hanging at step {step} (on purpose)", flush=True)
                 write_metrics_to_stuck_filesystem()
         client.send_heartbeat()
-        if crash and (rank, step) == (crash["rank"], crash["step"]) and crash["attempt"] in (attempt, -1):
+        if crash and (rank, step) == (crash["rank"], crash["step"]) and crash["attempt"] in (attempt, -1) \
+                and iteration == 0:
             raise RuntimeError(f"rank {rank} crashed at step {step} (on purpose)")
         if args.control and attempt == 0:
             at, action = args.control.split(":")
@@ -111,17 +145,22 @@ def main() -> None:
             # Learn timeouts from what every rank observed (a collective); not
             # enough data yet (no checkpoint section completed) is not an error.
             client.calculate_and_set_section_timeouts(calc_out_of_section=False, skip_if_not_ready=True)
-            with client.section("ckpt"):
+            with client.section("ckpt"), call.atomic() if call is not None else contextlib.nullcontext():
+                state = {"model": model.module.state_dict(), "opt": opt.state_dict(), "step": step + 1,
+                         "ft": client.state_dict()}
+                if call is not None:
+                    memory.update(copy.deepcopy(state))
                 if rank == 0:
                     ckpt_path.parent.mkdir(parents=True, exist_ok=True)
                     tmp = ckpt_path.with_suffix(".tmp")
-                    torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(), "step": step + 1,
-                                "ft": client.state_dict()}, tmp)
+                    torch.save(state, tmp)
                     os.replace(tmp, ckpt_path)
                 dist.barrier()
-    print(f"[rank {rank}] attempt {attempt}: finished {args.steps} steps, loss {loss.item():.4f}", flush=True)
-    client.shutdown_workload_monitoring()
+    print(f"[rank {rank}] {where}: finished {args.steps} steps, loss {loss.item():.4f} (pid {os.getpid()})",
+          flush=True)
     dist.destroy_process_group()
+    if call is None:
+        client.shutdown_workload_monitoring()
 
 
 if __name__ == "__main__":

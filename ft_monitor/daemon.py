@@ -348,24 +348,29 @@ class MonitorDaemon:
                   "in-process (%d of at most %d), back within %.1fs or stopped", hang.rank, hang.pid,
                   hang.reason.value, printable(hang.section), hang.elapsed, hang.timeout, hang.describe(),
                   self.inprocess_restarts, cfg.max_inprocess_restarts, cfg.inprocess_restart_timeout)
+        case = HangCase(hang, rank.process, rank.report_path(f"-inprocess{self.inprocess_restarts}"),
+                        rank.dump_path(), error_file=rank.error_file, action="inprocess",
+                        restart_iteration=s.wrapper_iteration + 1)
+        dumping = self.executor.request_dump(case)  # the stack as it hangs, before the abort unwinds it
         rank.control.send(wire.Abort(iteration=s.wrapper_iteration, reason=f"rank {hang.rank}: {hang.describe()}",
                                      hung_rank=hang.rank))
-        case = HangCase(hang, rank.process, rank.report_path(f"-inprocess{self.inprocess_restarts}"), None,
-                        error_file=rank.error_file)
         case.actions.append(f"in-process restart requested ({self.inprocess_restarts} of at most "
                             f"{cfg.max_inprocess_restarts})")
         case.terminated_by = "inprocess"
-        case.action = "inprocess"
-        case.restart_iteration = s.wrapper_iteration + 1
         self.executor.write_report(case)
-        if self.executor.handoff is not None:  # the launcher records it (summary, restart budget untouched)
-            self.spawn(self._record_with_launcher(case))
         self.hangs.append(HangSummary(hang.rank, hang.pid, hang.describe(), str(case.report_path)))
+        self.spawn(self._record_inprocess(case, dumping), rank.hold())
         self._arm()
         return True
 
-    async def _record_with_launcher(self, case: HangCase) -> None:
-        assert self.executor.handoff is not None
+    async def _record_inprocess(self, case: HangCase, dumping: int | None) -> None:
+        """After an ABORT: the stack dump into the report, and the launcher told (it records
+        the restart; its restart budget is untouched)."""
+        if dumping is not None:
+            await self.executor.await_dump(case, dumping)
+            self.executor.write_report(case)
+        if self.executor.handoff is None:
+            return
         try:
             await self.executor.handoff.notify(case)
         except Exception:  # the launcher being gone does not stop an in-process restart

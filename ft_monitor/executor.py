@@ -223,16 +223,28 @@ class HangExecutor:
 
     # -- (3) stack dump --------------------------------------------------------
     async def dump_stack(self, case: HangCase) -> None:
+        before = self.request_dump(case)
+        if before is not None:
+            await self.await_dump(case, before)
+
+    def request_dump(self, case: HangCase) -> int | None:
+        """Send the dump signal (the rank's faulthandler writes at once, whatever its main
+        thread is doing); the dump file's size before it, or None when no dump is coming."""
         if case.dump_path is None or self.stack_dump_timeout <= 0:
             case.actions.append("stack dump skipped")
-            return
-        ops, path = self.ops, case.dump_path
-        before = ops.file_size(path)
-        ops.send(case.process, signal.SIGCONT)  # a stopped rank cannot dump
-        if not ops.send(case.process, self.stack_dump_signal):
+            return None
+        before = self.ops.file_size(case.dump_path)
+        self.ops.send(case.process, signal.SIGCONT)  # a stopped rank cannot dump
+        if not self.ops.send(case.process, self.stack_dump_signal):
             case.actions.append("stack dump skipped: process gone")
-            return
+            return None
         case.actions.append(f"sent {signal.Signals(self.stack_dump_signal).name} for a stack dump")
+        return before
+
+    async def await_dump(self, case: HangCase, before: int) -> None:
+        """Wait (at most stack_dump_timeout) until the dump file grew and stopped growing."""
+        ops, path = self.ops, case.dump_path
+        assert path is not None
         deadline = self.clock.now() + self.stack_dump_timeout
         last = before
         stable = 0

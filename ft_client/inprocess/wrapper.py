@@ -323,6 +323,7 @@ class Wrapper:
             raise InProcessError("a Wrapper must be called from the main thread (it is interrupted by a signal)")
         rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
         run = _Run(self._store(rank, world), rank, world)
+        gc.freeze()  # see _collect
         previous = signal.signal(self.interrupt_signal, functools.partial(_on_interrupt, run))
         events.set_fault_handler(functools.partial(self._on_reported_fault, run))
         finished = False
@@ -339,6 +340,7 @@ class Wrapper:
         finally:
             events.set_fault_handler(None)
             signal.signal(self.interrupt_signal, previous)
+            gc.unfreeze()
             aborting.bury()
             if finished and run.store.hosted:  # a rank hosts the store: it must outlive the others' use
                 run.store.leave(run.iteration, run.rank, self.completion_timeout)
@@ -420,7 +422,7 @@ class Wrapper:
         fault = run.fault or FaultRecord("unknown", None, "unknown", run.rank, time.time())
         self._handle_fault(run, call)  # where the monitor thread had not yet
         aborting.release_process_groups()
-        gc.collect()  # the aborted iteration's objects go now, not at a random later allocation
+        _collect()
         if self.finalize is not None:
             self.finalize(call)
         if self.health_check is not None:
@@ -535,6 +537,16 @@ class Wrapper:
 
 
 _RESTART = object()
+
+
+def _collect() -> None:
+    """Collect the aborted iteration's objects now (GPU memory, sockets), not at a random
+    later allocation. Objects alive when the Wrapper started, or after an earlier restart's
+    collection, are frozen (``gc.freeze``: unfrozen when the Wrapper returns), so this scans
+    only what the aborted iteration created: with torch loaded, a full collection of this
+    process takes 0.07-0.3 s, most of it spent on objects that are not garbage."""
+    gc.collect()
+    gc.freeze()
 
 
 def _on_interrupt(run: _Run, signum: int, frame: Any) -> None:

@@ -133,6 +133,8 @@ class FtRuntime:
     job_secret: bytes | None = None
     """Signs launcher messages in the rendezvous store (store_auth); None: cross-node features off."""
     worker_pids: set[int] = field(default_factory=set)
+    attempts: list[dict[str, Any]] = field(default_factory=list)
+    """Each attempt's workers: ``{"attempt": n, "pids": {global rank: pid}}`` (summary JSON)."""
 
     def is_worker(self, pid: int) -> bool:
         """A current worker, or a process it started (a workload request may come from either)."""
@@ -205,6 +207,8 @@ class FtLocalElasticAgent(_lea.LocalElasticAgent):
         self.ft.groups.close()
         self.ft.groups.track(pids.values())  # torch starts each worker in its own session
         self.ft.worker_pids = set(pids.values())
+        self.ft.attempts.append({"attempt": self._attempt(), "pids": {
+            w.global_rank: pids[w.local_rank] for w in worker_group.workers if w.local_rank in pids}})
         self._pinned_at = time.monotonic()
         if self.ft.restarts and self.ft.restarts[-1].workers_started is None:
             timing = self.ft.restarts[-1]

@@ -191,7 +191,7 @@ def _write_summary(ft: Any, code: int, path: str) -> None:
     is replaced, never followed."""
     try:
         write_json_atomic(path, {"exit_code": code, "hangs": ft.hangs, "restarts": [t.breakdown() for t in ft.restarts],
-                                 "inprocess_restarts": ft.inprocess_restarts,
+                                 "inprocess_restarts": ft.inprocess_restarts, "attempts": ft.attempts,
                                  "monitor_restarts": ft.monitors.restarts, "outcome": ft.outcome_message})
     except OSError as e:
         log.error("ft-launcher: cannot write the summary %s: %s", path, e)

@@ -81,7 +81,8 @@ def compare(process: dict[str, Any], inprocess: dict[str, Any]) -> None:
         ("attempts", str(len(process.get("attempts", []))), str(len(inprocess.get("attempts", [])))),
     ]
     a, b = restart_seconds(process), restart_seconds(inprocess)
-    rows.append(("detected -> all ranks stepping", "-" if a is None else f"{a:.2f} s", "-" if b is None else f"{b:.2f} s"))
+    rows.append(("detected -> all ranks stepping", "-" if a is None else f"{a:.2f} s",
+                 "-" if b is None else f"{b:.2f} s"))
     rows.append(("exit code", str(process["exit_code"]), str(inprocess["exit_code"])))
     width = [max(len(r[i]) for r in rows) for i in range(3)]
     for r in rows:

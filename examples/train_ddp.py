@@ -24,7 +24,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import ctypes
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -45,10 +47,21 @@ def parse_spec(text: str | None) -> dict[str, int] | None:
     return {k: int(parts[k]) for k in ("rank", "step", "attempt")}
 
 
-def write_metrics_to_stuck_filesystem() -> None:
-    """Stands for an NFS write or a data-loader worker that never returns."""
+def write_metrics_to_stuck_filesystem(mode: str = "sleep") -> None:
+    """Stands for an NFS write or a data-loader worker that never returns. ``mode``:
+    ``sleep`` (in Python), ``gil`` (in a C call that holds the GIL: no Python thread of the
+    process runs any more), ``swallow`` (in Python, swallowing every exception, even the
+    in-process restart's interrupt: a bug to recover from)."""
+    if mode == "gil":
+        libc = ctypes.PyDLL(None)  # PyDLL keeps the GIL during the call
+        while True:
+            libc.sleep(3600)
     while True:
-        time.sleep(3600)
+        try:
+            time.sleep(3600)
+        except BaseException:  # noqa: B036 - on purpose, see above
+            if mode != "swallow":
+                raise
 
 
 def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,7 +77,10 @@ def main() -> None:
     p.add_argument("--ckpt-dir", default="/tmp/ft-demo-ckpt")
     p.add_argument("--step-time", type=float, default=0.05, help="extra seconds of 'work' per step")
     p.add_argument("--hang", default=os.environ.get("FT_DEMO_HANG"), help="rank=R,step=S,attempt=A")
+    p.add_argument("--hang-mode", choices=("sleep", "gil", "swallow"), default="sleep",
+                   help="how --hang hangs: in Python, in C holding the GIL, or in Python swallowing exceptions")
     p.add_argument("--crash", default=None, help="rank=R,step=S,attempt=A: raise an error there")
+    p.add_argument("--die", default=None, help="rank=R,step=S,attempt=A: the rank SIGKILLs itself there")
     p.add_argument("--control", default=os.environ.get("FT_DEMO_CONTROL"), metavar="STEP:ACTION",
                    help="local rank 0 sends a workload control request (ShutdownWorkload, ExcludeThisNode) at "
                         "STEP of the first attempt (or env FT_DEMO_CONTROL, e.g. set for one node only)")
@@ -96,6 +112,7 @@ def train(args: argparse.Namespace, client: RankMonitorClient, memory: dict[str,
     iteration = call.iteration if call is not None else 0
     hang = parse_spec(args.hang)
     crash = parse_spec(args.crash)
+    die = parse_spec(args.die)
     ckpt_path = Path(args.ckpt_dir) / "ckpt.pt"
     where = f"attempt {attempt}" + (f" iteration {iteration}" if call is not None else "")
 
@@ -131,11 +148,14 @@ def train(args: argparse.Namespace, client: RankMonitorClient, memory: dict[str,
             if hang and (rank, step) == (hang["rank"], hang["step"]) and hang["attempt"] in (attempt, -1) \
                     and iteration == 0:
                 print(f"[rank {rank}] {where}: hanging at step {step} (on purpose)", flush=True)
-                write_metrics_to_stuck_filesystem()
+                write_metrics_to_stuck_filesystem(args.hang_mode)
         client.send_heartbeat()
         if crash and (rank, step) == (crash["rank"], crash["step"]) and crash["attempt"] in (attempt, -1) \
                 and iteration == 0:
             raise RuntimeError(f"rank {rank} crashed at step {step} (on purpose)")
+        if die and (rank, step) == (die["rank"], die["step"]) and die["attempt"] in (attempt, -1):
+            print(f"[rank {rank}] {where}: killing myself at step {step} (on purpose)", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
         if args.control and attempt == 0:
             at, action = args.control.split(":")
             if step == int(at) and os.environ.get("LOCAL_RANK") == "0":

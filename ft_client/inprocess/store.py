@@ -34,6 +34,8 @@ KEY_ROOT = "ft_inprocess"
 STORE_PORT_OFFSET = 1
 """Without an agent store, rank 0 hosts the Wrapper's store at MASTER_PORT + this."""
 DONE = b'{"done": true}'
+GLOO_DEFAULT_GROUP_KEY = "0//cpu//0/"
+"""+ rank: where a gloo default group's rank publishes its address (torch 2.13)."""
 MAX_REASON = 4096
 
 
@@ -173,10 +175,15 @@ class RestartStore:
                     raise
 
     def forget(self, iteration: int) -> None:
-        """Delete an iteration's keys (every rank is past it)."""
-        for name in ("outcome", "completed", "barrier", "barrier_done", "exit", "exit_done"):
+        """Delete an iteration's keys (every rank is past it): ours, and the address keys
+        that torch's gloo process group init wrote on the iteration's user store (torch
+        2.13's key names; a key that is not there is no error)."""
+        user = self.user_store(iteration)
+        for store, key in [*((self.base, self.key(iteration, name)) for name in
+                             ("outcome", "completed", "barrier", "barrier_done", "exit", "exit_done")),
+                           *((user, f"{GLOO_DEFAULT_GROUP_KEY}{r}") for r in range(self.world_size))]:
             try:
-                self.base.delete_key(self.key(iteration, name))
+                store.delete_key(key)
             except Exception:  # noqa: BLE001 - best effort: a leftover key is never read again
                 pass
 

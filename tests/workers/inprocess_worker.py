@@ -24,6 +24,7 @@ import time
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import distributed_c10d
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ft_client.inprocess import CallWrapper, Wrapper, events
@@ -42,6 +43,11 @@ def fds() -> int:
         except OSError:
             pass
     return n
+
+
+def rss_kb() -> int:
+    with open("/proc/self/status") as f:
+        return int(f.read().split("VmRSS:")[1].split()[0])
 
 
 def main() -> int:
@@ -86,7 +92,8 @@ def main() -> int:
             opt.load_state_dict(saved["opt"])  # type: ignore[arg-type]
             start = int(saved["step"])  # type: ignore[call-overload]
         say(f"rank {rank} pid {os.getpid()} iteration {call.iteration} start step {start} threads "
-            f"{threading.active_count()} fds {fds()}")
+            f"{threading.active_count()} fds {fds()} groups {len(distributed_c10d._world.pg_map)} keys "
+            f"{call.store.num_keys()} rss {rss_kb()}")
         loss = torch.tensor(0.0)
         for step in range(start, args.steps):
             call.ping()

@@ -40,6 +40,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from bench import inprocess_restart
 from bench.harness import PY, ROOT, Figure, Mode, clean_env, cleanup, private_dir, resolve_loop, summarize
 
 TARGET_S = 3.0
@@ -71,9 +72,15 @@ def launcher_argv(d: Path) -> list[str]:
 
 
 def run(mode: Mode) -> list[Figure]:
+    """Process-restart runs, each followed by an in-process restart run
+    (bench/inprocess_restart.py): the two side by side, in the same conditions."""
     runs = mode.pick(5, 2, 1)
-    samples = [_one(i) for i in range(runs)]
-    return figures(samples, resolve_loop("auto"))
+    samples, inprocess = [], []
+    for i in range(runs):
+        samples.append(_one(i))
+        inprocess.append(inprocess_restart.one(i))
+    loop = resolve_loop("auto")
+    return figures(samples, loop) + inprocess_restart.figures(inprocess, [s["total"] for s in samples], loop)
 
 
 def _one(i: int) -> dict[str, Any]:

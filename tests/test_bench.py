@@ -28,6 +28,8 @@ EXPECTED_IDS = {
     "restart.total", "restart.total_minus_first_step", "restart.detection", "restart.dump_wait",
     "restart.notify", "restart.to_stop", "restart.stop", "restart.rendezvous", "restart.worker_start",
     "restart.first_step",
+    "inprocess.total", "inprocess.process_total", "inprocess.speedup", "inprocess.same_pids",
+    *(f"inprocess.{k}" for k in ("notify", "abort", "interrupt", "finalize", "barrier", "reinit", "first_step")),
     *(f"step.{v}.{k}" for v in ("b2b", "gap") for k in ("bare", "client", "calls", "noise", "overhead")),
 }
 CLIENT_KEYS = {"heartbeat.b2b", "section.b2b", "unmonitored.b2b", "heartbeat.paced", "section.paced",
@@ -58,6 +60,7 @@ def test_smoke_run_writes_the_expected_json(tmp_path: Path) -> None:
     restart = by_id["restart.total"]  # one real ft-launcher run with a hang and a restart
     assert restart["n"] == 1 and restart["details"]["launcher_line_matches_json"] == [True], restart
     assert all(by_id[f"step.{v}.overhead"]["n"] >= 1 for v in ("b2b", "gap"))
+    assert by_id["inprocess.total"]["n"] == 1 and by_id["inprocess.same_pids"]["met"] is True
     measured = [f for f in figures if f["n"]]
     assert all(f["median"] is not None and f["min"] <= f["median"] <= f["max"] for f in measured)
 

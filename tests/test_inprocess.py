@@ -97,10 +97,11 @@ def jobs() -> Iterator[list[Job]]:
         j.kill()
 
 
-def _starts(text: str) -> list[tuple[int, int, int]]:
-    """(pid, iteration, start step) of each entry into the training function."""
+def _starts(text: str, rank: int | None = None) -> list[tuple[int, int, int]]:
+    """(pid, iteration, start step) of each entry into the training function (of ``rank``)."""
+    who = r"rank \d+" if rank is None else f"rank {rank}"
     return [(int(m[1]), int(m[2]), int(m[3]))
-            for m in re.finditer(r"pid (\d+) iteration (\d+) start step (\d+)", text)]
+            for m in re.finditer(who + r" pid (\d+) iteration (\d+) start step (\d+)", text)]
 
 
 def _finished(text: str) -> float:
@@ -213,6 +214,38 @@ def test_a_hang_found_by_the_monitor_daemon_restarts_in_process(workdir: Path, j
         assert "re-entered its training function (in-process iteration 1)" in log0
         for d in daemons:
             assert "sent SIGTERM" not in d.log() and "SIGKILL" not in d.log()
+    finally:
+        for d in daemons:
+            d.stop()
+
+
+def test_plain_torchrun_with_a_monitor_per_rank_restarts_in_process(workdir: Path) -> None:
+    """torchrun (not ft-launcher) starts the ranks; an `ft-monitor serve` beside each one,
+    with on_hang: inprocess. The Wrapper coordinates through torchrun's agent store."""
+    flags = ("--ft-on-hang", "inprocess", "--ft-rank-section-timeouts", "data:3",
+             "--ft-inprocess-restart-timeout", "20", "--ft-stack-dump-timeout", "0")
+    daemons = [Daemon(workdir, *flags, name=f"rank{r}.sock").wait_ready() for r in (0, 1)]
+    log = workdir / "torchrun.log"
+    try:
+        with open(log, "w") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                 "--max-restarts", "0", str(WORKER), "monitored"],
+                env={**os.environ, "FT_TEST_SOCKET_DIR": str(daemons[0].socket.parent)}, cwd=ROOT, stdout=out,
+                stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            assert proc.wait(90) == 0, log.read_text()[-3000:]
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+        text = log.read_text()
+        for r in (0, 1):
+            starts = _starts(text, r)
+            assert [(it, step) for _, it, step in starts] == [(0, 0), (1, 5)], text[-3000:]
+            assert len({pid for pid, _, _ in starts}) == 1
+        assert "restarting in-process (1 of at most 10)" in daemons[1].log()
+        assert "hang detected" not in daemons[0].log()
     finally:
         for d in daemons:
             d.stop()

@@ -72,7 +72,8 @@ def main() -> int:
     if scenario == "monitored":
         from ft_client import RankMonitorClient
 
-        client = RankMonitorClient()
+        sockets = os.environ.get("FT_TEST_SOCKET_DIR")  # one `ft-monitor serve` per local rank (torchrun)
+        client = RankMonitorClient(f"{sockets}/rank{os.environ['LOCAL_RANK']}.sock" if sockets else None)
         client.init_workload_monitoring()
 
     def health(call: CallWrapper) -> None:

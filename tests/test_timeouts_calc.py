@@ -1,4 +1,4 @@
-"""TimeoutsCalc observations and learned-timeout math, driven by a fake clock (plain floats)."""
+"""TimeoutsRecorder observations and learned-timeout math, driven by a fake clock (plain floats)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from ft_client.timeouts_calc import (
     MISSING,
     NotEnoughDataError,
     Observations,
-    TimeoutsCalc,
+    TimeoutsRecorder,
     hb_not_ready,
     learn_hb_timeouts,
     learn_section_timeouts,
@@ -30,8 +30,8 @@ CONFIG = Timeouts(
 )
 
 
-def calc(*sections: str, start: float | None = 0.0) -> TimeoutsCalc:
-    c = TimeoutsCalc(sections or ("ckpt", "step"))
+def calc(*sections: str, start: float | None = 0.0) -> TimeoutsRecorder:
+    c = TimeoutsRecorder(sections or ("ckpt", "step"))
     if start is not None:
         c.start(start)
     return c
@@ -157,7 +157,7 @@ def test_calc_uses_slots() -> None:
 def test_bad_safety_factor() -> None:
     for bad in (0, 0.5, float("nan"), True):
         with pytest.raises(ValueError, match=r"^safety_factor = .*: must be a number >= 1\.0 \(a factor below 1 makes timeouts shorter than observed\)$"):
-            TimeoutsCalc((), safety_factor=bad)
+            TimeoutsRecorder((), safety_factor=bad)
 
 
 # -- reduction vector --------------------------------------------------------------
@@ -318,7 +318,7 @@ def test_bad_selection_is_a_usage_error_not_missing_data() -> None:
 
 
 def test_end_to_end_with_fake_clock() -> None:
-    c = TimeoutsCalc(name for name in CONFIG.rank_section_timeouts if name != "warmup")
+    c = TimeoutsRecorder(name for name in CONFIG.rank_section_timeouts if name != "warmup")
     c.start(0.0)
     now = 0.0
     for step in range(3):

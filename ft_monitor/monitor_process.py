@@ -4,7 +4,8 @@
 nvidia-resiliency-ext's ``run_in_subprocess`` use on its result (``pid``, ``is_alive()``,
 ``terminate()``, ``kill()``, ``join(timeout)``, ``exitcode``), plus `stop()` (SIGTERM, a
 bounded grace, SIGKILL) and use as a context manager. Like the reference's daemonic
-process, a daemon still running when the interpreter exits is stopped then.
+process, a daemon still running when the interpreter exits is stopped then; with
+``ServeSpec.parent_pid`` it also stops when its parent is killed outright.
 
 Owns: starting the daemon process from a validated `settings.ServeSpec`, waiting until
 its socket answers, and stopping and reaping it. Every wait is bounded. Must not import

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -114,12 +115,18 @@ class RankMonitorServer:
                       ready_timeout: float | None = None, log_file: str | None = None) -> MonitorProcess:
         """Start the daemon in a new process; return once its socket answers.
 
+        The daemon stops (SIGTERM) when this process exits, even when it is killed outright
+        (started from another thread than the main one: at interpreter exit only).
         ``env`` is added to the child's environment. Its log goes to this process's
         stderr, and to ``log_file`` as well if given. Raises ListenerError (before starting
         anything) for a socket path the daemon would refuse, MonitorStartError if the child
         exits or does not answer within ``ready_timeout`` (default RANK_MONITOR_INIT_TIMEOUT)."""
         path = check_socket_path(self.ipc_socket_path)
-        spec = ServeSpec(self.settings, str(path), log_file=log_file, launcher_socket=self.launcher_socket)
+        # prctl's parent-death signal follows the thread that started the child: ask for it
+        # only from the main thread, whose end is this process's
+        parent = os.getpid() if threading.current_thread() is threading.main_thread() else None
+        spec = ServeSpec(self.settings, str(path), log_file=log_file, launcher_socket=self.launcher_socket,
+                         parent_pid=parent)
         timeout = self.RANK_MONITOR_INIT_TIMEOUT if ready_timeout is None else ready_timeout
         proc = MonitorProcess.start(spec, env=env, ready_timeout=timeout)
         self._ready()

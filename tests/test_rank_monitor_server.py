@@ -4,6 +4,7 @@ and the errors it raises before and while starting. Real processes and sockets."
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import signal
@@ -127,3 +128,26 @@ def test_run_in_the_foreground_sets_the_ready_event_and_stops_on_sigterm(workdir
             proc.wait(5)
         out, err = proc.communicate()
     assert "monitor shutting down: received SIGTERM" in err
+
+
+def test_a_rank_that_starts_its_own_monitor_is_stopped_on_a_hang_and_its_monitor_goes_too(workdir: Path) -> None:
+    code = textwrap.dedent(f"""
+        import time
+        import ft_monitor
+        from ft_client import RankMonitorClient
+
+        cfg = ft_monitor.FaultToleranceConfig.from_kwargs(rank_section_timeouts={{"s": 0.5}}, stack_dump_timeout=0)
+        monitor = ft_monitor.RankMonitorServer.run_in_subprocess(cfg, {str(workdir / 'r.sock')!r})
+        print(monitor.pid, flush=True)
+        client = RankMonitorClient({str(workdir / 'r.sock')!r})
+        client.init_workload_monitoring()
+        client.start_section("s")
+        time.sleep(60)  # hung: the monitor, a child of this process, must stop it
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert proc.returncode == -signal.SIGTERM, proc.stderr
+    monitor_pid = int(proc.stdout.split()[0])
+    assert "and its descendants" not in proc.stderr  # the monitor did not signal itself
+    wait_until(lambda: not pid_alive(monitor_pid), 20, "the monitor to exit with its parent")
+    (report,) = (workdir / "reports").glob("rank0-*-hang.json")
+    assert json.loads(report.read_text())["terminated_by"] == "SIGTERM"  # finished before it exited

@@ -18,7 +18,8 @@ pydantic or yaml, whatever the caller has loaded.
 Owns: turning a config and a socket path into a running daemon, in this process or in a
 child. Must not import torch or pydantic, read argv, or exit the process (errors are raised:
 `ListenerError` for a socket path the daemon cannot use, `MonitorStartError` for a child
-that does not come up, `SettingsError` for a config of the wrong type).
+that does not come up, `SettingsError` for a config of the wrong type, `UsageError` for
+`serve()` outside the main thread).
 """
 
 from __future__ import annotations
@@ -83,8 +84,11 @@ class RankMonitorServer:
         the exit code (0). Call it from the main thread (it handles those signals). Raises
         ListenerError if the socket path cannot be used."""
         from ft_monitor import server
-        from ft_monitor.cli import _new_loop_factory
+        from ft_monitor.cli import UsageError, _new_loop_factory
 
+        if threading.current_thread() is not threading.main_thread():
+            raise UsageError("RankMonitorServer.serve() must run in the main thread (it handles SIGTERM, SIGINT, "
+                             "SIGHUP and SIGQUIT); from another thread use start_process()")
         with asyncio.Runner(loop_factory=_new_loop_factory("auto")) as runner:
             return runner.run(server.run_daemon(self.settings, self.ipc_socket_path,
                                                 launcher_socket=self.launcher_socket, on_ready=self._ready))

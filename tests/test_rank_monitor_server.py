@@ -12,12 +12,13 @@ import stat
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
 
 import ft_monitor
-from ft_client import RankMonitorClient
+from ft_client import FtError, RankMonitorClient
 from ft_monitor.listener import ListenerError
 from ft_monitor.monitor_process import MonitorStartError
 from ft_monitor.settings import Settings, SettingsError
@@ -151,3 +152,20 @@ def test_a_rank_that_starts_its_own_monitor_is_stopped_on_a_hang_and_its_monitor
     wait_until(lambda: not pid_alive(monitor_pid), 20, "the monitor to exit with its parent")
     (report,) = (workdir / "reports").glob("rank0-*-hang.json")
     assert json.loads(report.read_text())["terminated_by"] == "SIGTERM"  # finished before it exited
+
+
+def test_serve_outside_the_main_thread_is_refused(workdir: Path) -> None:
+    errors: list[BaseException] = []
+
+    def serve() -> None:
+        try:
+            ft_monitor.RankMonitorServer(Settings(), workdir / "t.sock").serve()
+        except BaseException as e:  # handed to the test thread
+            errors.append(e)
+
+    t = threading.Thread(target=serve)
+    t.start()
+    t.join(10)
+    assert len(errors) == 1 and isinstance(errors[0], FtError), errors
+    assert str(errors[0]).startswith("RankMonitorServer.serve() must run in the main thread")
+    assert not (workdir / "t.sock").exists()

@@ -17,6 +17,11 @@ learns timeouts from what it observes, and keeps them in the checkpoint::
 
 Importing this package is cheap: stdlib and msgpack only. torch is imported
 lazily, for the cross-rank reduction of learned timeouts.
+
+Names follow nvidia-resiliency-ext's fault_tolerance package: `TimeoutsCalc`,
+`TimeoutsCalcError` and `SectionAction` are its calculator API (over our own
+recorder), and `ft_monitor` holds its config and server. docs/migration.md maps
+every name.
 """
 
 from typing import Any
@@ -34,6 +39,9 @@ __all__ = [
     "NotEnoughDataError",
     "TimeoutsError",
     "TimeoutsCalc",
+    "TimeoutsCalcError",
+    "TimeoutsCalcNotReadyError",
+    "SectionAction",
     "WorkloadAction",
     "WorkloadControlRequest",
     "HeartbeatTimeouts",
@@ -47,8 +55,12 @@ def __getattr__(name: str) -> Any:  # the client and the calculator are loaded o
         from ft_client.client import RankMonitorClient
 
         return RankMonitorClient
-    if name in ("TimeoutsCalc", "NotEnoughDataError"):
-        from ft_client import timeouts_calc
+    if name == "NotEnoughDataError":
+        from ft_client.timeouts_calc import NotEnoughDataError
 
-        return getattr(timeouts_calc, name)
+        return NotEnoughDataError
+    if name in ("TimeoutsCalc", "TimeoutsCalcError", "TimeoutsCalcNotReadyError", "SectionAction"):
+        from ft_client import timeouts_calc_compat
+
+        return getattr(timeouts_calc_compat, name)
     raise AttributeError(f"module 'ft_client' has no attribute {name!r}")

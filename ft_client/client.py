@@ -60,7 +60,7 @@ from ft_client.timeouts_calc import (
     DEFAULT_SAFETY_FACTOR,
     NotEnoughDataError,
     Observations,
-    TimeoutsCalc,
+    TimeoutsRecorder,
     hb_not_ready,
     learn_hb_timeouts,
     learn_section_timeouts,
@@ -155,7 +155,7 @@ class RankMonitorClient:
         self._sync_sections = False
         self._raise_on_lost = False
         self._dumper = StackDumper()
-        self._calc = TimeoutsCalc()
+        self._calc = TimeoutsRecorder()
         self._observed = Observations()  # as agreed by the last cross-rank reduction
         self._safety_factor = DEFAULT_SAFETY_FACTOR
         self._min_learned = 0.0
@@ -214,7 +214,7 @@ class RankMonitorClient:
                 raise RankMonitorClientError(f"cannot connect to the monitor at {path}: {e}") from e
             self._path = transport.path  # resolved once: reconnections cannot be redirected
             configured = self._adopt(transport, hello)
-            self._calc = TimeoutsCalc(
+            self._calc = TimeoutsRecorder(
                 (n for n in configured.rank_section_timeouts if n != WARMUP_SECTION), self._safety_factor
             )
             self._calc.start(self._clock())

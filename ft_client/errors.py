@@ -14,10 +14,12 @@ builtin base that callers caught before (``ValueError`` for bad values,
     │   └── SessionInfoError            the monitor's handshake broke the rules
     ├── TransportError                  one connection failed (TransportClosedError, TransportBrokenError)
     ├── ProtocolError                   a frame or message broke the wire protocol
+    ├── TimeoutsCalcError               TimeoutsCalc (the reference's calculator API) refused a call
+    │   └── TimeoutsCalcNotReadyError   ... not enough observed (also a NotEnoughDataError)
     ├── TimeoutsError, StateDictError   a timeouts map or a checkpointed state is invalid
     ├── UnsafeFileError                 a path others could tamper with
     └── ft_monitor's: ConfigError, SettingsError, UsageError, ListenerError, SessionError,
-        NoticeError, StatusError, ReportError, SecretError, StoreMessageError
+        NoticeError, StatusError, ReportError, SecretError, StoreMessageError, MonitorStartError
 
 Closed and broken are types (as trio's ClosedResourceError and
 BrokenResourceError are), not fields; the cause is kept (``raise ... from e``).

@@ -60,17 +60,42 @@ def check_timeout(value: Any, what: str) -> float | None:
 
 @dataclass(frozen=True)
 class HeartbeatTimeouts:
+    """Initial and subsequent heartbeat timeouts (None: off), and whether they were learned."""
+
     initial: float | None = None
     subsequent: float | None = None
     were_calculated: bool = False
 
+    @property
+    def are_valid(self) -> bool:
+        """Both timeouts are set."""
+        return self.initial is not None and self.subsequent is not None
+
 
 @dataclass(frozen=True)
 class SectionTimeouts:
+    """Section and out-of-section timeouts (None: off), and which of them were learned.
+
+    ``calculated_sections`` may be given as any collection of names; it is kept as a frozenset.
+    """
+
     section: Mapping[str, float | None] = field(default_factory=dict)
     out_of_section: float | None = None
     calculated_sections: frozenset[str] = frozenset()
     is_out_of_section_calculated: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "calculated_sections", frozenset(self.calculated_sections))
+
+    @property
+    def were_calculated(self) -> bool:
+        """Every section timeout and the out-of-section timeout were learned."""
+        return self.calculated_sections == frozenset(self.section) and self.is_out_of_section_calculated
+
+    @property
+    def are_valid(self) -> bool:
+        """Every section timeout and the out-of-section timeout are set."""
+        return all(v is not None for v in self.section.values()) and self.out_of_section is not None
 
 
 @dataclass(frozen=True)

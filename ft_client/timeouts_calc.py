@@ -2,10 +2,12 @@
 
 Owns three things, all pure (no I/O, no clock reads, no torch):
 
-* `TimeoutsCalc` records what a rank does: time from `start(now)` to the first
+* `TimeoutsRecorder` records what a rank does: time from `start(now)` to the first
   heartbeat, the largest gap between heartbeats, the longest run of each tracked
   section and the longest stretch with no tracked section open. Every method
   that needs a time takes ``now`` (monotonic seconds); the caller owns the clock.
+  (``ft_client.TimeoutsCalc`` is nvidia-resiliency-ext's calculator API, built on
+  this recorder in `ft_client.timeouts_calc_compat`.)
 * `Observations`, the maxima behind learned timeouts, and its fixed-layout
   float vector for a cross-rank element-wise MAX (`to_vector` / `from_vector`).
   The reduction itself lives in `ft_client.sync`.
@@ -106,7 +108,7 @@ class Observations:
         )
 
 
-class TimeoutsCalc:
+class TimeoutsRecorder:
     """Records one rank's heartbeat and section timings (pure, caller-supplied `now`).
 
     ``sections`` are the names to track (the client passes the names listed in
@@ -182,18 +184,43 @@ class TimeoutsCalc:
         for name in list(self._open):
             self.on_section_close(name, now)
 
+    def set_start(self, now: float) -> None:
+        """Time the initial heartbeat from `now` (if it has not been sent yet).
+        Unlike `start`, nothing else changes: open sections, the out-of-section
+        stretch and the last heartbeat are kept."""
+        self._start = now
+
+    def record_out_of_section(self, now: float) -> None:
+        """Record the still-running out-of-section stretch (no section open) as if it
+        ended at `now`; the stretch itself keeps running."""
+        if not self._open and self._oos_since is not None and now - self._oos_since > self._max_oos:
+            self._max_oos = now - self._oos_since
+
+    # -- state ------------------------------------------------------------------
+    @property
+    def start_time(self) -> float | None:
+        """When monitoring started (`start`, `set_start`); None before."""
+        return self._start
+
+    @property
+    def open_sections(self) -> Mapping[str, float]:
+        """Tracked sections open now, with the time each was opened (a copy)."""
+        return dict(self._open)
+
     # -- results --------------------------------------------------------------
-    def observations(self, now: float) -> Observations:
+    def observations(self, now: float | None) -> Observations:
         """The maxima so far; the still-running out-of-section stretch (if no
-        section is open) counts as if it ended at `now`."""
+        section is open) counts as if it ended at `now`. With ``now=None``, only
+        what was recorded: stretches ended by a section opening, and
+        `record_out_of_section`."""
         oos = self._max_oos
-        if not self._open and self._oos_since is not None:
+        if now is not None and not self._open and self._oos_since is not None:
             oos = max(oos, now - self._oos_since)
         return Observations.from_vector(
             [self._max_initial, self._max_gap, oos, *self._max_section.values()], self.section_names
         )
 
-    def export_vector(self, now: float) -> list[float]:
+    def export_vector(self, now: float | None) -> list[float]:
         """`observations(now)` in the agreed layout, ready for a cross-rank MAX."""
         return self.observations(now).to_vector(self.section_names)
 

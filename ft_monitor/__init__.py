@@ -3,8 +3,49 @@
 
 The daemon never imports torch: it must start fast and stay small beside every rank.
 docs/architecture.md says which module does what.
+
+At package level, the names nvidia-resiliency-ext's ``fault_tolerance`` package exports
+(see docs/migration.md), so ``import ft_monitor as fault_tolerance`` stands in for
+``from nvidia_resiliency_ext import fault_tolerance``: `FaultToleranceConfig`,
+`RankMonitorServer`, `RankMonitorClient`, `RankMonitorClientError`, `WorkloadAction`,
+`WorkloadControlRequest`. They are loaded on first use: importing this package (as the
+daemon does) loads neither pydantic nor the client.
 """
 
-from ft_client.errors import FtError
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["FtError"]
+from ft_client.errors import FtError, RankMonitorClientError
+
+if TYPE_CHECKING:
+    from ft_client.client import RankMonitorClient as RankMonitorClient
+    from ft_client.workload import WorkloadAction as WorkloadAction
+    from ft_client.workload import WorkloadControlRequest as WorkloadControlRequest
+    from ft_monitor.config import FaultToleranceConfig as FaultToleranceConfig
+    from ft_monitor.rank_monitor_server import RankMonitorServer as RankMonitorServer
+
+__all__ = [
+    "FtError",
+    "FaultToleranceConfig",
+    "RankMonitorClient",
+    "RankMonitorClientError",
+    "RankMonitorServer",
+    "WorkloadAction",
+    "WorkloadControlRequest",
+]
+
+_LAZY = {
+    "FaultToleranceConfig": "ft_monitor.config",
+    "RankMonitorServer": "ft_monitor.rank_monitor_server",
+    "RankMonitorClient": "ft_client.client",
+    "WorkloadAction": "ft_client.workload",
+    "WorkloadControlRequest": "ft_client.workload",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ft_monitor' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)

@@ -180,6 +180,16 @@ def _run_checked(spec: ServeSpec) -> int:
     from ft_monitor import server
     from ft_monitor.listener import ListenerError
 
+    if spec.parent_pid is not None:
+        import signal
+
+        from ft_client.parent_death import die_with_parent
+
+        die_with_parent(signal.SIGTERM)
+        if os.getppid() != spec.parent_pid:  # gone before the prctl took effect
+            print(f"ft-monitor: parent process {spec.parent_pid} has exited; not serving", file=sys.stderr)
+            return EXIT_FAILURE
+
     try:
         _configure_logging(spec.settings.log_level, spec.log_file)
     except OSError as e:

@@ -230,6 +230,61 @@ class FaultToleranceConfig(BaseModel):
         """The timeouts this config puts in force, none of them learned."""
         return Timeouts.from_config(self)
 
+    @property
+    def is_progress_tracking_enabled(self) -> bool:
+        """Whether restarts that make no progress end the job (max_no_progress_cycles > 0)."""
+        return self.max_no_progress_cycles > 0
+
+    # -- nvidia-resiliency-ext's loaders (same names and arguments) -------------
+    @classmethod
+    def from_kwargs(cls, ignore_not_recognized: bool = True, **kwargs: Any) -> FaultToleranceConfig:
+        """A config from keyword arguments (field = value), validated like every other source.
+
+        Fields of nvidia-resiliency-ext that mean nothing here are dropped with a warning.
+        Other unknown names are dropped with a warning naming them, or, with
+        ``ignore_not_recognized=False``, raise ConfigError. Raises ConfigError (a
+        ValueError) naming the field, the value and the rule for a bad value."""
+        return merge_layers([("keyword arguments", kwargs)], unknown="warn" if ignore_not_recognized else "error")
+
+    @classmethod
+    def from_yaml_file(cls, cfg_path: str | os.PathLike[str], ignore_not_recognized: bool = True
+                       ) -> FaultToleranceConfig:
+        """A config from the first ``fault_tolerance:`` mapping in a YAML file (at any depth).
+        Unknown names as in `from_kwargs`; raises ConfigError for a file that cannot be read
+        or has no such mapping."""
+        return merge_layers([(f"config file {cfg_path}", read_yaml(cfg_path))],
+                            unknown="warn" if ignore_not_recognized else "error")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> FaultToleranceConfig:
+        """A config from parsed command-line arguments: the file ``args.ft_cfg_path`` (if set)
+        overridden by every ``args.ft_<field>`` that is set and not None (strings such as
+        "30", "none" or "step:30,ckpt:none" are read as on the command line). The
+        environment is not read (as in nvidia-resiliency-ext); `load_config` reads it."""
+        layers: list[tuple[str, Mapping[str, Any]]] = []
+        path = getattr(args, "ft_cfg_path", None)
+        if path is not None:
+            layers.append((f"config file {path}", read_yaml(path)))
+        given = {}
+        for name in FIELDS + tuple(sorted(IGNORED_NVRX_FIELDS)):
+            value = getattr(args, f"ft_{name}", None)
+            if value is not None:
+                given[name] = value
+        layers.append(("command line", given))
+        return merge_layers(layers)
+
+    def to_yaml_file(self, cfg_path: str | os.PathLike[str]) -> None:
+        """Write this config as a ``fault_tolerance:`` mapping that `from_yaml_file` reads back
+        as an equal config (signals by name). Raises ConfigError if the file cannot be written."""
+        data = self.model_dump(mode="json")
+        for name in ("rank_termination_signal", "stack_dump_signal"):
+            data[name] = getattr(self, name).name
+        try:
+            with open(cfg_path, "w") as f:
+                yaml.safe_dump({"fault_tolerance": data}, f, sort_keys=False)
+        except OSError as e:
+            raise ConfigError(f"cannot write config file {cfg_path}: {e.strerror or e}") from e
+
 
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
@@ -362,15 +417,27 @@ def load_config(
     log: logging.Logger | None = None,
 ) -> FaultToleranceConfig:
     """Merge defaults < YAML < env < CLI and validate; raises ConfigError."""
-    layers: list[tuple[str, dict[str, Any]]] = []
+    layers: list[tuple[str, Mapping[str, Any]]] = []
     if yaml_path is not None:
         layers.append((f"config file {yaml_path}", read_yaml(yaml_path)))
     layers.append(("environment", read_env(environ)))
     layers.append(("command line", dict(cli or {})))
+    return merge_layers(layers, log=log)
 
+
+def merge_layers(
+    layers: list[tuple[str, Mapping[str, Any]]], *, unknown: str = "error", log: logging.Logger | None = None
+) -> FaultToleranceConfig:
+    """Merge ``(source, values)`` layers, later ones winning, and validate; raises ConfigError.
+
+    Fields of nvidia-resiliency-ext that mean nothing here are dropped with one warning.
+    Any other unknown field is an error (``unknown="error"``) or dropped with a warning
+    naming it (``unknown="warn"``)."""
+    logger = log or logging.getLogger("ft_monitor.config")
     merged: dict[str, Any] = {}
     origin: dict[str, str] = {}
     ignored: list[str] = []
+    dropped: list[str] = []
     for source, values in layers:
         for key, value in values.items():
             if not isinstance(key, str):
@@ -379,14 +446,19 @@ def load_config(
                 ignored.append(key)
                 continue
             if key not in FaultToleranceConfig.model_fields:
+                if unknown == "warn":
+                    dropped.append(f"{shown(key)} (from {source})")
+                    continue
                 raise ConfigError(
                     f"{source}: unknown field {shown(key)} = {shown(value)} (known fields: {', '.join(FIELDS)})"
                 )
             merged[key] = value
             origin[key] = _origin_label(source, key)
     if ignored:
-        (log or logging.getLogger("ft_monitor.config")).warning(
-            "ignored nvidia-resiliency-ext setting(s) with no meaning here: %s", ", ".join(sorted(set(ignored))))
+        logger.warning("ignored nvidia-resiliency-ext setting(s) with no meaning here: %s",
+                       ", ".join(sorted(set(ignored))))
+    if dropped:
+        logger.warning("ignored unknown setting(s): %s (known fields: %s)", ", ".join(dropped), ", ".join(FIELDS))
     try:
         return FaultToleranceConfig(**merged)
     except ValidationError as e:

@@ -100,7 +100,9 @@ class RealProcessOps:
         signalled with its whole group, while a member we pinned proves the group
         id is still its own; otherwise the rank and its descendants one by one, so a
         shell or launcher that shares the rank's group is never hit. Descendants
-        that left the group (setsid) are pinned and signalled too."""
+        that left the group (setsid) are pinned and signalled too. The daemon itself
+        is never among them (a rank may start its own monitor, which is then its
+        descendant)."""
         pgid = proc.pgid()
         if pgid is None:
             return None
@@ -109,6 +111,8 @@ class RealProcessOps:
         target.pin_members()
         pinned = {h.pid for h in target.members}
         for pid in descendants(proc.pid):
+            if pid == os.getpid():
+                continue
             h = ProcessHandle.open(pid) if pid not in pinned else None
             if h is not None:
                 target.add(h)

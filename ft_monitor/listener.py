@@ -79,8 +79,10 @@ def _clear_stale(path: Path) -> None:
     raise ListenerError(f"another daemon is already serving {path}; stop it or choose another path")
 
 
-def bind_unix_listener(path: str | os.PathLike[str], backlog: int = socket.SOMAXCONN) -> tuple[socket.socket, int]:
-    """Bind and listen on ``path``; return the socket and the socket file's inode."""
+def check_socket_path(path: str | os.PathLike[str]) -> Path:
+    """Every check `bind_unix_listener` makes before binding (a stale socket file is
+    removed); returns the absolute path. Lets a program that starts a daemon refuse a bad
+    path with the reason, before the daemon process exists."""
     p = Path(path).absolute()
     size = len(os.fsencode(str(p)))
     if size > AF_UNIX_PATH_MAX:
@@ -90,6 +92,12 @@ def bind_unix_listener(path: str | os.PathLike[str], backlog: int = socket.SOMAX
         )
     _check_dir(p.parent)
     _clear_stale(p)
+    return p
+
+
+def bind_unix_listener(path: str | os.PathLike[str], backlog: int = socket.SOMAXCONN) -> tuple[socket.socket, int]:
+    """Bind and listen on ``path``; return the socket and the socket file's inode."""
+    p = check_socket_path(path)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         old_umask = os.umask(0o177)

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 import signal
+from collections.abc import Callable
 
 from ft_monitor.child import run_command
 from ft_monitor.daemon import MonitorDaemon
@@ -32,8 +33,10 @@ async def run_daemon(
     *,
     command: list[str] | None = None,
     launcher_socket: str | None = None,
+    on_ready: Callable[[], None] | None = None,
 ) -> int:
-    """Serve until a stop signal (or until ``command``, if given, exits). Returns the exit code."""
+    """Serve until a stop signal (or until ``command``, if given, exits). Returns the exit code.
+    ``on_ready`` is called once the socket accepts connections and the stop signals are handled."""
     _yield_to_training()
     daemon = MonitorDaemon(config, socket_path, launcher_socket=launcher_socket)
     await daemon.startup()
@@ -57,6 +60,8 @@ async def run_daemon(
         installed.append(sig)
     code = 0
     try:
+        if on_ready is not None:
+            on_ready()
         if command:
             code, why = await run_command(daemon, command, stop)
             if why is not None:

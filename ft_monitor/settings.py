@@ -13,7 +13,7 @@ it as JSON and read back into the types here:
   and the rule, as config.py's errors do. Its JSON form is exactly
   ``FaultToleranceConfig.model_dump(mode="json")``.
 * `ServeSpec`: everything a validated ``serve`` runs from (the settings, the
-  socket, the loop, ``-- CMD``, the log file, the launcher socket). The
+  socket, the loop, ``-- CMD``, the log file, the launcher socket, the parent to die with). The
   ``--check-serve`` helper prints one; ft-launcher writes one per daemon to
   ``<run>/monitor<L>.json``; ``--run-checked`` reads it back (`to_json` /
   `from_json`).
@@ -191,6 +191,9 @@ class ServeSpec:
     """`serve -- CMD ...`: a rank process to start and watch; empty for none."""
     log_file: str | None = None
     launcher_socket: str | None = None
+    parent_pid: int | None = None
+    """Die with this process: the daemon gets SIGTERM when its parent exits (and does not
+    start if its parent is not this pid any more). None: outlive the parent."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cmd", tuple(self.cmd) if isinstance(self.cmd, (list, tuple)) else self.cmd)
@@ -203,10 +206,13 @@ class ServeSpec:
         for name in ("log_file", "launcher_socket"):
             value = getattr(self, name)
             _check_spec(name, value, value is None or isinstance(value, str), "must be a path, or null")
+        pid = self.parent_pid
+        _check_spec("parent_pid", pid, pid is None or (isinstance(pid, int) and not isinstance(pid, bool) and pid > 0),
+                    "must be a process id > 0, or null")
 
     def to_dict(self) -> dict[str, Any]:
         return {"config": self.settings.to_dict(), "socket": self.socket, "loop": self.loop, "cmd": list(self.cmd),
-                "log_file": self.log_file, "launcher_socket": self.launcher_socket}
+                "log_file": self.log_file, "launcher_socket": self.launcher_socket, "parent_pid": self.parent_pid}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
@@ -215,7 +221,7 @@ class ServeSpec:
     def from_dict(cls, data: Any) -> ServeSpec:
         if not isinstance(data, Mapping):
             raise SettingsError(f"invalid serve spec: must be a map, not {type(data).__name__}")
-        known = ("config", "socket", "loop", "cmd", "log_file", "launcher_socket")
+        known = ("config", "socket", "loop", "cmd", "log_file", "launcher_socket", "parent_pid")
         unknown = [k for k in data if k not in known]
         if unknown:
             raise SettingsError(f"invalid serve spec: unknown field {_shown(unknown[0])} "
@@ -226,7 +232,7 @@ class ServeSpec:
         cmd = data.get("cmd") or ()
         _check_spec("cmd", cmd, isinstance(cmd, (list, tuple)), "must be a list of strings")
         return cls(Settings.from_dict(data["config"]), data["socket"], data.get("loop", "auto"),
-                   tuple(cmd), data.get("log_file"), data.get("launcher_socket"))
+                   tuple(cmd), data.get("log_file"), data.get("launcher_socket"), data.get("parent_pid"))
 
     @classmethod
     def from_json(cls, text: str | bytes) -> ServeSpec:

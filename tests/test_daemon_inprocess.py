@@ -515,7 +515,8 @@ def test_a_hang_with_on_hang_inprocess_pushes_abort_and_the_rank_comes_back(tmp_
         clock.advance(10)
         assert d.inprocess_restarts == 1 and ops.sent == []
         report = json.loads((tmp_path / "reports" / f"rank0-pid{os.getpid()}-inprocess1-hang.json").read_text())
-        assert report["terminated_by"] == "inprocess" and "in-process restart requested" in report["actions"][0]
+        assert report["terminated_by"] == "inprocess"
+        assert any("in-process restart requested" in a for a in report["actions"])
 
     run(body, tmp_path, **INPROCESS)
 

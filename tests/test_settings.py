@@ -146,12 +146,12 @@ def test_built_from_the_json_form_as_a_mapping_and_keywords() -> None:
 
 def test_serve_spec_round_trip_and_json_layout() -> None:
     spec = ServeSpec(Settings(rank_heartbeat_timeout=3), "/run/r.sock", loop="asyncio", cmd=["python", "t.py"],
-                     log_file="/run/m.log", launcher_socket="/run/l.sock")
+                     log_file="/run/m.log", launcher_socket="/run/l.sock", parent_pid=42)
     assert spec.cmd == ("python", "t.py")
     data = json.loads(spec.to_json())
     assert data == {"config": Settings(rank_heartbeat_timeout=3).to_dict(), "socket": "/run/r.sock",
                     "loop": "asyncio", "cmd": ["python", "t.py"], "log_file": "/run/m.log",
-                    "launcher_socket": "/run/l.sock"}
+                    "launcher_socket": "/run/l.sock", "parent_pid": 42}
     assert ServeSpec.from_json(spec.to_json()) == spec
     assert ServeSpec.from_dict({"config": {}, "socket": "s"}) == ServeSpec(Settings(), "s")
 
@@ -168,6 +168,7 @@ def test_serve_spec_round_trip_and_json_layout() -> None:
                                                          "strings"),
         ({"config": {}, "socket": "s", "cmd": ["python", 3]}, "invalid serve spec cmd = ('python', 3): must be a list"),
         ({"config": {}, "socket": "s", "log_file": 3}, "invalid serve spec log_file = 3: must be a path, or null"),
+        ({"config": {}, "socket": "s", "parent_pid": 0}, "invalid serve spec parent_pid = 0: must be a process id > 0"),
         ({"config": {}, "socket": "s", "extra": 1}, "invalid serve spec: unknown field 'extra'"),
         ({"config": {"safety_factor": 0}, "socket": "s"}, "invalid setting safety_factor = 0: must be a number"),
         ([], "invalid serve spec: must be a map, not list"),

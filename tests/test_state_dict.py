@@ -22,7 +22,7 @@ from ft_client.timeouts import (
     Timeouts,
     learned_section_key,
 )
-from ft_client.timeouts_calc import Observations, TimeoutsCalc, learn_hb_timeouts, learn_section_timeouts
+from ft_client.timeouts_calc import Observations, TimeoutsRecorder, learn_hb_timeouts, learn_section_timeouts
 
 CONFIG = Timeouts(
     initial_rank_heartbeat_timeout=600.0,
@@ -85,7 +85,7 @@ def test_round_trip_through_json() -> None:
 
 
 def test_identical_on_ranks_with_the_same_reduced_values() -> None:
-    a, b = TimeoutsCalc(["step", "ckpt"]), TimeoutsCalc(["ckpt", "step"])
+    a, b = TimeoutsRecorder(["step", "ckpt"]), TimeoutsRecorder(["ckpt", "step"])
     for c, t in ((a, 1.0), (b, 3.0)):
         c.start(0.0)
         c.on_heartbeat(t)

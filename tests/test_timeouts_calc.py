@@ -1,4 +1,4 @@
-"""TimeoutsCalc observations and learned-timeout math, driven by a fake clock (plain floats)."""
+"""TimeoutsRecorder observations and learned-timeout math, driven by a fake clock (plain floats)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from ft_client.timeouts_calc import (
     MISSING,
     NotEnoughDataError,
     Observations,
-    TimeoutsCalc,
+    TimeoutsRecorder,
     hb_not_ready,
     learn_hb_timeouts,
     learn_section_timeouts,
@@ -30,8 +30,8 @@ CONFIG = Timeouts(
 )
 
 
-def calc(*sections: str, start: float | None = 0.0) -> TimeoutsCalc:
-    c = TimeoutsCalc(sections or ("ckpt", "step"))
+def calc(*sections: str, start: float | None = 0.0) -> TimeoutsRecorder:
+    c = TimeoutsRecorder(sections or ("ckpt", "step"))
     if start is not None:
         c.start(start)
     return c
@@ -148,6 +148,34 @@ def test_close_all_closes_every_open_section() -> None:
     assert c.observations(9.0).sections == {"ckpt": 4.0, "step": 5.0}
 
 
+def test_recorded_only_leaves_the_running_stretch_out_until_it_is_recorded() -> None:
+    c = calc("step", start=0.0)
+    c.on_section_open("step", 2.0)
+    c.on_section_close("step", 3.0)
+    assert c.observations(None).out_of_section == 2.0  # 0 -> 2; the stretch since 3 is still running
+    assert c.observations(10.0).out_of_section == 7.0
+    c.record_out_of_section(8.0)
+    assert c.observations(None).out_of_section == 5.0
+    c.record_out_of_section(4.0)  # maxima only grow
+    assert c.observations(None).out_of_section == 5.0
+    c.on_section_open("step", 12.0)  # the stretch was still running: it ends here
+    assert c.observations(None).out_of_section == 9.0
+    c.record_out_of_section(20.0)  # a section is open: nothing to record
+    assert c.observations(None).out_of_section == 9.0
+    assert c.export_vector(None) == [-1.0, -1.0, 9.0, 1.0]
+
+
+def test_set_start_moves_only_the_initial_heartbeat_origin() -> None:
+    c = calc("step", start=0.0)
+    c.on_section_open("step", 1.0)
+    c.set_start(5.0)
+    assert (c.start_time, c.open_sections) == (5.0, {"step": 1.0})
+    c.on_heartbeat(7.0)
+    c.on_section_close("step", 8.0)
+    obs = c.observations(None)
+    assert (obs.initial_hb, obs.sections["step"], obs.out_of_section) == (2.0, 7.0, 1.0)
+
+
 def test_calc_uses_slots() -> None:
     c = calc()
     with pytest.raises(AttributeError):
@@ -157,7 +185,7 @@ def test_calc_uses_slots() -> None:
 def test_bad_safety_factor() -> None:
     for bad in (0, 0.5, float("nan"), True):
         with pytest.raises(ValueError, match=r"^safety_factor = .*: must be a number >= 1\.0 \(a factor below 1 makes timeouts shorter than observed\)$"):
-            TimeoutsCalc((), safety_factor=bad)
+            TimeoutsRecorder((), safety_factor=bad)
 
 
 # -- reduction vector --------------------------------------------------------------
@@ -318,7 +346,7 @@ def test_bad_selection_is_a_usage_error_not_missing_data() -> None:
 
 
 def test_end_to_end_with_fake_clock() -> None:
-    c = TimeoutsCalc(name for name in CONFIG.rank_section_timeouts if name != "warmup")
+    c = TimeoutsRecorder(name for name in CONFIG.rank_section_timeouts if name != "warmup")
     c.start(0.0)
     now = 0.0
     for step in range(3):

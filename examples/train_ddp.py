@@ -12,7 +12,9 @@ What it shows:
 * resuming from the last checkpoint after a restart;
 * ``--hang rank=R,step=S,attempt=A`` (or env FT_DEMO_HANG) makes rank R hang at
   step S of attempt A (TORCHELASTIC_RESTART_COUNT; -1: every attempt), in a function named
-  ``write_metrics_to_stuck_filesystem`` so the stack dump says where.
+  ``write_metrics_to_stuck_filesystem`` so the stack dump says where;
+* ``--slow rank=R,ms=M`` makes rank R spend M ms more loading every batch (a `data`
+  section, outside the step's all-reduce): ft-launcher flags it as a slow rank.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ def main() -> None:
     p.add_argument("--step-time", type=float, default=0.05, help="extra seconds of 'work' per step")
     p.add_argument("--hang", default=os.environ.get("FT_DEMO_HANG"), help="rank=R,step=S,attempt=A")
     p.add_argument("--crash", default=None, help="rank=R,step=S,attempt=A: raise an error there")
+    p.add_argument("--slow", default=None, metavar="rank=R,ms=M", help="rank R loads each batch M ms slower")
     p.add_argument("--control", default=os.environ.get("FT_DEMO_CONTROL"), metavar="STEP:ACTION",
                    help="local rank 0 sends a workload control request (ShutdownWorkload, ExcludeThisNode) at "
                         "STEP of the first attempt (or env FT_DEMO_CONTROL, e.g. set for one node only)")
@@ -67,6 +70,7 @@ def main() -> None:
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     hang = parse_spec(args.hang)
     crash = parse_spec(args.crash)
+    slow = {k: int(v) for k, v in (item.split("=", 1) for item in args.slow.split(","))} if args.slow else None
     ckpt_path = Path(args.ckpt_dir) / "ckpt.pt"
 
     torch.manual_seed(0)
@@ -89,8 +93,13 @@ def main() -> None:
 
     loss = torch.tensor(0.0)
     for step in range(start, args.steps):
-        with client.section("step"):
+        # Data loading is a section of its own: it is the rank's own work, while the step
+        # waits for the slowest rank in DDP's all-reduce (so step times are all alike).
+        with client.section("data"):
             x, y = batch(step, rank)
+            if slow and rank == slow["rank"]:
+                time.sleep(slow["ms"] / 1000)
+        with client.section("step"):
             loss = nn.functional.mse_loss(model(x), y)
             opt.zero_grad()
             loss.backward()

@@ -67,7 +67,28 @@ def _agent_swapped_in(ft: Any, telemetry: Any) -> Iterator[None]:
         setattr(launcher_api, "LocalElasticAgent", original)
 
 
+def status_main(argv: list[str]) -> int:
+    """`ft-launcher status [DIR ...] [--json] [--watch [S]] [--count N]`: the live view of running launchers
+    (DIR: a launcher's run directory; default: every one of this user's under /tmp)."""
+    from ft_monitor.cli import EXIT_FAILURE, add_live_view_flags, live_view
+    from ft_monitor.live_view import find_run_dirs
+
+    parser = argparse.ArgumentParser(prog="ft-launcher status", description=status_main.__doc__)
+    parser.add_argument("dirs", nargs="*", metavar="DIR")
+    add_live_view_flags(parser)
+    args = parser.parse_args(argv)
+    dirs = args.dirs or [str(d) for d in find_run_dirs()]
+    if not dirs:
+        print("ft-launcher status: no running ft-launcher of yours found under /tmp (give its run directory, "
+              "logged as 'monitor(s) ready in DIR')", file=sys.stderr)
+        return EXIT_FAILURE
+    return live_view(dirs, args.json, args.watch, args.count)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["status"] and not os.path.exists("status"):
+        return status_main(argv[1:])
     logging.basicConfig(level=logging.INFO, format="[ft-launcher] %(asctime)s %(levelname)s %(message)s")
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -37,6 +37,20 @@ def main() -> int:
             print(f"restart     : all ranks back in their step loop {restart['total']:.2f} s after detection ({parts})")
         print(f"root cause  : {hang['error_file']}")
     print(f"exit code   : {summary['exit_code']}")
+    obs = summary.get("observability") or {}
+    if obs.get("goodput") is not None:
+        print(f"goodput     : {obs['goodput']:.3f} ({obs['productive_s']:.1f} s productive step time of "
+              f"{obs['wall_s']:.1f} s wall time; {obs['lost_s']:.1f} s lost to the hang)")
+    if obs.get("metrics_url"):
+        print(f"metrics     : {obs['metrics_url']} (served while the launcher ran)")
+    if obs.get("metrics_textfile"):
+        print(f"textfile    : {obs['metrics_textfile']} (Prometheus text format, as node-exporter reads it)")
+    if obs.get("events"):
+        from ft_monitor.report_html import write_report
+
+        print(f"events      : {obs['events']}")
+        print(f"report      : {write_report(Path(obs['events']).parent)} (ft-monitor report "
+              f"{Path(obs['events']).parent})")
     return 0
 
 

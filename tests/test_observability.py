@@ -265,6 +265,22 @@ def test_a_crash_restart_is_timed_by_the_telemetry_itself(tmp_path: Path) -> Non
     assert restart["lost_s"] is None
 
 
+def test_an_inprocess_recovery_is_a_hang_and_an_inprocess_restart(tmp_path: Path) -> None:
+    mon = FakeMonitors()
+    tel = Telemetry(config=Settings(), monitors=mon, host="h", nproc=2, max_restarts=1, clock=lambda: 5.0,
+                    monotonic=lambda: 5.0)
+    tel.attempt_started(0, "run", 0, {0: 0, 1: 1}, {}, str(tmp_path))
+    tel.inprocess({"kind": "inprocess", "attempt": 0, "rank": 1, "pid": 9, "reason": "section", "section": "step",
+                   "message": "m", "iteration": 4, "detected_time": 4.0, "report": "/r"})
+    tel.close(None)
+    events = read_events(tmp_path / "events.jsonl")
+    hang, restart = events[-2], events[-1]
+    assert hang["kind"] == "hang" and hang["action"] == "inprocess" and hang["pid"] == 9
+    assert restart["kind"] == "restart" and restart["mode"] == "inprocess" and restart["rank"] == 1
+    assert tel.snapshot.restarts == {"process": 0, "inprocess": 1}
+    assert tel.snapshot.hangs == {("section", "step"): 1}
+
+
 # -- live view, report ----------------------------------------------------------------------------
 def test_the_live_view_table_and_json_from_statuses() -> None:
     mon = FakeMonitors()

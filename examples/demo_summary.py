@@ -61,6 +61,20 @@ def describe(summary: dict[str, Any]) -> None:
     attempts = pids(summary)
     if attempts:
         print("worker pids : " + "; ".join(f"attempt {i}: {p}" for i, p in enumerate(attempts)))
+    obs = summary.get("observability") or {}
+    if obs.get("goodput") is not None:
+        print(f"goodput     : {obs['goodput']:.3f} ({obs['productive_s']:.1f} s productive step time of "
+              f"{obs['wall_s']:.1f} s wall time; {obs['lost_s']:.1f} s lost to the hang)")
+    if obs.get("metrics_url"):
+        print(f"metrics     : {obs['metrics_url']} (served while the launcher ran)")
+    if obs.get("metrics_textfile"):
+        print(f"textfile    : {obs['metrics_textfile']} (Prometheus text format, as node-exporter reads it)")
+    if obs.get("events"):
+        from ft_monitor.report_html import write_report
+
+        print(f"events      : {obs['events']}")
+        print(f"report      : {write_report(Path(obs['events']).parent)} (ft-monitor report "
+              f"{Path(obs['events']).parent})")
     print(f"exit code   : {summary['exit_code']}")
 
 

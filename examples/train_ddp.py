@@ -17,6 +17,8 @@ What it shows:
   it with ``--ft-on-hang inprocess``: a hang then restarts the training function in the
   same processes (from an in-memory copy of the last checkpoint), the process restart
   staying the fallback. The hang happens in the Wrapper's first iteration only.
+* ``--slow rank=R,ms=M`` makes rank R spend M ms more loading every batch (a `data`
+  section, outside the step's all-reduce): ft-launcher flags it as a slow rank.
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ def main() -> None:
                    help="how --hang hangs: in Python, in C holding the GIL, or in Python swallowing exceptions")
     p.add_argument("--crash", default=None, help="rank=R,step=S,attempt=A: raise an error there")
     p.add_argument("--die", default=None, help="rank=R,step=S,attempt=A: the rank SIGKILLs itself there")
+    p.add_argument("--slow", default=None, metavar="rank=R,ms=M", help="rank R loads each batch M ms slower")
     p.add_argument("--control", default=os.environ.get("FT_DEMO_CONTROL"), metavar="STEP:ACTION",
                    help="local rank 0 sends a workload control request (ShutdownWorkload, ExcludeThisNode) at "
                         "STEP of the first attempt (or env FT_DEMO_CONTROL, e.g. set for one node only)")
@@ -113,6 +116,7 @@ def train(args: argparse.Namespace, client: RankMonitorClient, memory: dict[str,
     hang = parse_spec(args.hang)
     crash = parse_spec(args.crash)
     die = parse_spec(args.die)
+    slow = {k: int(v) for k, v in (item.split("=", 1) for item in args.slow.split(","))} if args.slow else None
     ckpt_path = Path(args.ckpt_dir) / "ckpt.pt"
     where = f"attempt {attempt}" + (f" iteration {iteration}" if call is not None else "")
 
@@ -138,8 +142,13 @@ def train(args: argparse.Namespace, client: RankMonitorClient, memory: dict[str,
 
     loss = torch.tensor(0.0)
     for step in range(start, args.steps):
-        with client.section("step"):
+        # Data loading is a section of its own: it is the rank's own work, while the step
+        # waits for the slowest rank in DDP's all-reduce (so step times are all alike).
+        with client.section("data"):
             x, y = batch(step, rank)
+            if slow and rank == slow["rank"]:
+                time.sleep(slow["ms"] / 1000)
+        with client.section("step"):
             loss = nn.functional.mse_loss(model(x), y)
             opt.zero_grad()
             loss.backward()

@@ -2,6 +2,8 @@
 
     ft-monitor serve  --socket PATH [--config FILE] [--loop auto|asyncio|uvloop] [--ft-<field> VALUE ...] [-- CMD ...]
     ft-monitor status --socket PATH [--json]
+    ft-monitor status --all DIR [--json] [--watch [SECONDS]] [--count N]
+    ft-monitor report RUN_DIR [-o FILE]
 
 `serve` checks its arguments and config (pydantic) in a helper process
 (`python -m ft_monitor.cli --check-serve ...`) while it imports the daemon, and
@@ -81,10 +83,27 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS: a rank process to start and watch")
 
     status = sub.add_parser("status", help="print a running monitor's live state")
-    status.add_argument("--socket", required=True)
-    status.add_argument("--json", action="store_true", help="machine-readable output")
+    which = status.add_mutually_exclusive_group(required=True)
+    which.add_argument("--socket", help="one monitor's socket")
+    which.add_argument("--all", metavar="DIR", help="every monitor socket in DIR (ft-launcher's run directory): "
+                                                    "one line per rank")
+    add_live_view_flags(status)
     status.add_argument("--timeout", type=float, default=5.0)
+
+    report = sub.add_parser("report", help="render a run's events as one self-contained HTML page",
+                            description="Render RUN_DIR/events.jsonl (ft-launcher's event stream, in the run's log "
+                                        "directory) as one HTML file: attempts, hangs and restarts on a timeline, "
+                                        "step time per rank, goodput.")
+    report.add_argument("run_dir", metavar="RUN_DIR", help="the run's log directory (holds events.jsonl), or the file")
+    report.add_argument("-o", "--output", default=None, help="where to write the page (default RUN_DIR/report.html)")
     return parser
+
+
+def add_live_view_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument("--watch", nargs="?", type=float, const=1.0, default=None, metavar="SECONDS",
+                        help="with --all: redraw every SECONDS (default 1) until interrupted")
+    parser.add_argument("--count", type=int, default=None, metavar="N", help="with --watch: stop after N views")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,7 +115,51 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == [RUN_CHECKED] and len(argv) == 2:
         return _run_checked_file(argv[1])
     args = build_parser().parse_args(argv)
+    if args.command == "report":
+        return _report(args)
+    if args.all is not None:
+        return live_view([args.all], args.json, args.watch, args.count, args.timeout)
     return _status(args)
+
+
+def live_view(dirs: list[str], as_json: bool, watch: float | None, count: int | None, timeout: float = 2.0) -> int:
+    """`status --all DIR` and `ft-launcher status`: one table per run directory; --watch redraws."""
+    import time
+
+    from ft_monitor import live_view as lv
+
+    shown = 0
+    try:
+        while True:
+            views = [(d, lv.gather(d, timeout)) for d in dirs]
+            if as_json:
+                out = json.dumps({d: lv.to_json(rows) for d, rows in views}, indent=2, sort_keys=True)
+            else:
+                out = "\n\n".join(f"{d}:\n{lv.format_table(rows) if rows else '(no monitor sockets)'}"
+                                   for d, rows in views)
+            if watch is not None and not as_json and sys.stdout.isatty():
+                print("\033[H\033[2J", end="")
+            print(out, flush=True)
+            shown += 1
+            if watch is None or (count is not None and shown >= count):
+                break
+            time.sleep(watch)  # the refresh interval is what --watch asks for
+    except KeyboardInterrupt:
+        pass
+    return EXIT_OK if all(lv.monitor_sockets(d) for d in dirs) else EXIT_FAILURE
+
+
+def _report(args: argparse.Namespace) -> int:
+    from ft_monitor.launcher.events import EventSchemaError
+    from ft_monitor.report_html import ReportError, write_report
+
+    try:
+        path = write_report(args.run_dir, args.output)
+    except (OSError, EventSchemaError, ReportError) as e:
+        print(f"ft-monitor report: {e}", file=sys.stderr)
+        return EXIT_FAILURE
+    print(path)
+    return EXIT_OK
 
 
 def _configure_logging(level: int, log_file: str | None) -> None:

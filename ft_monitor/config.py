@@ -110,6 +110,11 @@ class FaultToleranceConfig(BaseModel):
     on_hang: str = "kill"
     inprocess_restart_timeout: float = 30.0
     max_inprocess_restarts: int = 10
+    metrics_port: int | None = None
+    metrics_address: str = "127.0.0.1"
+    metrics_textfile: str | None = None
+    slow_rank_ratio: float | None = 1.5
+    slow_rank_section: str = "step"
 
     # -- rules -----------------------------------------------------------------
     @field_validator(
@@ -211,6 +216,34 @@ class FaultToleranceConfig(BaseModel):
     @classmethod
     def _on_lost(cls, v: Any) -> Any:
         return rules.on_monitor_lost(v.strip().lower() if isinstance(v, str) else v)
+
+    @field_validator("metrics_port", mode="before")
+    @classmethod
+    def _metrics_port(cls, v: Any) -> Any:
+        return rules.metrics_port(_number_words(_none_words(v)))
+
+    @field_validator("metrics_address", mode="before")
+    @classmethod
+    def _metrics_address(cls, v: Any) -> Any:
+        return rules.metrics_address(v.strip() if isinstance(v, str) else v)
+
+    @field_validator("metrics_textfile", mode="before")
+    @classmethod
+    def _metrics_textfile(cls, v: Any) -> Any:
+        v = _none_words(v)
+        if isinstance(v, str) and v.startswith("~"):
+            v = str(Path(v).expanduser())
+        return rules.metrics_textfile(v)
+
+    @field_validator("slow_rank_ratio", mode="before")
+    @classmethod
+    def _slow_ratio(cls, v: Any) -> Any:
+        return rules.slow_rank_ratio(_number_words(_none_words(v)))
+
+    @field_validator("slow_rank_section", mode="before")
+    @classmethod
+    def _slow_section(cls, v: Any) -> Any:
+        return rules.section_name(v.strip() if isinstance(v, str) else v)
 
     @field_validator("report_dir", mode="before")
     @classmethod

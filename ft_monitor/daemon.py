@@ -45,6 +45,7 @@ from ft_monitor.listener import ListenerError, bind_unix_listener, remove_socket
 from ft_monitor.policy import Hang, Reason, check, next_deadline
 from ft_monitor.procinfo import describe_wait_status, zombie_exit_status
 from ft_monitor.rank import Hold, RankResources
+from ft_monitor.section_stats import SectionStats
 from ft_monitor.server_log import printable
 from ft_monitor.settings import Settings
 from ft_monitor.state import Phase, Session
@@ -96,6 +97,8 @@ class MonitorDaemon:
         self.hangs: list[HangSummary] = []
         self.iteration_high: int | None = None
         """The highest training iteration any session reported (progress across restarts)."""
+        self.section_stats = SectionStats()
+        """How long the rank's sections took, over all sessions (STATUS: step times for the launcher)."""
         self.started_at = self.clock.now()
         self.deadline = DeadlineTimer(self.clock, self._deadline_due)
         self._server: asyncio.AbstractServer | None = None
@@ -402,5 +405,5 @@ class MonitorDaemon:
             now=self.clock.now(), monitor_pid=os.getpid(), socket=str(self.socket_path),
             started_at=self.started_at, sessions=self.sessions_started, timeouts=self.timeouts,
             iteration_high=self.iteration_high, session=self.rank.session if self.rank else None,
-            hangs=self.hangs, last_restart=self.last_restart,
+            hangs=self.hangs, last_restart=self.last_restart, section_stats=self.section_stats,
         )

@@ -161,7 +161,9 @@ def _open(d: MonitorDaemon, r: RankResources, m: wire.SectionOpen) -> None:
 
 
 def _close(d: MonitorDaemon, r: RankResources, m: wire.SectionClose) -> None:
-    r.session.close_section(m.name, d.clock.now())
+    took = r.session.close_section(m.name, d.clock.now())
+    if took is not None:
+        d.section_stats.record(m.name, took)
 
 
 def _close_all(d: MonitorDaemon, r: RankResources, m: Any) -> None:

@@ -156,6 +156,46 @@ def on_hang(v: Any) -> str:
     return str(v)
 
 
+def metrics_port(v: Any) -> int | None:
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 65535:
+        raise ValueError("must be a TCP port from 0 to 65535 (0: any free port, logged), or null for no /metrics")
+    return v
+
+
+def metrics_address(v: Any) -> str:
+    if not isinstance(v, str) or not v.strip() or len(v) > 255 or any(c.isspace() for c in v):
+        raise ValueError("must be an address to listen on, e.g. 127.0.0.1 (the default: this host only), :: or "
+                         "0.0.0.0 (every interface)")
+    return v
+
+
+def metrics_textfile(v: Any) -> str | None:
+    if v is None:
+        return None
+    if not isinstance(v, str) or not v.startswith("/") or not v.endswith(".prom"):
+        raise ValueError("must be an absolute path ending in .prom (node-exporter's textfile collector reads only "
+                         "those), or null")
+    return v
+
+
+def slow_rank_ratio(v: Any) -> float | None:
+    if v is None:
+        return None
+    if not _is_number(v) or v <= 1.0:
+        raise ValueError("must be a number > 1 (a rank is slow when its median section time exceeds the others' "
+                         "by this factor), or null to turn slow-rank detection off")
+    return float(v)
+
+
+def section_name(v: Any) -> str:
+    problem = section_name_problem(v)
+    if problem is not None:
+        raise ValueError(problem)
+    return str(v)
+
+
 def report_dir(v: Any) -> str | None:
     if v is None:
         return None

@@ -95,6 +95,11 @@ class Settings:
     on_hang: str = _setting("kill", rules.on_hang)
     inprocess_restart_timeout: float = _setting(30.0, rules.positive_seconds)
     max_inprocess_restarts: int = _setting(10, rules.whole)
+    metrics_port: int | None = _setting(None, rules.metrics_port)
+    metrics_address: str = _setting("127.0.0.1", rules.metrics_address)
+    metrics_textfile: str | None = _setting(None, rules.metrics_textfile)
+    slow_rank_ratio: float | None = _setting(1.5, rules.slow_rank_ratio)
+    slow_rank_section: str = _setting("step", rules.section_name)
 
     def __init__(self, data: Mapping[str, Any] | None = None, /, **values: Any) -> None:
         if data is not None and not isinstance(data, Mapping):

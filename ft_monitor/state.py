@@ -85,6 +85,14 @@ class Session:
     mid-run never fires for time spent before it existed."""
     inprocess_restarts: int = 0
     """In-process restarts this session went through (RESTARTING -> ACTIVE)."""
+    last_progress: float | None = None
+    """When the rank last sent a heartbeat or opened or closed a section (while ACTIVE)."""
+    steps_closed: int = 0
+    """`step` sections closed in this session."""
+    iteration_base: int | None = None
+    """The iteration this session started from: the first ITERATION report less the steps
+    closed before it (the client reports completed steps, counted on from its checkpoint),
+    so ``iteration_base + steps_closed`` is the rank's iteration now, without the report's lag."""
     restart_since: float | None = None
     """While RESTARTING: when the restart began."""
     restart_deadline: float | None = None
@@ -104,7 +112,7 @@ class Session:
         self.events += 1
         if self.phase is not Phase.ACTIVE:
             return
-        self.last_heartbeat = now
+        self.last_heartbeat = self.last_progress = now
         self.heartbeats += 1
 
     def open_section(self, name: str, now: float) -> None:
@@ -127,15 +135,22 @@ class Session:
                 warmup = True
         self.open_sections[name] = OpenSection(name, now, timeout, warmup)
         self.out_of_section_since = None
+        self.last_progress = now
 
-    def close_section(self, name: str, now: float) -> None:
+    def close_section(self, name: str, now: float) -> float | None:
+        """Close ``name``; returns how long it was open (None when the session ignores it)."""
         self.events += 1
         if self.phase is not Phase.ACTIVE:
-            return
-        if self.open_sections.pop(name, None) is None:
+            return None
+        sec = self.open_sections.pop(name, None)
+        if sec is None:
             raise SessionError(f"section {name!r} closed while not open")
         if not self.open_sections:
             self.out_of_section_since = now
+        if name == STEP_SECTION:
+            self.steps_closed += 1
+        self.last_progress = now
+        return now - sec.opened_at
 
     def close_all_sections(self, now: float) -> None:
         self.events += 1
@@ -144,10 +159,13 @@ class Session:
         if self.open_sections:
             self.open_sections.clear()
             self.out_of_section_since = now
+        self.last_progress = now
 
     def set_iteration(self, iteration: int) -> None:
         self.events += 1
         self.iteration = iteration
+        if self.iteration_base is None:
+            self.iteration_base = iteration - self.steps_closed
 
     def set_timeouts(self, timeouts: Timeouts, now: float) -> None:
         """New timeouts apply to sections opened from now on, and to the running

@@ -9,12 +9,13 @@ for `ft-monitor status`. The keys are spelled here and nowhere else.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ft_client.errors import FtError
 from ft_client.timeouts import Timeouts
 from ft_monitor.policy import next_deadline
+from ft_monitor.section_stats import RECENT, SectionStats, SectionStatsError
 from ft_monitor.state import Session
 
 MAX_STATUS_SECTIONS = 50
@@ -86,6 +87,15 @@ class RankStatus:
     iteration: int | None
     events: int
     next_deadline: DeadlineStatus | None
+    since_last_progress_s: float | None = None
+    """Since the last heartbeat or section open/close."""
+    steps_closed: int = 0
+    iteration_base: int | None = None
+
+    @property
+    def iteration_now(self) -> int | None:
+        """The rank's iteration now (the session's start plus the steps it closed), None until reported."""
+        return None if self.iteration_base is None else self.iteration_base + self.steps_closed
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +111,8 @@ class MonitorStatus:
     rank: RankStatus | None
     last_hang: HangSummary | None
     last_restart: InprocessRestart | None = None
+    section_stats: SectionStats = field(default_factory=SectionStats)
+    """How long the rank's sections took, over the daemon's life (section_stats.py)."""
 
     @property
     def connected(self) -> bool:
@@ -116,6 +128,7 @@ class MonitorStatus:
             "iteration_high": self.iteration_high,
             "timeouts": self.timeouts,
             "connected": self.connected,
+            "section_stats": self.section_stats.to_wire(),
         }
         r = self.rank
         if r is not None:
@@ -130,6 +143,9 @@ class MonitorStatus:
                 "steps_started": r.steps_started,
                 "iteration": r.iteration,
                 "events": r.events,
+                "since_last_progress_s": r.since_last_progress_s,
+                "steps_closed": r.steps_closed,
+                "iteration_base": r.iteration_base,
                 "next_deadline": None if r.next_deadline is None else {
                     "reason": r.next_deadline.reason, "section": r.next_deadline.section,
                     "in_s": r.next_deadline.in_s, "timeout_s": r.next_deadline.timeout_s},
@@ -161,6 +177,9 @@ class MonitorStatus:
                     events=st.get("events", 0),
                     next_deadline=None if not nd else DeadlineStatus(nd["reason"], nd.get("section"), nd["in_s"],
                                                                      nd["timeout_s"]),
+                    since_last_progress_s=st.get("since_last_progress_s"),
+                    steps_closed=st.get("steps_closed", 0),
+                    iteration_base=st.get("iteration_base"),
                 )
             h = st.get("last_hang")
             lr = st.get("last_restart")
@@ -170,14 +189,18 @@ class MonitorStatus:
                 iteration_high=st.get("iteration_high"), timeouts=dict(st["timeouts"]), rank=rank,
                 last_hang=None if h is None else HangSummary(h["rank"], h["pid"], h["message"], h["report"]),
                 last_restart=None if lr is None else InprocessRestart.from_wire(lr),
+                section_stats=SectionStats.from_wire(st.get("section_stats")),
             )
+        except SectionStatsError as e:
+            raise StatusError(str(e)) from e
         except (KeyError, TypeError) as e:
             raise StatusError(f"status reply without the field(s) this version sends: {e}") from e
 
 
 def build_status(*, now: float, monitor_pid: int, socket: str, started_at: float, sessions: int,
                  timeouts: Timeouts, iteration_high: int | None, session: Session | None,
-                 hangs: Iterable[HangSummary], last_restart: InprocessRestart | None = None) -> MonitorStatus:
+                 hangs: Iterable[HangSummary], last_restart: InprocessRestart | None = None,
+                 section_stats: SectionStats | None = None) -> MonitorStatus:
     """The status at ``now`` (pure)."""
     hangs = list(hangs)
     rank = None
@@ -195,16 +218,23 @@ def build_status(*, now: float, monitor_pid: int, socket: str, started_at: float
             out_of_section_s=None if s.out_of_section_since is None else now - s.out_of_section_since,
             steps_started=s.steps_started, iteration=s.iteration, events=s.events,
             next_deadline=None if d is None else DeadlineStatus(d.reason.value, d.section, d.at - now, d.timeout),
+            since_last_progress_s=None if s.last_progress is None else now - s.last_progress,
+            steps_closed=s.steps_closed, iteration_base=s.iteration_base,
         )
     return MonitorStatus(
         monitor_pid=monitor_pid, socket=socket, uptime_s=now - started_at, sessions=sessions,
         hangs_detected=len(hangs), iteration_high=iteration_high, timeouts=timeouts.to_wire(), rank=rank,
         last_hang=hangs[-1] if hangs else None, last_restart=last_restart,
+        section_stats=section_stats or SectionStats(),
     )
 
 
 def _secs(v: float | None) -> str:
     return "-" if v is None else f"{v:.1f}s"
+
+
+def _secs3(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3f}s"
 
 
 def format_status(status: MonitorStatus | Mapping[str, Any]) -> str:
@@ -246,6 +276,10 @@ def format_status(status: MonitorStatus | Mapping[str, Any]) -> str:
                  f"out of section {tv('rank_out_of_section_timeout', t['rank_out_of_section_timeout'])}")
     for name, value in sorted(t["rank_section_timeouts"].items()):
         lines.append(f"  section {name!r}: {tv('section:' + name, value)}")
+    timed = st.section_stats.sections
+    if timed:
+        lines.append("section times (median of the last %d, count): " % RECENT + ", ".join(
+            f"{name!r} {_secs3(h.median_recent())} x{h.count}" for name, h in sorted(timed.items())))
     if st.last_hang is not None:
         h = st.last_hang
         lines.append(f"last hang: rank {h.rank} pid {h.pid}: {h.message} (report {h.report})")

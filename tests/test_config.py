@@ -378,6 +378,13 @@ SIGNAL_RULE = r"must be a signal name or number, e\.g\. SIGTERM, TERM or 15"
         ("rank_section_timeouts", 5,
          r"must be a map of section name to seconds or null \(CLI form: step:30,ckpt:none\)"),
         ("rank_section_timeouts", {" ": 5}, r"section name ' ' must be a non-empty string"),
+        ("metrics_port", "70000", r"must be a TCP port from 0 to 65535 \(0: any free port, logged\), or null .*"),
+        ("metrics_port", "http", r"must be a TCP port .*"),
+        ("metrics_address", "", r"must be an address to listen on, e\.g\. 127\.0\.0\.1 .*"),
+        ("metrics_textfile", "/var/lib/node_exporter/ft.txt", r"must be an absolute path ending in \.prom .*"),
+        ("metrics_textfile", "ft.prom", r"must be an absolute path ending in \.prom .*"),
+        ("slow_rank_ratio", "1", r"must be a number > 1 \(a rank is slow when .*"),
+        ("slow_rank_section", "", r"section name must be 1\.\.256 bytes of UTF-8, got 0 bytes"),
     ],
 )
 def test_cli_errors_name_field_value_source_and_rule(field: str, value: Any, rule: str) -> None:

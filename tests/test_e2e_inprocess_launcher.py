@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from ft_monitor.launcher import exit_codes
+from ft_monitor.launcher.events import read_events
 from tests.test_e2e_launcher import JOB_SECRET, Launcher, _free_port
 
 pytestmark = pytest.mark.e2e
@@ -27,7 +28,8 @@ def _attempt_pids(summary: dict) -> list[dict[int, int]]:
 
 
 def test_a_hang_restarts_in_the_same_processes_and_training_goes_on_from_the_restored_state(workdir: Path) -> None:
-    hung = Launcher(workdir, "--max-restarts", "2", *INPROCESS, name="hung",
+    hung = Launcher(workdir, "--max-restarts", "2", *INPROCESS, "--ft-metrics-textfile", str(workdir / "ft.prom"),
+                    name="hung",
                     train_args=("--inprocess", "--hang", "rank=1,step=12,attempt=0", "--ckpt-dir",
                                 str(workdir / "ckpt-hung")))
     clean = Launcher(workdir, "--max-restarts", "0", name="clean",
@@ -51,8 +53,12 @@ def test_a_hang_restarts_in_the_same_processes_and_training_goes_on_from_the_res
     phases = row["phases"]
     assert phases["total"] is not None and set(phases) == {"notify", "abort", "interrupt", "finalize", "barrier",
                                                            "reinit", "first_step", "total"}
-    assert phases["total"] == pytest.approx(sum(v for k, v in phases.items() if k != "total"), abs=0.002)
+    assert phases["total"] == pytest.approx(sum(v for k, v in phases.items() if k != "total"), abs=1e-9)
     assert "all ranks back in their step loop" in out and "in-process restart 1 (same processes)" in out
+    # what the cluster's tools see: an in-process restart, with the same phases
+    assert 'ft_restarts_total{kind="inprocess"} 1.0' in (workdir / "ft.prom").read_text()
+    (event,) = [e for e in read_events(Path(summary["observability"]["events"])) if e["kind"] == "restart"]
+    assert event["mode"] == "inprocess" and event["cause"] == "hang" and event["phases"] == phases
     # where it hung: the monitor dumped the stack before it pushed ABORT
     assert "write_metrics_to_stuck_filesystem" in Path(row["report"]).with_name(
         f"rank1-pid{pids[1]}-stack.txt").read_text()

@@ -628,6 +628,11 @@ BAD: dict[str, list[str]] = {
     "on_hang": ["restart", "", "1"],
     "inprocess_restart_timeout": ["0", "-1", "x"],
     "max_inprocess_restarts": ["-1", "x", "1.5"],
+    "metrics_port": ["-1", "65536", "http"],
+    "metrics_address": ["", "a b"],
+    "metrics_textfile": ["relative.prom", "/tmp/ft.txt"],
+    "slow_rank_ratio": ["1", "0.5", "x"],
+    "slow_rank_section": [""],
 }
 _XFAIL_BAD: dict[tuple[str, str], str] = {}
 

@@ -35,16 +35,18 @@ def breakdown(origin: float, ranks: Iterable[Mapping[str, float]]) -> dict[str, 
     ranks = list(ranks)
     out: dict[str, float | None] = {}
     end = origin
+    done = 0.0  # ms-rounded time from origin to the end of the last phase: the phases add up exactly
     for name, point in PHASES:
         stamps = [_stamp(r, point) for r in ranks]
         if not ranks or any(s is None for s in stamps):
             out[name] = None
             continue
-        last = max(end, *(s for s in stamps if s is not None))
-        out[name] = round(last - end, 3)
-        end = last
+        end = max(end, *(s for s in stamps if s is not None))
+        now_done = round(end - origin, 3)
+        out[name] = round(now_done - done, 3)
+        done = now_done
     complete = bool(ranks) and all(_stamp(r, "first_progress") is not None for r in ranks)
-    out["total"] = round(end - origin, 3) if complete else None
+    out["total"] = done if complete else None
     return out
 
 

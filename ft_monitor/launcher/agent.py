@@ -281,10 +281,14 @@ class FtLocalElasticAgent(_lea.LocalElasticAgent):
         statuses = self.ft.monitors.statuses()
         back = {lr: st.last_restart if st is not None else None for lr, st in statuses.items()}
         for row in self.ft.inprocess.on_statuses(back, len(statuses), self._attempt()):
-            b = row.phases or {}
-            log.warning("ft-launcher: all ranks back in their step loop %.2fs after rank %s's fault, in the same "
-                        "processes (in-process iteration %d; %s): %s", b.get("total") or 0.0, row.rank, row.iteration,
-                        timeline.describe(b), printable(row.message or "-"))
+            self._inprocess_done(row.to_json())
+
+    def _inprocess_done(self, row: dict[str, Any]) -> None:
+        """Every local rank is back from an in-process restart (the summary row is complete)."""
+        b = row["phases"] or {}
+        log.warning("ft-launcher: all ranks back in their step loop %.2fs after rank %s's fault, in the same processes "
+                    "(in-process iteration %d; %s): %s", b.get("total") or 0.0, row["rank"], row["iteration"],
+                    timeline.describe(b), printable(row["message"] or "-"))
 
     def _on_hang(self, wg: WorkerGroup, notice: HangNotice) -> RunResult | None:
         """Gather the inputs of decide.py's verdict (store, files, daemons), then carry it out."""

@@ -16,6 +16,7 @@ import functools
 import logging
 import os
 import shutil
+import socket
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -52,21 +53,42 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 @contextlib.contextmanager
-def _agent_swapped_in(ft: Any) -> Iterator[None]:
+def _agent_swapped_in(ft: Any, telemetry: Any) -> Iterator[None]:
     """torch's launch_agent builds `LocalElasticAgent(...)`; make that ours for this run."""
     import torch.distributed.launcher.api as launcher_api
 
-    from ft_monitor.launcher.agent import FtLocalElasticAgent
+    from ft_monitor.launcher.observed import FtObservedAgent
 
     original = getattr(launcher_api, "LocalElasticAgent")  # torch internals: checked to exist at start
-    setattr(launcher_api, "LocalElasticAgent", functools.partial(FtLocalElasticAgent, ft=ft))
+    setattr(launcher_api, "LocalElasticAgent", functools.partial(FtObservedAgent, ft=ft, telemetry=telemetry))
     try:
         yield
     finally:
         setattr(launcher_api, "LocalElasticAgent", original)
 
 
+def status_main(argv: list[str]) -> int:
+    """`ft-launcher status [DIR ...] [--json] [--watch [S]] [--count N]`: the live view of running launchers
+    (DIR: a launcher's run directory; default: every one of this user's under /tmp)."""
+    from ft_monitor.cli import EXIT_FAILURE, add_live_view_flags, live_view
+    from ft_monitor.live_view import find_run_dirs
+
+    parser = argparse.ArgumentParser(prog="ft-launcher status", description=status_main.__doc__)
+    parser.add_argument("dirs", nargs="*", metavar="DIR")
+    add_live_view_flags(parser)
+    args = parser.parse_args(argv)
+    dirs = args.dirs or [str(d) for d in find_run_dirs()]
+    if not dirs:
+        print("ft-launcher status: no running ft-launcher of yours found under /tmp (give its run directory, "
+              "logged as 'monitor(s) ready in DIR')", file=sys.stderr)
+        return EXIT_FAILURE
+    return live_view(dirs, args.json, args.watch, args.count)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["status"] and not os.path.exists("status"):
+        return status_main(argv[1:])
     logging.basicConfig(level=logging.INFO, format="[ft-launcher] %(asctime)s %(levelname)s %(message)s")
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -101,6 +123,8 @@ def launch(args: argparse.Namespace, config: Settings | FaultToleranceConfig, su
     from ft_monitor.launcher.control import LauncherServer
     from ft_monitor.launcher.monitors import MonitorPool
     from ft_monitor.launcher.progress import ProgressTracker
+    from ft_monitor.launcher.telemetry import Telemetry
+    from ft_monitor.launcher.torch_events import routed
 
     if not isinstance(config, Settings):
         config = Settings.from_config(config)
@@ -113,10 +137,20 @@ def launch(args: argparse.Namespace, config: Settings | FaultToleranceConfig, su
                    ProgressTracker(config.max_no_progress_cycles, config.min_progress_iterations),
                    job_secret=job_secret)
     server.authorize(monitor=monitors.is_monitor, worker=ft.is_worker)
+    telemetry = Telemetry(config=config, monitors=monitors, host=socket.gethostname(), nproc=monitors.nproc,
+                          max_restarts=args.max_restarts, job_secret=job_secret)
+    try:
+        metrics = _start_metrics(config, telemetry)
+    except OSError as e:
+        log.error("ft-launcher: cannot serve /metrics on %s port %s: %s", config.metrics_address, config.metrics_port,
+                  e.strerror or e)
+        server.stop()
+        shutil.rmtree(run_dir, ignore_errors=True)
+        return exit_codes.LAUNCHER_ERROR
     code = exit_codes.SUCCESS
     try:
         monitors.start()
-        with _agent_swapped_in(ft):
+        with _agent_swapped_in(ft, telemetry), routed(telemetry.torch_event, telemetry.torch_metrics, args):
             run_torch: Any = torch_run  # untyped in torch
             run_torch(args)
     except ChildFailedError as e:
@@ -131,13 +165,42 @@ def launch(args: argparse.Namespace, config: Settings | FaultToleranceConfig, su
     finally:
         ft.groups.kill()
         ft.groups.close()
+        _finish_telemetry(telemetry, metrics, code, ft.outcome_message, args)
         monitors.stop(config.termination_grace_time)
         server.stop()
         shutil.rmtree(run_dir, ignore_errors=True)
-    _print_summary(ft, code)
+    observed = telemetry.summary()
+    _print_summary(ft, code, observed)
     if summary_json:
-        _write_summary(ft, code, summary_json)
+        _write_summary(ft, code, summary_json, observed)
     return code
+
+
+def _start_metrics(config: Settings, telemetry: Any) -> Any:
+    """/metrics (``metrics_port``) and the node-exporter textfile (``metrics_textfile``), if asked for."""
+    from ft_monitor.launcher.metrics import MetricsServer, registry, write_textfile
+
+    reg = registry(lambda: telemetry.snapshot)
+    server = None
+    if config.metrics_port is not None:
+        server = MetricsServer(reg, config.metrics_address, config.metrics_port)
+        log.info("ft-launcher: metrics on %s", server.url)
+    textfile = config.metrics_textfile
+    if textfile is not None:
+        telemetry.write_textfile = functools.partial(write_textfile, textfile, reg)
+    telemetry.launcher_started(None if server is None else server.url, textfile)
+    return server
+
+
+def _finish_telemetry(telemetry: Any, metrics: Any, code: int, outcome: str, args: argparse.Namespace) -> None:
+    try:
+        telemetry.finish(code, outcome)
+    except Exception:  # noqa: BLE001 - the job's own exit code matters more than its last event
+        log.exception("ft-launcher: recording the job's end failed")
+    finally:
+        telemetry.close(getattr(args, "log_dir", None))
+        if metrics is not None:
+            metrics.stop()
 
 
 def _report_root_cause(e: Any) -> None:
@@ -154,10 +217,17 @@ def _report_root_cause(e: Any) -> None:
         handler.dump_error_file(failure.error_file, failure.exitcode)
 
 
-def _print_summary(ft: Any, code: int) -> None:
+def _print_summary(ft: Any, code: int, observed: dict[str, Any] | None = None) -> None:
     if not ft.hangs and ft.outcome is None and not ft.monitors.restarts and not ft.inprocess_restarts:
         return
     lines = ["", "ft-launcher summary:"]
+    if observed is not None and observed.get("goodput") is not None:
+        lines.append(f"  goodput {observed['goodput']:.3f} ({observed['productive_s']:.1f} s productive step time of "
+                     f"{observed['wall_s']:.1f} s; {observed['lost_s']:.1f} s lost to hangs)")
+    if observed is not None and observed.get("slow_ranks"):
+        lines.append(f"  slow rank(s): {', '.join(map(str, observed['slow_ranks']))}")
+    if observed is not None and observed.get("events"):
+        lines.append(f"  events: {observed['events']}")
     for row in ft.inprocess_restarts:
         lines.append(f"  attempt {row['attempt']}: in-process restart {row['iteration']} (same processes) after "
                      f"rank {row['rank']}: {row['message']}")
@@ -186,13 +256,14 @@ def _print_summary(ft: Any, code: int) -> None:
     print("\n".join(lines), file=sys.stderr)
 
 
-def _write_summary(ft: Any, code: int, path: str) -> None:
+def _write_summary(ft: Any, code: int, path: str, observed: dict[str, Any] | None = None) -> None:
     """Atomically, through a temporary file and a rename: a symlink planted at ``path``
     is replaced, never followed."""
     try:
         write_json_atomic(path, {"exit_code": code, "hangs": ft.hangs, "restarts": [t.breakdown() for t in ft.restarts],
                                  "inprocess_restarts": ft.inprocess_restarts, "attempts": ft.attempts,
-                                 "monitor_restarts": ft.monitors.restarts, "outcome": ft.outcome_message})
+                                 "monitor_restarts": ft.monitors.restarts, "outcome": ft.outcome_message,
+                                 "observability": observed or {}})
     except OSError as e:
         log.error("ft-launcher: cannot write the summary %s: %s", path, e)
 

@@ -25,7 +25,7 @@ import os
 import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 from ft_client.errors import FtError
 from ft_client.safefiles import UnsafeFileError, read_bounded
@@ -135,6 +135,43 @@ class HangRecord:
         return cls(_rank(body, "rank"), float(onset), _text(body, "message"), _text(body, "host"))  # type: ignore[arg-type]
 
 
+MAX_STEP_TIME_RANKS = 1024
+"""Ranks one node may report in a StepTimes message (its local ranks)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepTimes:
+    """One node's per-rank median section times, for finding slow ranks (slow_ranks.py)."""
+
+    section: str
+    medians: dict[int, float]
+    """global rank -> median seconds of its recent durations of ``section``."""
+    host: str
+
+    KIND = "step_times"
+
+    def body(self) -> dict[str, Any]:
+        return {"section": self.section, "medians": {str(r): v for r, v in self.medians.items()}, "host": self.host}
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> StepTimes:
+        medians = body.get("medians")
+        if not isinstance(medians, dict) or len(medians) > MAX_STEP_TIME_RANKS:
+            raise StoreMessageError(f"field medians must be a map of at most {MAX_STEP_TIME_RANKS} ranks")
+        out: dict[int, float] = {}
+        for key, value in medians.items():
+            if not isinstance(key, str) or not key.isdigit() or len(key) > 10:
+                raise StoreMessageError("field medians must be keyed by rank")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value < 0:
+                raise StoreMessageError("field medians must hold finite numbers of seconds >= 0")
+            out[int(key)] = float(value)
+        return cls(_text(body, "section"), out, _text(body, "host"))
+
+
+Message = ShutdownRequest | HangRecord | StepTimes
+
+
 class StoreChannel:
     """Signs and checks launcher messages for one job (secret) and rendezvous run (run_id)."""
 
@@ -145,13 +182,20 @@ class StoreChannel:
     def _mac(self, envelope: Mapping[str, Any]) -> str:
         return hmac.new(self._secret, _canonical(envelope), hashlib.sha256).hexdigest()
 
-    def encode(self, key: str, message: ShutdownRequest | HangRecord) -> bytes:
+    def encode(self, key: str, message: Message) -> bytes:
         envelope = {"v": FORMAT_VERSION, "kind": message.KIND, "key": key, "run": self.run_id,
                     "body": message.body()}
         return _canonical({**envelope, "mac": self._mac(envelope)})
 
+    @overload
+    def decode(self, key: str, raw: bytes, kind: type[StepTimes]) -> StepTimes: ...
+
+    @overload
     def decode(self, key: str, raw: bytes, kind: type[ShutdownRequest] | type[HangRecord]
-               ) -> ShutdownRequest | HangRecord:
+               ) -> ShutdownRequest | HangRecord: ...
+
+    def decode(self, key: str, raw: bytes, kind: type[ShutdownRequest] | type[HangRecord] | type[StepTimes]
+               ) -> Message:
         """The message stored at ``key``; raises StoreMessageError unless it is authentic,
         of the expected kind, written for this key and run, and well-formed."""
         if len(raw) > MAX_MESSAGE_BYTES:

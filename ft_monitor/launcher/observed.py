@@ -1,0 +1,102 @@
+"""FtObservedAgent: FtLocalElasticAgent, with every step it takes told to the telemetry.
+
+A subclass rather than calls spread through agent.py: the agent decides and acts,
+this only watches (an attempt starting or ending, a hang carried out, the group
+stopped, all ranks running again, a workload request) and tells `Telemetry`
+(telemetry.py), which writes events and keeps the metrics. Each override calls the
+agent's method and reports what happened; none changes what the agent does.
+Telemetry errors are logged, never raised into the agent.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+
+from ft_monitor.launcher.agent import FtLocalElasticAgent
+from ft_monitor.launcher.control import EventKind, LauncherEvent
+from ft_monitor.launcher.decide import HangDecision
+from ft_monitor.launcher.telemetry import Telemetry
+from ft_monitor.notices import HangNotice
+
+log = logging.getLogger("ft_monitor.launcher")
+
+
+class FtObservedAgent(FtLocalElasticAgent):
+    def __init__(self, *args: Any, telemetry: Telemetry, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.telemetry = telemetry
+        self._attempt_open = False
+        self._failed_telemetry = False
+
+    def _tell(self, fn: Callable[..., None], *args: Any, **kwargs: Any) -> None:
+        try:
+            fn(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - telemetry must never stop the job
+            if not self._failed_telemetry:
+                log.exception("ft-launcher: telemetry failed (events and metrics may be incomplete)")
+            self._failed_telemetry = True
+
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        super()._rendezvous(worker_group)
+        self._tell(self.telemetry.rendezvous_done)
+
+    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        pids: dict[int, Any] = super()._start_workers(worker_group)
+        ranks = {w.local_rank: w.global_rank for w in worker_group.workers}
+        self._attempt_open = True
+        self._tell(self.telemetry.attempt_started, self._attempt(), worker_group.spec.rdzv_handler.get_run_id(),
+                   worker_group.group_rank, ranks,
+                   {lr: int(p) for lr, p in pids.items()}, self._run_log_dir())
+        return pids
+
+    def _run_log_dir(self) -> str | None:
+        """torch's ``<log_dir>/<run_id>_<random>`` (the parent of ``attempt_N``), where events.jsonl goes."""
+        files = getattr(self._pcontext, "error_files", None) or {}
+        for path in files.values():
+            if isinstance(path, str) and path != os.devnull:
+                return str(Path(path).parent.parent.parent)
+        return None
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        self._tell(self.telemetry.tick, worker_group)
+        result: RunResult = super()._monitor_workers(worker_group)
+        if self._attempt_open and result.state in (WorkerState.SUCCEEDED, WorkerState.FAILED, WorkerState.UNHEALTHY):
+            self._attempt_open = False
+            self._tell(self.telemetry.attempt_ended, result.state.value, dict(result.failures),
+                       self._remaining_restarts)
+        return result
+
+    def _carry_out(self, decision: HangDecision) -> RunResult:
+        result = super()._carry_out(decision)
+        self._tell(self.telemetry.hang, decision.summary)
+        self._tell(self.telemetry.hang_timing, self.ft.restarts[-1])
+        return result
+
+    def _record_inprocess(self, notice: HangNotice) -> None:
+        super()._record_inprocess(notice)
+        self._tell(self.telemetry.inprocess_hang, {**notice.to_wire(), "attempt": self._attempt()})
+
+    def _inprocess_done(self, row: dict[str, Any]) -> None:
+        super()._inprocess_done(row)
+        self._tell(self.telemetry.inprocess_restart, row)
+
+    def _on_event(self, wg: WorkerGroup, event: LauncherEvent) -> RunResult | None:
+        if event.kind is EventKind.CONTROL and event.action is not None:
+            self._tell(self.telemetry.workload_request, event.rank, event.action.value, event.reason or "")
+        return super()._on_event(wg, event)
+
+    def _stop_workers(self, worker_group: WorkerGroup, *args: Any, **kwargs: Any) -> None:
+        began = time.time()
+        cause = "hang" if self.ft.restarts and self.ft.restarts[-1].stop_began is None else "failure"
+        if self.ft.outcome is not None:
+            cause = "stop"
+        self._tell(self.telemetry.workers_stopping)
+        super()._stop_workers(worker_group, *args, **kwargs)
+        self._tell(self.telemetry.workers_stopped, began, cause, "SIGTERM", self.ft.config.termination_grace_time)

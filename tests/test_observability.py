@@ -1,0 +1,317 @@
+"""Events, metrics, goodput, slow ranks and the telemetry that drives them, in-process (no launcher run)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from ft_client.timeouts import Timeouts
+from ft_monitor.launcher.agent import RestartTiming
+from ft_monitor.launcher.events import SCHEMA, EventLog, EventSchemaError, read_events, validate_event
+from ft_monitor.launcher.goodput import Incident, goodput
+from ft_monitor.launcher.metrics import RankView, Snapshot, registry
+from ft_monitor.launcher.slow_ranks import judge
+from ft_monitor.launcher.telemetry import Telemetry
+from ft_monitor.launcher.torch_events import TorchMetrics, routed
+from ft_monitor.live_view import Row, format_table, to_json
+from ft_monitor.report_html import render
+from ft_monitor.section_stats import SectionHistogram, SectionStats
+from ft_monitor.settings import Settings
+from ft_monitor.state import Session
+from ft_monitor.status import build_status
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# -- events ---------------------------------------------------------------------------------------
+def test_events_are_kept_until_the_directory_is_known_then_written_in_order(tmp_path: Path) -> None:
+    log = EventLog("h", pid=7)
+    log.emit("launcher_start", 1.0, nproc_per_node=2, max_restarts=1, metrics_url=None, metrics_textfile=None)
+    assert log.attach(tmp_path) == tmp_path / "events.jsonl"
+    log.emit("workload_request", 2.0, rank=0, action="Continue", reason="x")
+    log.emit("stats", 3.0, ranks={}, goodput=float("nan"), productive_s=None, wall_s=2.0, lost_s=0.0)
+    log.close()
+    events = read_events(tmp_path / "events.jsonl")
+    assert [(e["seq"], e["kind"]) for e in events] == [(0, "launcher_start"), (1, "workload_request"), (2, "stats")]
+    assert events[2]["goodput"] is None  # JSON has no NaN
+    assert events[0]["host"] == "h" and events[0]["launcher_pid"] == 7
+
+
+def test_an_event_field_cannot_overwrite_the_envelope_and_kinds_are_known() -> None:
+    log = EventLog("h")
+    with pytest.raises(EventSchemaError, match="overwrite the envelope"):
+        log.emit("exclusion", 1.0, rank=0, reason="r", seq=5)
+    with pytest.raises(EventSchemaError, match="unknown event kind"):
+        log.emit("party", 1.0)
+
+
+@pytest.mark.parametrize(("event", "problem"), [
+    ({"kind": "hang"}, r"hang event of version None"),
+    ({"v": 1, "kind": "nope"}, r"unknown event kind 'nope'"),
+    ({"v": 1, "seq": 0, "time": 1.0, "kind": "exclusion", "host": "h", "launcher_pid": 1, "rank": 0},
+     r"exclusion event without its field 'reason'"),
+    ({"v": 1, "seq": 0, "time": 1.0, "kind": "exclusion", "host": "h", "launcher_pid": 1, "rank": True,
+      "reason": ""}, r"field 'rank' = True is a boolean"),
+    ({"v": 1, "seq": 0, "time": "now", "kind": "exclusion", "host": "h", "launcher_pid": 1, "rank": 0,
+      "reason": ""}, r"field 'time' = 'now': must be int or float"),
+])
+def test_validation_names_what_is_wrong(event: dict[str, Any], problem: str) -> None:
+    with pytest.raises(EventSchemaError, match=problem):
+        validate_event(event)
+
+
+def test_the_docs_list_every_event_kind_and_field() -> None:
+    doc = (ROOT / "docs" / "observability.md").read_text()
+    for kind, fields in SCHEMA.items():
+        row = next((line for line in doc.splitlines() if line.startswith(f"| `{kind}` |")), None)
+        assert row is not None, kind
+        for name in fields:
+            assert f"`{name}`" in row, (kind, name)
+
+
+# -- goodput, slow ranks ----------------------------------------------------------------------------
+def test_goodput_subtracts_redone_work_and_lost_time_counts_onset_to_running_again() -> None:
+    inc = Incident(rank=1, onset=100.0, iteration_before=13, step_median_s=0.5, running_again=110.0,
+                   resumed_from=10)
+    assert inc.redone_iterations == 3 and inc.lost_s == pytest.approx(11.5)
+    gp = goodput({0: 30.0, 1: 28.0}, [inc], start=0.0, now=100.0)
+    assert gp.productive_s == pytest.approx(29.0 - 1.5) and gp.ratio == pytest.approx(0.275)
+    assert gp.lost_s == pytest.approx(11.5)
+    assert goodput({}, [], start=0.0, now=1.0).ratio is None
+    pending = Incident(rank=1, onset=100.0, iteration_before=None, step_median_s=None)
+    assert pending.lost_s is None and pending.redone_s == 0.0
+
+
+def test_slow_rank_verdicts_use_the_ratio_a_floor_and_hysteresis() -> None:
+    v = judge({0: 0.010, 1: 0.060, 2: 0.011}, 1.5)
+    assert [r for r, x in v.items() if x.slow] == [1]
+    assert v[1].others_median_s == pytest.approx(0.0105)
+    # 2x, but only 1 ms more: timer noise, not a slow rank
+    assert not any(x.slow for x in judge({0: 0.001, 1: 0.002}, 1.5).values())
+    # a flagged rank stays flagged until it falls below the midpoint (1.25 here)
+    assert judge({0: 0.10, 1: 0.13}, 1.5, frozenset({1}))[1].slow
+    assert not judge({0: 0.10, 1: 0.12}, 1.5, frozenset({1}))[1].slow
+    assert judge({0: 0.1}, 1.5) == {}
+
+
+# -- metrics ---------------------------------------------------------------------------------------
+def _hist(*durations: float) -> SectionHistogram:
+    h = SectionHistogram()
+    for d in durations:
+        h.record(d)
+    return h
+
+
+def test_metrics_are_the_snapshot_in_prometheus_names_and_units() -> None:
+    t = Timeouts.from_config(Settings(rank_heartbeat_timeout=30, rank_section_timeouts={"step": 60, "ckpt": None}))
+    snap = Snapshot(
+        start=1000.0,
+        ranks=(RankView(rank=4, local_rank=0, last_progress=1005.0, iteration=12,
+                        sections={"step": _hist(0.05, 0.2)}, timeouts=t.to_wire(), slow=True, slow_ratio=2.5),),
+        hangs={("section", "step"): 1}, restarts={"process": 1},
+        restart_phases={("process", "total"): (3.0,), ("process", "stop"): (0.05,)}, incident_lost=(7.5,),
+        goodput=goodput({4: 5.0}, [], start=1000.0, now=1010.0))
+    text = generate_latest(registry(lambda: snap)).decode()
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+    def v(name: str, **labels: str) -> float:
+        return samples[(name, tuple(sorted(labels.items())))]
+
+    assert v("ft_hangs_total", reason="section", section="step") == 1
+    assert v("ft_restarts_total", kind="process") == 1 and v("ft_restarts_total", kind="inprocess") == 0
+    assert v("ft_restart_phase_seconds_bucket", kind="process", phase="total", le="2.5") == 0
+    assert v("ft_restart_phase_seconds_bucket", kind="process", phase="total", le="5.0") == 1
+    assert v("ft_incident_lost_seconds_sum") == 7.5 and v("ft_incident_lost_seconds_count") == 1
+    ids = {"rank": "4", "local_rank": "0"}
+    assert v("ft_section_duration_seconds_bucket", section="step", le="0.05", **ids) == 1
+    assert v("ft_section_duration_seconds_count", section="step", **ids) == 2
+    assert v("ft_rank_last_progress_timestamp_seconds", **ids) == 1005.0
+    assert v("ft_rank_slow", **ids) == 1 and v("ft_rank_slow_ratio", **ids) == 2.5
+    assert v("ft_timeout_seconds", rank="4", kind="section", section="step", source="configured") == 60
+    assert v("ft_timeout_seconds", rank="4", kind="heartbeat", section="", source="configured") == 30
+    assert ("ft_timeout_seconds", (("kind", "section"), ("rank", "4"), ("section", "ckpt"),
+                                   ("source", "configured"))) not in samples  # off: not a number
+    assert v("ft_goodput_ratio") == pytest.approx(0.5) and v("ft_wall_seconds") == 10.0
+
+
+# -- torchelastic's events and metrics -------------------------------------------------------------
+def test_torchelastic_events_and_metrics_are_routed_while_the_run_lasts() -> None:
+    from torch.distributed.elastic import events as te_events
+    from torch.distributed.elastic import metrics as te_metrics
+
+    got: list[tuple[Any, ...]] = []
+    metrics = TorchMetrics()
+    args = SimpleNamespace(event_log_handler="null")
+    with routed(lambda *a: got.append(a), metrics, args):
+        assert args.event_log_handler == "ft-monitor"
+        te_events.record(te_events.Event("agent.thing", te_events.EventSource.AGENT, metadata={"k": 1}),
+                         args.event_log_handler)
+        te_events.construct_and_record_rdzv_event(run_id="r", message="joined", node_state=te_events.NodeState.INIT)
+        te_events.construct_and_record_rdzv_event(run_id="r", message="alive", node_state=te_events.NodeState.RUNNING,
+                                                  name="X._keep_alive")
+        for ms in (5, 7):
+            te_metrics.put_metric("tick.duration.ms", ms, "torchelastic")
+    te_metrics.put_metric("after", 1, "torchelastic")  # no longer ours
+    assert args.event_log_handler == "null"
+    assert got[0] == ("agent.thing", "AGENT", None, {"k": 1})
+    assert got[1][1] == "RENDEZVOUS" and got[1][3]["message"] == "joined" and len(got) == 2
+    drained = metrics.drain()
+    assert drained["torchelastic.tick.duration.ms"] == {"count": 2, "sum": 12.0, "min": 5.0, "max": 7.0,
+                                                        "last": 7.0}
+    assert drained["rendezvous.keep_alive"]["count"] == 1 and metrics.drain() == {}
+
+
+# -- the telemetry, with fake monitors and clocks ------------------------------------------------
+class FakeMonitors:
+    def __init__(self) -> None:
+        self.sessions: dict[int, Session | None] = {0: None, 1: None}
+        self.stats = {0: SectionStats(), 1: SectionStats()}
+        self.timeouts = Timeouts.from_config(Settings(rank_section_timeouts={"step": 60, "data": 60}))
+        self.now = 0.0
+
+    def statuses(self) -> dict[int, Any]:
+        return {lr: build_status(now=self.now, monitor_pid=1, socket=f"/m{lr}", started_at=0.0, sessions=1,
+                                 timeouts=self.timeouts, iteration_high=None, session=s, hangs=[],
+                                 section_stats=self.stats[lr])
+                for lr, s in self.sessions.items()}
+
+
+def _stepped(mon: FakeMonitors, start_iteration: int, steps: int, slow_data: float = 0.0) -> None:
+    for lr in (0, 1):
+        s = mon.sessions[lr] = Session(rank=lr, pid=100 + lr, started_at=mon.now, timeouts=mon.timeouts)
+        for _ in range(steps):
+            s.open_section("data", mon.now)
+            s.close_section("data", mon.now + 0.001 + (slow_data if lr == 1 else 0.0))
+            mon.stats[lr].record("data", 0.001 + (slow_data if lr == 1 else 0.0))
+            s.open_section("step", mon.now)
+            s.close_section("step", mon.now + 0.1)
+            mon.stats[lr].record("step", 0.1)
+        s.set_iteration(start_iteration + steps)
+
+
+def test_telemetry_turns_a_hang_and_its_restart_into_events_metrics_and_goodput(tmp_path: Path,
+                                                                                caplog: pytest.LogCaptureFixture) -> None:
+    clock = {"t": 1000.0}
+    mon = FakeMonitors()
+    tel = Telemetry(config=Settings(slow_rank_section="data"), monitors=mon, host="h", nproc=2, max_restarts=1,
+                    clock=lambda: clock["t"], monotonic=lambda: clock["t"])
+    tel.launcher_started("http://127.0.0.1:1/metrics", None)
+    tel.attempt_started(0, "run", 0, {0: 0, 1: 1}, {0: 100, 1: 101}, str(tmp_path))
+    _stepped(mon, 0, 12, slow_data=0.05)
+    clock["t"] += 2.0
+    with caplog.at_level(logging.WARNING, "ft_monitor.launcher"):
+        tel.tick()
+    assert tel.flagged == {1} and "rank 1 (local rank 1) is slow" in caplog.text
+    summary = {"rank": 1, "local_rank": 1, "pid": 101, "reason": "section", "section": "step", "message": "m",
+               "elapsed_s": 2.0, "timeout_s": 2.0, "onset_time": 1000.5, "detected_time": 1002.5, "iteration": 12,
+               "attempt": 0}
+    tel.hang(summary)
+    timing = RestartTiming(1, 1002.5, 1002.6)
+    tel.hang_timing(timing)
+    tel.attempt_ended("FAILED", {1: SimpleNamespace(exitcode=-15, message="hang")}, 1)
+    timing.stop_began, timing.stopped = 1002.6, 1002.7
+    tel.workers_stopped(1002.6, "hang", "SIGTERM", 3.0)
+    timing.rendezvous_done, timing.workers_started = 1002.9, 1003.0
+    tel.attempt_started(1, "run", 0, {0: 0, 1: 1}, {0: 200, 1: 201}, str(tmp_path))
+    clock["t"] = 1006.0
+    timing.first_step = 1005.0
+    _stepped(mon, 10, 3)
+    tel.tick()
+    tel.finish(0, "")
+    tel.close(None)
+    events = read_events(tmp_path / "events.jsonl")
+    kinds = [e["kind"] for e in events]
+    assert kinds == ["launcher_start", "attempt_start", "slow_rank", "hang", "attempt_end", "stats", "kill",
+                     "attempt_start", "restart", "stats", "job_end"]
+    restart = events[kinds.index("restart")]
+    assert restart["phases"] == timing.breakdown() and restart["redone_iterations"] == 2
+    assert restart["lost_s"] == pytest.approx(1005.0 - 1000.5 + 2 * 0.1)
+    snap = tel.snapshot
+    assert snap.hangs == {("section", "step"): 1} and snap.restarts == {"process": 1, "inprocess": 0}
+    assert snap.restart_phases["process", "total"] == (timing.breakdown()["total"],)
+    assert snap.goodput is not None and snap.goodput.productive_s == pytest.approx(15 * 0.1 - 0.2)
+    assert tel.summary()["slow_ranks"] == [1]
+
+
+def test_a_crash_restart_is_timed_by_the_telemetry_itself(tmp_path: Path) -> None:
+    clock = {"t": 0.0}
+    mon = FakeMonitors()
+    tel = Telemetry(config=Settings(), monitors=mon, host="h", nproc=2, max_restarts=1,
+                    clock=lambda: clock["t"], monotonic=lambda: clock["t"])
+    tel.attempt_started(0, "run", 0, {0: 0, 1: 1}, {}, str(tmp_path))
+    clock["t"] = 5.0
+    tel.attempt_ended("FAILED", {0: SimpleNamespace(exitcode=1)}, 1)
+    tel.workers_stopping()
+    clock["t"] = 5.5
+    tel.workers_stopped(5.0, "failure", "SIGTERM", 3.0)
+    clock["t"] = 6.0
+    tel.rendezvous_done()
+    tel.attempt_started(1, "run", 0, {0: 0, 1: 1}, {}, str(tmp_path))
+    clock["t"] = 8.0
+    _stepped(mon, 5, 1)
+    tel.tick()
+    tel.close(None)
+    (restart,) = [e for e in read_events(tmp_path / "events.jsonl") if e["kind"] == "restart"]
+    assert restart["cause"] == "failure" and restart["rank"] == 0
+    assert restart["phases"]["stop"] == 0.5 and restart["phases"]["total"] == 3.0
+    assert restart["lost_s"] is None
+
+
+# -- live view, report ----------------------------------------------------------------------------
+def test_the_live_view_table_and_json_from_statuses() -> None:
+    mon = FakeMonitors()
+    _stepped(mon, 40, 2)
+    mon.sessions[1].open_section("step", 0.0)  # type: ignore[union-attr]
+    mon.now = 1.5
+    rows = [Row(f"/run/monitor{lr}.sock", st) for lr, st in mon.statuses().items()]
+    rows.append(Row("/run/monitor2.sock", None, "no answer: refused"))
+    table = format_table(rows).splitlines()
+    assert table[0].split()[:3] == ["rank", "pid", "state"]
+    assert table[2].startswith("1 ") and "step (1.5s/60.0s)" in table[2] and "0.100s" in table[2]
+    assert "down (no answer: refused)" in table[3]
+    data = to_json(rows)
+    assert data[0]["iteration"] == 42 and data[1]["section"] == "step" and data[2]["error"] == "no answer: refused"
+    json.dumps(data)
+
+
+def test_the_report_escapes_what_ranks_wrote() -> None:
+    log_events = [
+        {"v": 1, "seq": 0, "time": 0.0, "kind": "attempt_start", "host": "<h>", "launcher_pid": 1, "attempt": 0},
+        {"v": 1, "seq": 1, "time": 2.0, "kind": "hang", "host": "<h>", "launcher_pid": 1, "attempt": 0, "rank": 1,
+         "message": "<script>alert(1)</script>", "onset_time": 0.5, "detected_time": 1.5, "action": "kill"},
+    ]
+    page = render(log_events, title="<t>")
+    assert "<script>" not in page and "&lt;script&gt;" in page and "&lt;t&gt;" in page
+
+
+def test_an_inprocess_restart_is_counted_with_its_own_phases(tmp_path: Path) -> None:
+    clock = {"t": 50.0}
+    tel = Telemetry(config=Settings(), monitors=FakeMonitors(), host="h", nproc=2, max_restarts=1,
+                    clock=lambda: clock["t"], monotonic=lambda: clock["t"])
+    tel.attempt_started(0, "run", 0, {0: 0, 1: 1}, {0: 100, 1: 101}, str(tmp_path))
+    notice = {"rank": 1, "pid": 101, "reason": "section", "section": "step", "message": "m", "elapsed_s": 2.0,
+              "timeout_s": 2.0, "onset_time": 48.0, "detected_time": 50.0, "iteration": 12, "attempt": 0,
+              "report": "/r.json"}
+    tel.inprocess_hang(notice)
+    phases = {"notify": 0.01, "abort": 0.02, "interrupt": 0.0, "finalize": 0.15, "barrier": 0.01, "reinit": 0.01,
+              "first_step": 0.02, "total": 0.22}
+    clock["t"] = 50.5
+    tel.inprocess_restart({"kind": "inprocess", "attempt": 0, "iteration": 1, "rank": 1, "reason": "section",
+                           "message": "m", "report": "/r.json", "phases": phases})
+    tel.finish(0, "")
+    tel.close(None)
+    events = read_events(tmp_path / "events.jsonl")
+    hang, restart = (e for e in events if e["kind"] in ("hang", "restart"))
+    assert hang["action"] == "inprocess" and hang["rank"] == 1
+    assert restart["mode"] == "inprocess" and restart["cause"] == "hang" and restart["phases"] == phases
+    snap = tel.snapshot
+    assert snap.restarts == {"process": 0, "inprocess": 1} and snap.hangs == {("section", "step"): 1}
+    assert snap.restart_phases["inprocess", "total"] == (0.22,) and ("process", "total") not in snap.restart_phases

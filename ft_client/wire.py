@@ -28,6 +28,7 @@ msgpack. The body is an array whose first element is the message type tag::
     ACK            [18, detail]                        reply
     ABORT          [19, iteration, reason, hung_rank]  push (monitor -> rank, control connection)
     RESTARTING     [20, iteration]                     fire-and-forget (rank re-enters, in-process)
+    WORKER_STARTED [21, pid, rank, error_file]         request  -> ACK | ERROR   (launcher -> monitor)
 
 Nothing here unpickles or evaluates anything: msgpack with ``raw=False`` and
 ``strict_map_key=True`` yields only None, bool, int, float, str, bytes, list, dict.
@@ -77,6 +78,7 @@ class MsgType(IntEnum):
     ACK = 18
     ABORT = 19
     RESTARTING = 20
+    WORKER_STARTED = 21
 
 
 class Role:
@@ -86,6 +88,7 @@ class Role:
     OBSERVER = "observer"  # `ft-monitor status` and tools: STATUS/PING only
     MONITOR = "monitor"  # a monitor daemon talking to the launcher (HANG_NOTICE)
     CONTROL = "control"  # the rank's second connection: the monitor pushes ABORT there
+    LAUNCHER = "launcher"  # the launcher that started the monitor: WORKER_STARTED
 
 
 class ErrorCode:
@@ -215,10 +218,21 @@ class Restarting:
     iteration: int
 
 
+@dataclass(frozen=True, slots=True)
+class WorkerStarted:
+    """Launcher -> monitor: the worker process it just started for this monitor's rank, so
+    its start-up is timed before it connects (startup_timeout)."""
+
+    pid: int
+    rank: int
+    error_file: str | None
+    """Its torchelastic error file (its attempt directory), if any."""
+
+
 Message = (
     Hello | HelloOk | Error | Heartbeat | SectionOpen | SectionClose | SectionCloseAll
     | UpdateConfig | ConfigOk | Status | StatusReply | Ping | Pong | Goodbye | Iteration
-    | Control | HangNotice | Ack | Abort | Restarting
+    | Control | HangNotice | Ack | Abort | Restarting | WorkerStarted
 )
 
 # Singletons for the messages without fields: decoding them allocates nothing.
@@ -280,6 +294,7 @@ _ENCODERS: dict[type, Any] = {
     Ack: lambda m: [MsgType.ACK, m.detail],
     Abort: lambda m: [MsgType.ABORT, m.iteration, m.reason, m.hung_rank],
     Restarting: lambda m: [MsgType.RESTARTING, m.iteration],
+    WorkerStarted: lambda m: [MsgType.WORKER_STARTED, m.pid, m.rank, m.error_file],
 }
 
 HEARTBEAT_FRAME = _frame([MsgType.HEARTBEAT])
@@ -322,6 +337,10 @@ def _opt_int(v: object, what: str) -> int | None:
     return None if v is None else _int(v, what)
 
 
+def _opt_str(v: object, what: str) -> str | None:
+    return None if v is None else _str(v, what)
+
+
 def _name(v: object) -> str:
     name = _str(v, "section name")
     _check_name(name)
@@ -352,6 +371,8 @@ _DECODERS: dict[int, tuple[int, Any]] = {
     MsgType.ABORT: (3, lambda f: Abort(_opt_int(f[0], "iteration"), _str(f[1], "reason"),
                                        _opt_int(f[2], "hung_rank"))),
     MsgType.RESTARTING: (1, lambda f: Restarting(_int(f[0], "iteration"))),
+    MsgType.WORKER_STARTED: (3, lambda f: WorkerStarted(_int(f[0], "pid"), _int(f[1], "rank"),
+                                                        _opt_str(f[2], "error_file"))),
 }
 
 

@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import types
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 from ft_client.errors import FtError
@@ -95,6 +97,11 @@ class Settings:
     on_hang: str = _setting("kill", rules.on_hang)
     inprocess_restart_timeout: float = _setting(30.0, rules.positive_seconds)
     max_inprocess_restarts: int = _setting(10, rules.whole)
+    startup_timeout: float | None = _setting(None, rules.timeout)
+    startup_until: str = _setting("handshake", rules.startup_until)
+    process_group_timeout: float | None = _setting(None, rules.timeout)
+    scheduler_grace_time: float | None = _setting(None, rules.timeout)
+    timeout_check: str = _setting("warn", rules.timeout_check)
 
     def __init__(self, data: Mapping[str, Any] | None = None, /, **values: Any) -> None:
         if data is not None and not isinstance(data, Mapping):
@@ -136,6 +143,11 @@ class Settings:
     def timeouts(self) -> Timeouts:
         """The timeouts these settings put in force, none of them learned."""
         return Timeouts.from_config(self)
+
+    def report_dir_for(self, socket_path: str | os.PathLike[str]) -> Path:
+        """Where a daemon serving ``socket_path`` writes its reports: report_dir, or
+        ``<socket directory>/reports`` when that is not set."""
+        return Path(self.report_dir) if self.report_dir else Path(socket_path).absolute().parent / "reports"
 
     # -- JSON form (FaultToleranceConfig.model_dump(mode="json")) -------------
     @classmethod

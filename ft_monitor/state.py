@@ -89,11 +89,20 @@ class Session:
     """While RESTARTING: by when the rank must have re-entered its training function."""
     restart_iteration: int | None = None
     """The Wrapper iteration the rank said it re-enters (RESTARTING), None until it does."""
+    startup_since: float | None = None
+    """With ``startup_until: first_step``: when the worker started (its launcher's notice),
+    so its start-up is timed until its first heartbeat or step; None: not timed here."""
+    startup_timeout: float | None = None
 
     def __post_init__(self) -> None:
         if self.out_of_section_since is None and not self.open_sections:
             self.out_of_section_since = self.started_at
         self.timeouts_since = max(self.timeouts_since, self.started_at)
+
+    @property
+    def started_training(self) -> bool:
+        """The rank sent a heartbeat or opened a `step` section: its start-up is over."""
+        return self.heartbeats > 0 or self.steps_started > 0
 
     # -- events ------------------------------------------------------------
     def heartbeat(self, now: float) -> None:

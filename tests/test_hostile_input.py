@@ -623,6 +623,11 @@ BAD: dict[str, list[str]] = {
     "on_hang": ["restart", "", "1"],
     "inprocess_restart_timeout": ["0", "-1", "x"],
     "max_inprocess_restarts": ["-1", "x", "1.5"],
+    "startup_timeout": ["0", "-1", "x"],
+    "startup_until": ["connect", "1"],
+    "process_group_timeout": ["0", "x"],
+    "scheduler_grace_time": ["-1", "x"],
+    "timeout_check": ["loud", "1"],
 }
 _XFAIL_BAD: dict[tuple[str, str], str] = {}
 

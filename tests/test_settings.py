@@ -30,6 +30,8 @@ NON_DEFAULT: dict[str, Any] = {
     "handshake_timeout": 1, "max_no_progress_cycles": 0, "min_progress_iterations": 10, "max_connections": 1,
     "observer_idle_timeout": 3,
     "on_hang": "inprocess", "inprocess_restart_timeout": 7.5, "max_inprocess_restarts": 2,
+    "startup_timeout": "45", "startup_until": "First_Step", "process_group_timeout": 600, "scheduler_grace_time": 30,
+    "timeout_check": "strict",
 }
 
 

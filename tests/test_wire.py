@@ -39,6 +39,8 @@ ALL_MESSAGES: list[wire.Message] = [
     wire.Abort(12, "rank 1: section 'step' open for 12.3 s, timeout 10.0 s", 1),
     wire.Abort(None, "x", None),
     wire.Restarting(3),
+    wire.WorkerStarted(4242, 3, "/logs/attempt_0/1/error.json"),
+    wire.WorkerStarted(4242, 0, None),
 ]
 
 

@@ -40,6 +40,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from ft_client import env as ft_env
+from ft_client.startup import worker_env as startup_env
 from ft_client.workload import WorkloadAction
 from ft_monitor.launcher import exit_codes
 from ft_monitor.launcher.control import EventKind, LauncherEvent, LauncherServer
@@ -63,6 +64,7 @@ from ft_monitor.notices import HangNotice
 from ft_monitor.procinfo import parent_pid
 from ft_monitor.server_log import printable
 from ft_monitor.settings import Settings
+from ft_monitor.startup import dump_spec
 
 log = logging.getLogger("ft_monitor.launcher")
 
@@ -138,11 +140,25 @@ class FtRuntime:
         return False
 
     def worker_env(self, local_rank: int) -> dict[str, str]:
-        return {
+        out = {
             ft_env.RANK_MONITOR_SOCKET: str(self.monitors.socket(local_rank)),
             ft_env.LAUNCHER_SOCKET: self.server.path,
             ft_env.LAUNCHER_PID: str(os.getpid()),
         }
+        if self.config.startup_timeout is not None:  # the start-up hook: a stack dump before init
+            report_dir = self.config.report_dir_for(self.monitors.socket(local_rank))
+            out.update(startup_env(dump_spec(self.config, report_dir), os.environ))
+        return out
+
+    def announce_workers(self, workers: list[tuple[int, int, int, str | None]]) -> None:
+        """(local rank, global rank, pid, error file) of each worker just started: each daemon
+        times its worker's start-up from now (startup_timeout)."""
+        if self.config.startup_timeout is None:
+            return
+        for local_rank, global_rank, pid, error_file in workers:
+            if not isinstance(error_file, str) or error_file == os.devnull:
+                error_file = None
+            self.monitors.announce(local_rank, pid, global_rank, error_file)
 
 
 def _emit(lines: tuple[LogLine, ...]) -> None:
@@ -196,6 +212,9 @@ class FtLocalElasticAgent(_lea.LocalElasticAgent):
         self.ft.groups.close()
         self.ft.groups.track(pids.values())  # torch starts each worker in its own session
         self.ft.worker_pids = set(pids.values())
+        files = getattr(self._pcontext, "error_files", None) or {}
+        self.ft.announce_workers([(w.local_rank, w.global_rank, pids[w.local_rank], files.get(w.local_rank))
+                                  for w in worker_group.workers if w.local_rank in pids])
         self._pinned_at = time.monotonic()
         if self.ft.restarts and self.ft.restarts[-1].workers_started is None:
             timing = self.ft.restarts[-1]

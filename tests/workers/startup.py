@@ -1,4 +1,8 @@
-"""A worker for the start-up deadline's end-to-end test, under ft-launcher with 2 ranks.
+"""A worker for the start-up deadline's end-to-end tests (tests/test_startup_e2e.py).
+
+    python tests/workers/startup.py sleep   # hangs before anything (under `ft-monitor serve -- CMD`)
+    python tests/workers/startup.py fast    # connects, one heartbeat, shuts down, exits 0
+    python tests/workers/startup.py         # under ft-launcher with 2 ranks, by attempt:
 
 What each rank does depends on the attempt (TORCHELASTIC_RESTART_COUNT); in every
 attempt but the last, one rank hangs before it connects to its monitor, the other
@@ -52,6 +56,14 @@ def train(client: object) -> None:
 
 
 def main() -> None:
+    if sys.argv[1:] == ["sleep"]:
+        sleep_before_init()
+    if sys.argv[1:] == ["fast"]:
+        client = connect()
+        client.send_heartbeat()  # type: ignore[attr-defined]
+        client.shutdown_workload_monitoring()  # type: ignore[attr-defined]
+        print("fast worker done", flush=True)
+        return
     attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     rank = int(os.environ["RANK"])
     print(f"[rank {rank}] attempt {attempt} pid {os.getpid()}", flush=True)

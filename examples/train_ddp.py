@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import ft_client
 from ft_client import RankMonitorClient
 
 
@@ -62,7 +63,8 @@ def main() -> None:
                         "STEP of the first attempt (or env FT_DEMO_CONTROL, e.g. set for one node only)")
     args = p.parse_args()
 
-    dist.init_process_group("gloo")
+    # the configured process_group_timeout (checked at launch against the monitor's timeouts)
+    dist.init_process_group("gloo", timeout=ft_client.process_group_timeout())
     rank = dist.get_rank()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     hang = parse_spec(args.hang)

@@ -16,6 +16,7 @@ import os
 import signal
 
 from ft_client.env import RANK_MONITOR_SOCKET, rank_from_env
+from ft_client.process_group import PROCESS_GROUP_TIMEOUT_ENV
 from ft_client.startup import worker_env as startup_env
 from ft_monitor.daemon import MonitorDaemon
 from ft_monitor.escalation import terminate_then_kill
@@ -41,6 +42,8 @@ async def run_command(daemon: MonitorDaemon, command: list[str], stop: asyncio.E
     env[RANK_MONITOR_SOCKET] = str(daemon.socket_path)
     if daemon.config.startup_timeout is not None:  # arm its start-up stack dump before its own code runs
         env.update(startup_env(dump_spec(daemon.config, daemon.report_dir), env))
+    if daemon.config.process_group_timeout is not None:  # for ft_client.process_group_timeout()
+        env[PROCESS_GROUP_TIMEOUT_ENV] = repr(daemon.config.process_group_timeout)
     child = await asyncio.create_subprocess_exec(*command, env=env, start_new_session=True)
     log.info("started %s as pid %d", command[0], child.pid)
     if daemon.config.startup_timeout is not None:

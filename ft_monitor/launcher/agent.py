@@ -17,10 +17,15 @@ Overrides only what the monitors need, and calls torch for everything else:
   the group is provably still the worker's (`groups.WorkerGroups`);
 * `_rendezvous`: timed, for the restart breakdown.
 
-Checked with torch 2.13.0. It relies on these agent internals, which torch 2.x
-has kept: `_start_workers`, `_monitor_workers`, `_stop_workers`, `_rendezvous`,
+Checked with torch 2.13 (the only minor pyproject.toml admits). It relies on these
+agent internals: `_start_workers`, `_monitor_workers`, `_stop_workers`, `_rendezvous`,
 `_remaining_restarts`, `_pcontext`, `start_processes(envs=...)` in
-local_elastic_agent, and `LocalElasticAgent` as a global of launcher/api.py.
+local_elastic_agent, and `LocalElasticAgent` as a global of launcher/api.py;
+torch_support.py checks each of them (and the others the launcher uses) at start and
+refuses a torch that lacks one, before any worker starts.
+
+With ``startup_timeout``, `_start_workers` also gives each worker the start-up hook
+(ft_client/startup.py) and tells each daemon its worker's pid (`FtRuntime.announce_workers`).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from ft_client import env as ft_env
+from ft_client.process_group import PROCESS_GROUP_TIMEOUT_ENV
 from ft_client.startup import worker_env as startup_env
 from ft_client.workload import WorkloadAction
 from ft_monitor.launcher import exit_codes
@@ -148,6 +154,8 @@ class FtRuntime:
         if self.config.startup_timeout is not None:  # the start-up hook: a stack dump before init
             report_dir = self.config.report_dir_for(self.monitors.socket(local_rank))
             out.update(startup_env(dump_spec(self.config, report_dir), os.environ))
+        if self.config.process_group_timeout is not None:  # for ft_client.process_group_timeout()
+            out[PROCESS_GROUP_TIMEOUT_ENV] = repr(self.config.process_group_timeout)
         return out
 
     def announce_workers(self, workers: list[tuple[int, int, int, str | None]]) -> None:

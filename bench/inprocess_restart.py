@@ -71,9 +71,10 @@ def one(i: int) -> dict[str, Any]:
 def sample(summary: dict[str, Any], text: str, i: int) -> dict[str, Any]:
     rows = summary.get("inprocess_restarts") or []
     if len(rows) != 1 or not (rows[0].get("phases") or {}).get("total"):
-        raise RuntimeError(f"in-process run {i}: expected one complete in-process restart, got {summary}")
+        raise RuntimeError(f"in-process run {i}: expected one complete in-process restart, got {summary}:\n"
+                           f"{text[-6000:]}")
     if summary.get("restarts") or len(summary.get("attempts") or []) != 1:
-        raise RuntimeError(f"in-process run {i}: the processes were restarted: {summary}")
+        raise RuntimeError(f"in-process run {i}: the processes were restarted: {summary}:\n{text[-6000:]}")
     finished = text.count("finished 30 steps")
     if finished != 2:
         raise RuntimeError(f"in-process run {i}: {finished} of 2 ranks finished:\n{text[-4000:]}")

@@ -15,8 +15,8 @@ What it shows:
   ``write_metrics_to_stuck_filesystem`` so the stack dump says where;
 * ``--inprocess``: the training function runs under ``ft_client.inprocess.Wrapper``. Run
   it with ``--ft-on-hang inprocess``: a hang then restarts the training function in the
-  same processes (from an in-memory copy of the last checkpoint), the process restart
-  staying the fallback. The hang happens in the Wrapper's first iteration only.
+  same processes (from an in-memory copy of the last checkpoint every rank holds), the
+  process restart staying the fallback. The hang happens in the Wrapper's first iteration only.
 * ``--slow rank=R,ms=M`` makes rank R spend M ms more loading every batch (a `data`
   section, outside the step's all-reduce): ft-launcher flags it as a slow rank.
 """
@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import ft_client
 from ft_client import RankMonitorClient
 from ft_client.inprocess import CallWrapper, Wrapper
 
@@ -92,22 +93,35 @@ def main() -> None:
                         "inprocess)")
     args = p.parse_args()
     client = RankMonitorClient()
+    # the configured process_group_timeout (checked at launch against the monitor's timeouts)
+    pg_timeout = ft_client.process_group_timeout()
     if not args.inprocess:
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", timeout=pg_timeout)
         train(args, client, {}, None)
         return
-    memory: dict[str, Any] = {}  # the last checkpoint, kept in memory across in-process restarts
+    memory: dict[int, dict[str, Any]] = {}  # step -> checkpoint, the last two kept in memory across restarts
 
     @Wrapper(soft_timeout=600, hard_timeout=660, barrier_timeout=60, completion_timeout=60)
     def run(call: CallWrapper) -> None:
-        call.init_process_group("gloo")
+        call.init_process_group("gloo", timeout=pg_timeout)
         train(args, client, memory, call)
 
     run()
     client.shutdown_workload_monitoring()
 
 
-def train(args: argparse.Namespace, client: RankMonitorClient, memory: dict[str, Any],
+def restore_point(memory: dict[int, dict[str, Any]], call: CallWrapper | None) -> dict[str, Any] | None:
+    """After an in-process restart, the latest in-memory checkpoint every rank holds: a fault
+    may have stopped one rank just before a checkpoint and another just after it. A
+    collective on the new process group; None: none in memory (load from disk)."""
+    if call is None or call.iteration == 0:
+        return None
+    latest = torch.tensor([max(memory, default=-1)])
+    dist.all_reduce(latest, op=dist.ReduceOp.MIN)
+    return memory.get(int(latest.item()))
+
+
+def train(args: argparse.Namespace, client: RankMonitorClient, memory: dict[int, dict[str, Any]],
           call: CallWrapper | None) -> None:
     """The training function: called once, or under the Wrapper once per in-process iteration."""
     rank = dist.get_rank()
@@ -125,7 +139,8 @@ def train(args: argparse.Namespace, client: RankMonitorClient, memory: dict[str,
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
 
     start = 0
-    ckpt = memory or (torch.load(ckpt_path, weights_only=False) if ckpt_path.exists() else None)
+    in_memory = restore_point(memory, call)
+    ckpt = in_memory or (torch.load(ckpt_path, weights_only=False) if ckpt_path.exists() else None)
     if ckpt:
         model.module.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["opt"])
@@ -133,7 +148,7 @@ def train(args: argparse.Namespace, client: RankMonitorClient, memory: dict[str,
         if not client.is_initialized:
             client.load_state_dict(ckpt.get("ft", {}))  # learned timeouts from the last run
         print(f"[rank {rank}] {where}: resumed at step {start} (pid {os.getpid()}, from "
-              f"{'memory' if memory else 'disk'})", flush=True)
+              f"{'memory' if in_memory else 'disk'})", flush=True)
     if not client.is_initialized:
         client.init_workload_monitoring()
     learned = sorted(client.timeouts.learned)
@@ -178,7 +193,8 @@ def train(args: argparse.Namespace, client: RankMonitorClient, memory: dict[str,
                 state = {"model": model.module.state_dict(), "opt": opt.state_dict(), "step": step + 1,
                          "ft": client.state_dict()}
                 if call is not None:
-                    memory.update(copy.deepcopy(state))
+                    memory[step + 1] = copy.deepcopy(state)
+                    memory.pop(step + 1 - 2 * args.ckpt_every, None)
                 if rank == 0:
                     ckpt_path.parent.mkdir(parents=True, exist_ok=True)
                     tmp = ckpt_path.with_suffix(".tmp")

@@ -47,6 +47,7 @@ __all__ = [
     "HeartbeatTimeouts",
     "SectionTimeouts",
     "Timeouts",
+    "process_group_timeout",
 ]
 
 
@@ -55,6 +56,10 @@ def __getattr__(name: str) -> Any:  # the client and the calculator are loaded o
         from ft_client.client import RankMonitorClient
 
         return RankMonitorClient
+    if name == "process_group_timeout":
+        from ft_client.process_group import process_group_timeout
+
+        return process_group_timeout
     if name == "NotEnoughDataError":
         from ft_client.timeouts_calc import NotEnoughDataError
 

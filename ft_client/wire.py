@@ -30,6 +30,7 @@ msgpack. The body is an array whose first element is the message type tag::
     RESTARTING     [20, iteration]                     fire-and-forget (rank leaves for an in-process restart)
     REENTERED      [21, iteration, reason, fault_rank, source, times]
                                                        fire-and-forget (rank back, first progress made)
+    WORKER_STARTED [22, pid, rank, error_file]         request  -> ACK | ERROR   (launcher -> monitor)
 
 Nothing here unpickles or evaluates anything: msgpack with ``raw=False`` and
 ``strict_map_key=True`` yields only None, bool, int, float, str, bytes, list, dict.
@@ -81,6 +82,7 @@ class MsgType(IntEnum):
     ABORT = 19
     RESTARTING = 20
     REENTERED = 21
+    WORKER_STARTED = 22
 
 
 class Role:
@@ -90,6 +92,7 @@ class Role:
     OBSERVER = "observer"  # `ft-monitor status` and tools: STATUS/PING only
     MONITOR = "monitor"  # a monitor daemon talking to the launcher (HANG_NOTICE)
     CONTROL = "control"  # the rank's second connection: the monitor pushes ABORT there
+    LAUNCHER = "launcher"  # the launcher that started the monitor: WORKER_STARTED
 
 
 class ErrorCode:
@@ -239,10 +242,21 @@ class Reentered:
     times: dict[str, float]
 
 
+@dataclass(frozen=True, slots=True)
+class WorkerStarted:
+    """Launcher -> monitor: the worker process it just started for this monitor's rank, so
+    its start-up is timed before it connects (startup_timeout)."""
+
+    pid: int
+    rank: int
+    error_file: str | None
+    """Its torchelastic error file (its attempt directory), if any."""
+
+
 Message = (
     Hello | HelloOk | Error | Heartbeat | SectionOpen | SectionClose | SectionCloseAll
     | UpdateConfig | ConfigOk | Status | StatusReply | Ping | Pong | Goodbye | Iteration
-    | Control | HangNotice | Ack | Abort | Restarting | Reentered
+    | Control | HangNotice | Ack | Abort | Restarting | Reentered | WorkerStarted
 )
 
 # Singletons for the messages without fields: decoding them allocates nothing.
@@ -305,6 +319,7 @@ _ENCODERS: dict[type, Any] = {
     Abort: lambda m: [MsgType.ABORT, m.iteration, m.reason, m.hung_rank],
     Restarting: lambda m: [MsgType.RESTARTING, m.iteration],
     Reentered: lambda m: [MsgType.REENTERED, m.iteration, m.reason, m.fault_rank, m.source, m.times],
+    WorkerStarted: lambda m: [MsgType.WORKER_STARTED, m.pid, m.rank, m.error_file],
 }
 
 HEARTBEAT_FRAME = _frame([MsgType.HEARTBEAT])
@@ -359,6 +374,10 @@ def _times(v: object) -> dict[str, float]:
     return out
 
 
+def _opt_str(v: object, what: str) -> str | None:
+    return None if v is None else _str(v, what)
+
+
 def _name(v: object) -> str:
     name = _str(v, "section name")
     _check_name(name)
@@ -391,6 +410,8 @@ _DECODERS: dict[int, tuple[int, Any]] = {
     MsgType.RESTARTING: (1, lambda f: Restarting(_int(f[0], "iteration"))),
     MsgType.REENTERED: (5, lambda f: Reentered(_int(f[0], "iteration"), _str(f[1], "reason"),
                                                _opt_int(f[2], "fault_rank"), _str(f[3], "source"), _times(f[4]))),
+    MsgType.WORKER_STARTED: (3, lambda f: WorkerStarted(_int(f[0], "pid"), _int(f[1], "rank"),
+                                                        _opt_str(f[2], "error_file"))),
 }
 
 

@@ -1,6 +1,8 @@
 """`ft-monitor serve -- CMD`: the command the daemon starts, watches and stops.
 
-CMD runs in its own session with the daemon's socket in its environment. Its
+CMD runs in its own session with the daemon's socket in its environment (and, with
+``startup_timeout``, the start-up hook: ft_client/startup.py); the daemon times its
+start-up from here (startup_watch.py). Its
 exit status is published to the daemon (`MonitorDaemon.children`) so the rank's
 disconnect is logged with it; stopping it is the one TERM -> grace -> KILL
 sequence (escalation.py) applied to its process group.
@@ -13,10 +15,13 @@ import logging
 import os
 import signal
 
-from ft_client.env import RANK_MONITOR_SOCKET
+from ft_client.env import RANK_MONITOR_SOCKET, rank_from_env
+from ft_client.process_group import PROCESS_GROUP_TIMEOUT_ENV
+from ft_client.startup import worker_env as startup_env
 from ft_monitor.daemon import MonitorDaemon
 from ft_monitor.escalation import terminate_then_kill
-from ft_monitor.procinfo import describe_wait_status, signal_group
+from ft_monitor.procinfo import ProcessHandle, describe_wait_status, signal_group
+from ft_monitor.startup import dump_spec
 
 log = logging.getLogger("ft_monitor.server")
 
@@ -35,8 +40,18 @@ async def run_command(daemon: MonitorDaemon, command: list[str], stop: asyncio.E
     before this returns, whatever happens."""
     env = dict(os.environ)
     env[RANK_MONITOR_SOCKET] = str(daemon.socket_path)
+    if daemon.config.startup_timeout is not None:  # arm its start-up stack dump before its own code runs
+        env.update(startup_env(dump_spec(daemon.config, daemon.report_dir), env))
+    if daemon.config.process_group_timeout is not None:  # for ft_client.process_group_timeout()
+        env[PROCESS_GROUP_TIMEOUT_ENV] = repr(daemon.config.process_group_timeout)
     child = await asyncio.create_subprocess_exec(*command, env=env, start_new_session=True)
     log.info("started %s as pid %d", command[0], child.pid)
+    if daemon.config.startup_timeout is not None:
+        try:
+            rank = rank_from_env()
+        except ValueError:
+            rank = 0
+        daemon.startup_watch.worker_started(child.pid, rank, process=ProcessHandle.open(child.pid))
     loop = asyncio.get_running_loop()
     exit_status: asyncio.Future[int] = loop.create_future()
     daemon.children[child.pid] = exit_status

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from ft_client.errors import FtError
 
 if TYPE_CHECKING:
-    from ft_monitor.settings import ServeSpec
+    from ft_monitor.settings import ServeSpec, Settings
 
 
 from ft_monitor.server_log import LOG_FORMAT
@@ -196,8 +196,27 @@ def _check_serve(argv: list[str]) -> int:
     except SettingsError as e:  # pydantic accepted what the daemon's own check refuses: a bug, said in one line
         print(f"ft-monitor: {e}", file=sys.stderr)
         return EXIT_USAGE
+    if not _timeouts_in_order(spec.settings):
+        return EXIT_USAGE
     print(SETTINGS_MARKER + spec.to_json())
     return EXIT_OK
+
+
+def _timeouts_in_order(settings: Settings) -> bool:
+    """The launch check of timeout_order.py, without torch (the process-group timeout is
+    known only when process_group_timeout is set): one warning per inversion, or with
+    ``timeout_check: strict`` one line and False."""
+    from ft_monitor import timeout_order
+
+    if settings.timeout_check == "off":
+        return True
+    found = timeout_order.inversions(settings, timeout_order.facts(settings, os.environ))
+    if found and settings.timeout_check == "strict":
+        print(f"ft-monitor: {timeout_order.refusal(found)}", file=sys.stderr)
+        return False
+    for inversion in found:
+        logging.getLogger("ft_monitor").warning("timeouts in the wrong order: %s", inversion.message())
+    return True
 
 
 def _serve(argv: list[str]) -> int:

@@ -115,10 +115,16 @@ class FaultToleranceConfig(BaseModel):
     metrics_textfile: str | None = None
     slow_rank_ratio: float | None = 1.5
     slow_rank_section: str = "step"
+    startup_timeout: float | None = None
+    startup_until: str = "handshake"
+    process_group_timeout: float | None = None
+    scheduler_grace_time: float | None = None
+    timeout_check: str = "warn"
 
     # -- rules -----------------------------------------------------------------
     @field_validator(
-        "initial_rank_heartbeat_timeout", "rank_heartbeat_timeout", "rank_out_of_section_timeout", mode="before"
+        "initial_rank_heartbeat_timeout", "rank_heartbeat_timeout", "rank_out_of_section_timeout", "startup_timeout",
+        "process_group_timeout", "scheduler_grace_time", mode="before"
     )
     @classmethod
     def _timeout(cls, v: Any) -> Any:
@@ -211,6 +217,16 @@ class FaultToleranceConfig(BaseModel):
     @classmethod
     def _on_hang(cls, v: Any) -> Any:
         return rules.on_hang(v.strip().lower() if isinstance(v, str) else v)
+
+    @field_validator("startup_until", mode="before")
+    @classmethod
+    def _startup_until(cls, v: Any) -> Any:
+        return rules.startup_until(v.strip().lower() if isinstance(v, str) else v)
+
+    @field_validator("timeout_check", mode="before")
+    @classmethod
+    def _timeout_check(cls, v: Any) -> Any:
+        return rules.timeout_check(v.strip().lower() if isinstance(v, str) else v)
 
     @field_validator("on_monitor_lost", mode="before")
     @classmethod

@@ -48,6 +48,7 @@ from ft_monitor.rank import Hold, RankResources
 from ft_monitor.section_stats import SectionStats
 from ft_monitor.server_log import printable
 from ft_monitor.settings import Settings
+from ft_monitor.startup_watch import StartupWatch
 from ft_monitor.state import Phase, Session
 from ft_monitor.status import HangSummary, InprocessRestart, MonitorStatus, build_status
 
@@ -76,7 +77,7 @@ class MonitorDaemon:
         self.config = config
         self.socket_path = Path(socket_path).absolute()
         self.clock: Clock = clock or SystemClock()
-        self.report_dir = Path(config.report_dir) if config.report_dir else self.socket_path.parent / "reports"
+        self.report_dir = config.report_dir_for(self.socket_path)
         self.timeouts: Timeouts = config.timeouts()
         """In force for the connected rank and for later sessions (UPDATE_CONFIG changes it)."""
         self.exits = ExitWatch()
@@ -122,6 +123,10 @@ class MonitorDaemon:
         """In-process restarts this daemon asked for (bounded by max_inprocess_restarts)."""
         self.last_restart: InprocessRestart | None = None
         """The rank's last in-process restart, as its REENTERED said (STATUS)."""
+        self.startup_watch = StartupWatch(self)
+        """The worker started for this rank that has not connected yet (startup_timeout)."""
+        self.launcher_pid: int | None = os.getppid() if launcher_socket else None
+        """The launcher that started this daemon: the only process that may announce workers."""
 
     # -- lifecycle -------------------------------------------------------------
     async def startup(self) -> None:
@@ -180,6 +185,7 @@ class MonitorDaemon:
         if self._socket_check is not None:
             self._socket_check.cancel()
         self.deadline.cancel()
+        self.startup_watch.close()
         pending = [t for t in self._tasks if not t.done()]
         if pending:
             done, still = await asyncio.wait(pending, timeout=self.config.termination_grace_time + 1.0)
@@ -331,9 +337,10 @@ class MonitorDaemon:
         """With ``on_hang: inprocess``, ask the rank to restart in its own process (ABORT on
         its control connection) instead of killing it; False where that is not possible:
         the rank has no control connection, the restart budget is spent, or the hang is
-        itself a restart that did not come back (then today's path: dump, kill)."""
+        itself a restart that did not come back, or a start-up that did not end (then today's
+        path: dump, kill)."""
         cfg = self.config
-        if cfg.on_hang != "inprocess" or hang.reason is Reason.INPROCESS_RESTART:
+        if cfg.on_hang != "inprocess" or hang.reason in (Reason.INPROCESS_RESTART, Reason.STARTUP):
             return False
         s = rank.session
         if rank.control is None:

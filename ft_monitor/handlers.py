@@ -59,6 +59,8 @@ def dispatch(d: MonitorDaemon, conn: Connection, msg: wire.Message) -> None:
         conn.send(wire.PONG)
     elif t is wire.Hello:
         raise wire.ProtocolError("second HELLO on one connection")
+    elif t is wire.WorkerStarted and conn.role == wire.Role.LAUNCHER:
+        worker_started(d, conn, msg)  # type: ignore[arg-type]
     elif conn.role == wire.Role.OBSERVER:
         log.warning("closing observer connection from pid %d: %s is not allowed for an observer",
                     conn.pid, t.__name__)
@@ -90,6 +92,9 @@ def hello(d: MonitorDaemon, conn: Connection, msg: wire.Hello) -> None:
     if msg.role == wire.Role.CONTROL:
         control_hello(d, conn)
         return
+    if msg.role == wire.Role.LAUNCHER:
+        launcher_hello(d, conn)
+        return
     if msg.role != wire.Role.RANK:
         raise wire.ProtocolError(f"unknown role {msg.role!r}")
     if conn.pid <= 0:
@@ -111,11 +116,17 @@ def hello(d: MonitorDaemon, conn: Connection, msg: wire.Hello) -> None:
         log.warning("refused rank connection from pid %d: rank pid %d is connected", conn.pid, live)
         conn.fail(wire.ErrorCode.BUSY, f"a rank is already connected to this monitor: pid {live}")
         return
+    refusal = d.startup_watch.refusal(conn.pid)
+    if refusal is not None:
+        log.warning("refused rank connection from pid %d: %s", conn.pid, refusal)
+        conn.fail(wire.ErrorCode.FORBIDDEN, refusal)
+        return
     conn.hello_done(msg.role)
     process = conn.take_process()
     assert process is not None
     session = Session(rank=msg.rank, pid=conn.pid, started_at=d.clock.now(), timeouts=d.timeouts,
                       num_warmup_iterations=d.config.num_warmup_iterations)
+    d.startup_watch.connected(session)
     rank = RankResources(conn, session, process, report_dir=d.report_dir,
                          error_file=error_file_from_hello(msg.info.get("error_file")), exits=d.exits)
     if d.config.report_dir is None:
@@ -149,6 +160,26 @@ def control_hello(d: MonitorDaemon, conn: Connection) -> None:
     d.others.pop(conn, None)
     rank.control = conn
     conn.send(wire.HelloOk(wire.PROTOCOL_VERSION, {"session": d.sessions_started}))
+
+
+def launcher_hello(d: MonitorDaemon, conn: Connection) -> None:
+    """The launcher that started this daemon announces its workers (WORKER_STARTED)."""
+    if d.launcher_pid is None or conn.pid != d.launcher_pid:
+        log.warning("refused a launcher connection from pid %d: not the launcher that started this monitor",
+                    conn.pid)
+        conn.fail(wire.ErrorCode.FORBIDDEN, "only the launcher that started this monitor may announce workers")
+        return
+    conn.hello_done(wire.Role.LAUNCHER)
+    conn.release_process()
+    conn.send(wire.HelloOk(wire.PROTOCOL_VERSION, {"monitor_pid": os.getpid()}))
+
+
+def worker_started(d: MonitorDaemon, conn: Connection, msg: wire.WorkerStarted) -> None:
+    if msg.pid <= 0:
+        conn.send(wire.Error(wire.ErrorCode.BAD_REQUEST, f"pid {msg.pid} is not a process id"))
+        return
+    what = d.startup_watch.worker_started(msg.pid, msg.rank, error_file_from_hello(msg.error_file))
+    conn.send(wire.Ack({"startup": what}))
 
 
 # -- the rank's messages --------------------------------------------------------

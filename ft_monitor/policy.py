@@ -1,6 +1,8 @@
 """Hang detection policy (pure): which deadlines a session has, and which passed.
 
-Every timeout that is set yields a `Deadline`: the initial heartbeat (measured
+Every timeout that is set yields a `Deadline`: the start-up deadline (from the
+worker's start to its first heartbeat or step, with ``startup_until: first_step``;
+the part before the handshake is startup.py's), the initial heartbeat (measured
 from the handshake), the subsequent heartbeat (from the last one), each open
 section on its own (nested and overlapping sections are all checked; no
 section's state hides another's), and out-of-section time while no section is
@@ -22,6 +24,7 @@ class Reason(Enum):
     SECTION = "section"
     OUT_OF_SECTION = "out_of_section"
     INPROCESS_RESTART = "inprocess_restart"
+    STARTUP = "startup"
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +53,8 @@ class Hang:
     open_sections: tuple[tuple[str, float], ...]
     """(name, seconds open) for every section open at detection."""
     iteration: int | None
+    connected: bool = True
+    """False for a worker that never connected to its monitor (a start-up hang)."""
 
     @property
     def elapsed(self) -> float:
@@ -64,6 +69,10 @@ class Hang:
             return f"no section open for {e:.1f} s, out-of-section timeout {t:.1f} s"
         if self.reason is Reason.INPROCESS_RESTART:
             return f"not back in the training function {e:.1f} s after an in-process restart, timeout {t:.1f} s"
+        if self.reason is Reason.STARTUP:
+            if not self.connected:
+                return f"not connected to its monitor {e:.1f} s after it started, startup timeout {t:.1f} s"
+            return f"no heartbeat or step {e:.1f} s after it started, startup timeout {t:.1f} s"
         if self.reason is Reason.INITIAL_HEARTBEAT:
             return f"no first heartbeat {e:.1f} s after connecting, initial heartbeat timeout {t:.1f} s"
         return f"no heartbeat for {e:.1f} s, heartbeat timeout {t:.1f} s"
@@ -79,6 +88,8 @@ def deadlines(s: Session) -> list[Deadline]:
     out: list[Deadline] = []
     t = s.timeouts
     floor = s.timeouts_since
+    if s.startup_since is not None and s.startup_timeout is not None and not s.started_training:
+        out.append(Deadline(s.startup_since + s.startup_timeout, Reason.STARTUP, s.startup_since, s.startup_timeout))
     if s.last_heartbeat is None:
         if t.initial_rank_heartbeat_timeout is not None:
             since = max(s.started_at, floor)

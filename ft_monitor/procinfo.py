@@ -23,7 +23,8 @@ from ft_client.errors import FtError
 from ft_client.peer import PeerCred, peer_credentials, peer_pidfd
 
 __all__ = ["PeerCred", "peer_credentials", "ProcessHandle", "PinnedGroup", "descendants", "group_members",
-           "describe_wait_status", "peer_pidfd", "parent_pid", "signal_group", "start_time", "zombie_exit_status"]
+           "describe_wait_status", "peer_pidfd", "parent_pid", "signal_group", "start_time", "zombie_exit_status",
+           "descends_from", "catches_signal"]
 
 _GONE = (errno.ENOENT, errno.ESRCH)
 
@@ -312,3 +313,29 @@ def descendants(pid: int) -> list[int]:
         out.append(child)
         stack.extend(children.get(child, []))
     return out
+
+
+def descends_from(pid: int, ancestor: int, max_depth: int = 16) -> bool:
+    """``pid`` is ``ancestor`` or one of its descendants (parent links in /proc, best effort)."""
+    for _ in range(max_depth):
+        if pid == ancestor:
+            return True
+        parent = parent_pid(pid)
+        if parent is None or parent <= 1:
+            return False
+        pid = parent
+    return False
+
+
+def catches_signal(pid: int, sig: int) -> bool | None:
+    """Whether ``pid`` has a handler installed for ``sig`` (SigCgt in /proc/PID/status), or
+    None if that cannot be read. A process without one would take the signal's default
+    action: for SIGUSR1/SIGUSR2, to terminate."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        return None
+    return None

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ft_client.safefiles import open_append, private_dir_problem
+from ft_client.startup import stack_dump_name
 from ft_monitor.connection import Connection
 from ft_monitor.exits import ExitWatch
 from ft_monitor.procinfo import ProcessHandle
@@ -77,11 +78,11 @@ class RankResources:
         self._log = handler
 
     def dump_path(self) -> Path:
-        return self.session_dir / f"rank{self.session.rank}-pid{self.session.pid}-stack.txt"
+        return self.session_dir / stack_dump_name(self.session.rank, self.session.pid)
 
     def report_path(self, tag: str = "") -> Path:
         """``tag`` tells apart several reports of one process (in-process restarts)."""
-        return self.session_dir / f"rank{self.session.rank}-pid{self.session.pid}{tag}-hang.json"
+        return self.session_dir / report_name(self.session.rank, self.session.pid, tag)
 
     # -- the process -------------------------------------------------------------
     def watch_exit(self, on_exit: Callable[[RankResources], None]) -> None:
@@ -146,6 +147,11 @@ class Hold:
         if not self._released:
             self._released = True
             self.rank._release()
+
+
+def report_name(rank: int, pid: int, tag: str = "") -> str:
+    """The file name of a hang report (a connected rank's, or a start-up hang's)."""
+    return f"rank{rank}-pid{pid}{tag}-hang.json"
 
 
 def error_file_from_hello(value: object) -> str | None:

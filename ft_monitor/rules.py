@@ -196,6 +196,20 @@ def section_name(v: Any) -> str:
     return str(v)
 
 
+def startup_until(v: Any) -> str:
+    if v not in ("handshake", "first_step"):
+        raise ValueError("must be 'handshake' (start-up ends when the worker connects to its monitor) or "
+                         "'first_step' (at its first heartbeat or step section)")
+    return str(v)
+
+
+def timeout_check(v: Any) -> str:
+    if v not in ("warn", "strict", "off"):
+        raise ValueError("must be 'warn' (log each timeout inversion at launch), 'strict' (refuse to launch) or "
+                         "'off'")
+    return str(v)
+
+
 def report_dir(v: Any) -> str | None:
     if v is None:
         return None

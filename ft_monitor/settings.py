@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import types
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 from ft_client.errors import FtError
@@ -100,6 +102,11 @@ class Settings:
     metrics_textfile: str | None = _setting(None, rules.metrics_textfile)
     slow_rank_ratio: float | None = _setting(1.5, rules.slow_rank_ratio)
     slow_rank_section: str = _setting("step", rules.section_name)
+    startup_timeout: float | None = _setting(None, rules.timeout)
+    startup_until: str = _setting("handshake", rules.startup_until)
+    process_group_timeout: float | None = _setting(None, rules.timeout)
+    scheduler_grace_time: float | None = _setting(None, rules.timeout)
+    timeout_check: str = _setting("warn", rules.timeout_check)
 
     def __init__(self, data: Mapping[str, Any] | None = None, /, **values: Any) -> None:
         if data is not None and not isinstance(data, Mapping):
@@ -141,6 +148,11 @@ class Settings:
     def timeouts(self) -> Timeouts:
         """The timeouts these settings put in force, none of them learned."""
         return Timeouts.from_config(self)
+
+    def report_dir_for(self, socket_path: str | os.PathLike[str]) -> Path:
+        """Where a daemon serving ``socket_path`` writes its reports: report_dir, or
+        ``<socket directory>/reports`` when that is not set."""
+        return Path(self.report_dir) if self.report_dir else Path(socket_path).absolute().parent / "reports"
 
     # -- JSON form (FaultToleranceConfig.model_dump(mode="json")) -------------
     @classmethod

@@ -101,11 +101,20 @@ class Session:
     """The Wrapper iteration the rank said it restarts as (RESTARTING), None until it does."""
     wrapper_iteration: int = 0
     """The in-process (Wrapper) iteration the rank runs, as its REENTERED messages said."""
+    startup_since: float | None = None
+    """With ``startup_until: first_step``: when the worker started (its launcher's notice),
+    so its start-up is timed until its first heartbeat or step; None: not timed here."""
+    startup_timeout: float | None = None
 
     def __post_init__(self) -> None:
         if self.out_of_section_since is None and not self.open_sections:
             self.out_of_section_since = self.started_at
         self.timeouts_since = max(self.timeouts_since, self.started_at)
+
+    @property
+    def started_training(self) -> bool:
+        """The rank sent a heartbeat or opened a `step` section: its start-up is over."""
+        return self.heartbeats > 0 or self.steps_started > 0
 
     # -- events ------------------------------------------------------------
     def heartbeat(self, now: float) -> None:

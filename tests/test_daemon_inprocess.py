@@ -14,6 +14,8 @@ import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -594,3 +596,132 @@ def test_reentered_without_restarting_is_ignored_and_counted(tmp_path: Path) -> 
         assert s.phase is Phase.ACTIVE and s.errors == 1 and d.status().last_restart is None
 
     run(body, tmp_path, **INPROCESS)
+
+
+# -- the start-up deadline (startup_timeout) ---------------------------------------------
+# The test process stands for the worker: announced by its pid, it connects through a Peer.
+STARTUP = dict(startup_timeout=5.0, stack_dump_timeout=0.05, termination_grace_time=1.0)
+ME = os.getpid()
+
+
+def test_a_worker_that_never_connects_is_dumped_and_stopped_at_its_startup_deadline(tmp_path: Path) -> None:
+    async def body(d: MonitorDaemon, clock: ManualClock, ops: FakeOps) -> None:
+        d.startup_watch.catches = lambda pid, sig: True  # the start-up hook armed its dump
+        assert d.startup_watch.worker_started(ME, 2) == "timed"
+        clock.advance(4.999)
+        assert d.hangs == [] and ops.sent == []
+        ops.gate = asyncio.Event()  # the hang task waits for the worker to exit
+        clock.advance(0.002)
+        await settle()
+        (hang,) = d.hangs
+        assert hang.message == "not connected to its monitor 5.0 s after it started, startup timeout 5.0 s"
+        assert ops.sent == [signal.SIGCONT, signal.SIGUSR2, signal.SIGCONT, signal.SIGTERM]
+        late = Peer(d).hello_rank()  # it connects while being stopped: refused
+        assert isinstance(late, wire.Error) and "missed its startup_timeout" in late.message and d.rank is None
+        ops.gate.set()
+        await settle()
+        report = json.loads((tmp_path / "reports" / f"rank2-pid{ME}-hang.json").read_text())
+        assert report["reason"] == "startup" and report["terminated_by"] == "SIGTERM"
+        assert report["stack_dump"] == str(tmp_path / "reports" / f"rank2-pid{ME}-stack.txt")
+        assert d.startup_watch.handling == set() and isinstance(Peer(d).hello_rank(), wire.HelloOk)
+
+    run(body, tmp_path, **STARTUP)
+
+
+def test_a_worker_that_connects_in_time_is_never_touched(tmp_path: Path) -> None:
+    async def body(d: MonitorDaemon, clock: ManualClock, ops: FakeOps) -> None:
+        d.startup_watch.worker_started(ME, 0)
+        clock.advance(4.9)
+        assert isinstance(Peer(d).hello_rank(), wire.HelloOk)
+        assert d.startup_watch.watched is None
+        clock.advance(100)
+        assert d.hangs == [] and ops.sent == [] and clock.pending() == []
+
+    run(body, tmp_path, **STARTUP)
+
+
+def test_a_worker_without_a_handler_for_the_dump_signal_is_not_sent_it(tmp_path: Path) -> None:
+    async def body(d: MonitorDaemon, clock: ManualClock, ops: FakeOps) -> None:
+        d.startup_watch.catches = lambda pid, sig: False  # not Python yet, or started without the hook
+        d.startup_watch.worker_started(ME, 0)
+        clock.advance(5.0)
+        await settle()
+        assert ops.sent == [signal.SIGCONT, signal.SIGTERM]
+        report = json.loads((tmp_path / "reports" / f"rank0-pid{ME}-hang.json").read_text())
+        assert report["actions"][0].startswith(f"no stack dump: pid {ME} has no handler for SIGUSR2")
+
+    run(body, tmp_path, **STARTUP)
+
+
+def test_startup_until_first_step_times_the_session_from_the_workers_start(tmp_path: Path) -> None:
+    async def body(d: MonitorDaemon, clock: ManualClock, ops: FakeOps) -> None:
+        d.startup_watch.worker_started(ME, 0)
+        clock.advance(2.0)
+        p = Peer(d)
+        p.hello_rank()  # connected, but no heartbeat or step yet
+        clock.advance(2.999)
+        assert d.hangs == []
+        clock.advance(0.002)
+        await settle()
+        assert d.hangs[0].message == "no heartbeat or step 5.0 s after it started, startup timeout 5.0 s"
+        assert ops.sent[-1] == signal.SIGTERM
+
+    run(body, tmp_path, startup_until="first_step", **STARTUP)
+
+
+def test_a_worker_that_connected_before_it_was_announced_is_timed_from_its_handshake(tmp_path: Path) -> None:
+    async def body(d: MonitorDaemon, clock: ManualClock, ops: FakeOps) -> None:
+        p = Peer(d)
+        p.hello_rank()
+        clock.advance(1.0)
+        assert d.startup_watch.worker_started(ME, 0).startswith("connected already; timed")
+        p.send(wire.SectionOpen("step"))  # the first step ends the start-up
+        clock.advance(100)
+        assert d.hangs == [] and d.startup_watch.watched is None
+
+    run(body, tmp_path, startup_until="first_step", **STARTUP)
+
+
+def test_a_worker_that_exits_before_connecting_is_let_go(tmp_path: Path) -> None:
+    async def body(d: MonitorDaemon, clock: ManualClock, ops: FakeOps) -> None:
+        child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+        try:
+            d.startup_watch.worker_started(child.pid, 0)
+            assert d.startup_watch.watched is not None
+            child.communicate(b"", timeout=30)  # it exits (the launcher sees that exit)
+            for _ in range(3000):  # its pidfd turns readable on the loop: bounded wait for that
+                if d.startup_watch.watched is None:
+                    break
+                await asyncio.sleep(0.01)
+            assert d.startup_watch.watched is None and clock.pending() == []
+        finally:
+            child.kill()
+            child.wait(5)
+
+    run(body, tmp_path, **STARTUP)
+
+
+def test_only_the_daemons_own_launcher_may_announce_workers(tmp_path: Path) -> None:
+    async def body(d: MonitorDaemon, clock: ManualClock, ops: FakeOps) -> None:
+        stranger = Peer(d)
+        stranger.send(wire.Hello(wire.PROTOCOL_VERSION, wire.Role.LAUNCHER, 0, {}))
+        (err,) = stranger.transport.replies()
+        assert isinstance(err, wire.Error) and err.code == wire.ErrorCode.FORBIDDEN
+        d.launcher_pid = ME  # as if this process had started the daemon
+        launcher = Peer(d)
+        launcher.send(wire.Hello(wire.PROTOCOL_VERSION, wire.Role.LAUNCHER, 0, {}),
+                      wire.WorkerStarted(ME, 3, "/nonexistent/attempt_0/0/error.json"))
+        ok, ack = launcher.transport.replies()
+        assert isinstance(ok, wire.HelloOk) and ack == wire.Ack({"startup": "timed"})
+        assert d.startup_watch.watched is not None and d.startup_watch.watched.worker.rank == 3
+
+    run(body, tmp_path, **STARTUP)
+
+
+def test_without_startup_timeout_an_announced_worker_is_not_timed(tmp_path: Path) -> None:
+    async def body(d: MonitorDaemon, clock: ManualClock, ops: FakeOps) -> None:
+        assert d.startup_watch.worker_started(ME, 0) == "startup_timeout is off"
+        clock.advance(1e6)
+        assert d.hangs == [] and d.startup_watch.watched is None
+
+    run(body, tmp_path)

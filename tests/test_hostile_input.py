@@ -633,6 +633,11 @@ BAD: dict[str, list[str]] = {
     "metrics_textfile": ["relative.prom", "/tmp/ft.txt"],
     "slow_rank_ratio": ["1", "0.5", "x"],
     "slow_rank_section": [""],
+    "startup_timeout": ["0", "-1", "x"],
+    "startup_until": ["connect", "1"],
+    "process_group_timeout": ["0", "x"],
+    "scheduler_grace_time": ["-1", "x"],
+    "timeout_check": ["loud", "1"],
 }
 _XFAIL_BAD: dict[tuple[str, str], str] = {}
 

@@ -9,7 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ft_client.timeouts import Timeouts
+from ft_monitor import startup
 from ft_monitor.policy import Deadline, Hang, Reason, check, deadlines, next_deadline
+from ft_monitor.startup import Spawned
 from ft_monitor.state import MAX_OPEN_SECTIONS, Phase, Session, SessionError
 
 T0 = 1000.0  # the handshake, on the daemon's monotonic clock
@@ -392,12 +394,46 @@ def test_check_is_none_before_and_the_hang_exactly_at_the_deadline() -> None:
         (Reason.INITIAL_HEARTBEAT, None, 60.0, 60.0,
          "no first heartbeat 60.0 s after connecting, initial heartbeat timeout 60.0 s"),
         (Reason.HEARTBEAT, None, 5.06, 5.0, "no heartbeat for 5.1 s, heartbeat timeout 5.0 s"),
+        (Reason.STARTUP, None, 30.0, 30.0, "no heartbeat or step 30.0 s after it started, startup timeout 30.0 s"),
     ],
 )
 def test_hang_describe(reason: Reason, section: str | None, elapsed: float, timeout: float, text: str) -> None:
     hang = Hang(rank=0, pid=1, reason=reason, section=section, onset=T0, detected_at=T0 + elapsed, timeout=timeout,
                 last_heartbeat=None, open_sections=(), iteration=None)
     assert hang.describe() == text
+
+
+# ---------------------------------------------------------------------------
+# Start-up (startup_timeout)
+
+
+def test_startup_of_a_worker_not_connected_fires_at_its_deadline() -> None:
+    w = Spawned(rank=2, pid=77, since=T0, timeout=8.0, error_file=None)
+    assert startup.deadline(w) == Deadline(T0 + 8.0, Reason.STARTUP, T0, 8.0)
+    assert startup.check(w, T0 + 8.0 - 1e-6) is None
+    hang = startup.check(w, T0 + 8.0)
+    assert hang == Hang(rank=2, pid=77, reason=Reason.STARTUP, section=None, onset=T0, detected_at=T0 + 8.0,
+                        timeout=8.0, last_heartbeat=None, open_sections=(), iteration=None, connected=False)
+    assert hang.describe() == "not connected to its monitor 8.0 s after it started, startup timeout 8.0 s"
+
+
+def test_startup_until_first_step_is_timed_in_the_session_from_the_workers_start() -> None:
+    s = session(started_at=T0 + 3.0, initial_rank_heartbeat_timeout=60.0)
+    s.startup_since, s.startup_timeout = T0, 8.0  # announced at T0, connected at T0 + 3
+    assert next_deadline(s) == Deadline(T0 + 8.0, Reason.STARTUP, T0, 8.0)
+    hang = fires_at(s, T0 + 8.0)
+    assert hang.reason is Reason.STARTUP and hang.connected and hang.elapsed == 8.0
+
+
+@pytest.mark.parametrize(("progress", "ends"), [("heartbeat", True), ("step", True), ("setup", False)])
+def test_startup_ends_at_the_first_heartbeat_or_step(progress: str, ends: bool) -> None:
+    s = session(started_at=T0 + 1.0, rank_section_timeouts={"step": None, "setup": None})
+    s.startup_since, s.startup_timeout = T0, 8.0
+    if progress == "heartbeat":
+        s.heartbeat(T0 + 7.0)
+    else:
+        s.open_section(progress, T0 + 7.0)  # a setup section is still start-up
+    assert (check(s, T0 + 1e6) is None) == ends
 
 
 def test_describe_from_a_real_session() -> None:

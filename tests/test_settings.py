@@ -32,6 +32,8 @@ NON_DEFAULT: dict[str, Any] = {
     "on_hang": "inprocess", "inprocess_restart_timeout": 7.5, "max_inprocess_restarts": 2,
     "metrics_port": "0", "metrics_address": "::", "metrics_textfile": "/tmp/ft.prom", "slow_rank_ratio": "none",
     "slow_rank_section": "data",
+    "startup_timeout": "45", "startup_until": "First_Step", "process_group_timeout": 600, "scheduler_grace_time": 30,
+    "timeout_check": "strict",
 }
 
 

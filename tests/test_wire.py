@@ -41,6 +41,8 @@ ALL_MESSAGES: list[wire.Message] = [
     wire.Restarting(3),
     wire.Reentered(2, "rank 1: ValueError: bad batch", 1, "exception", {"fault": 1.5, "seen": 1.6}),
     wire.Reentered(1, "", None, "monitor", {}),
+    wire.WorkerStarted(4242, 3, "/logs/attempt_0/1/error.json"),
+    wire.WorkerStarted(4242, 0, None),
 ]
 
 

@@ -17,10 +17,15 @@ Overrides only what the monitors need, and calls torch for everything else:
   the group is provably still the worker's (`groups.WorkerGroups`);
 * `_rendezvous`: timed, for the restart breakdown.
 
-Checked with torch 2.13.0. It relies on these agent internals, which torch 2.x
-has kept: `_start_workers`, `_monitor_workers`, `_stop_workers`, `_rendezvous`,
+Checked with torch 2.13 (the only minor pyproject.toml admits). It relies on these
+agent internals: `_start_workers`, `_monitor_workers`, `_stop_workers`, `_rendezvous`,
 `_remaining_restarts`, `_pcontext`, `start_processes(envs=...)` in
-local_elastic_agent, and `LocalElasticAgent` as a global of launcher/api.py.
+local_elastic_agent, and `LocalElasticAgent` as a global of launcher/api.py;
+torch_support.py checks each of them (and the others the launcher uses) at start and
+refuses a torch that lacks one, before any worker starts.
+
+With ``startup_timeout``, `_start_workers` also gives each worker the start-up hook
+(ft_client/startup.py) and tells each daemon its worker's pid (`FtRuntime.announce_workers`).
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from ft_client import env as ft_env
 from ft_client.inprocess import timeline
+from ft_client.process_group import PROCESS_GROUP_TIMEOUT_ENV
+from ft_client.startup import worker_env as startup_env
 from ft_client.workload import WorkloadAction
 from ft_monitor.launcher import exit_codes
 from ft_monitor.launcher.control import EventKind, LauncherEvent, LauncherServer
@@ -65,6 +72,7 @@ from ft_monitor.notices import HangNotice
 from ft_monitor.procinfo import parent_pid
 from ft_monitor.server_log import printable
 from ft_monitor.settings import Settings
+from ft_monitor.startup import dump_spec
 
 log = logging.getLogger("ft_monitor.launcher")
 
@@ -148,11 +156,27 @@ class FtRuntime:
         return False
 
     def worker_env(self, local_rank: int) -> dict[str, str]:
-        return {
+        out = {
             ft_env.RANK_MONITOR_SOCKET: str(self.monitors.socket(local_rank)),
             ft_env.LAUNCHER_SOCKET: self.server.path,
             ft_env.LAUNCHER_PID: str(os.getpid()),
         }
+        if self.config.startup_timeout is not None:  # the start-up hook: a stack dump before init
+            report_dir = self.config.report_dir_for(self.monitors.socket(local_rank))
+            out.update(startup_env(dump_spec(self.config, report_dir), os.environ))
+        if self.config.process_group_timeout is not None:  # for ft_client.process_group_timeout()
+            out[PROCESS_GROUP_TIMEOUT_ENV] = repr(self.config.process_group_timeout)
+        return out
+
+    def announce_workers(self, workers: list[tuple[int, int, int, str | None]]) -> None:
+        """(local rank, global rank, pid, error file) of each worker just started: each daemon
+        times its worker's start-up from now (startup_timeout)."""
+        if self.config.startup_timeout is None:
+            return
+        for local_rank, global_rank, pid, error_file in workers:
+            if not isinstance(error_file, str) or error_file == os.devnull:
+                error_file = None
+            self.monitors.announce(local_rank, pid, global_rank, error_file)
 
 
 def _emit(lines: tuple[LogLine, ...]) -> None:
@@ -209,6 +233,9 @@ class FtLocalElasticAgent(_lea.LocalElasticAgent):
         self.ft.worker_pids = set(pids.values())
         self.ft.attempts.append({"attempt": self._attempt(), "pids": {
             w.global_rank: pids[w.local_rank] for w in worker_group.workers if w.local_rank in pids}})
+        files = getattr(self._pcontext, "error_files", None) or {}
+        self.ft.announce_workers([(w.local_rank, w.global_rank, pids[w.local_rank], files.get(w.local_rank))
+                                  for w in worker_group.workers if w.local_rank in pids])
         self._pinned_at = time.monotonic()
         if self.ft.restarts and self.ft.restarts[-1].workers_started is None:
             timing = self.ft.restarts[-1]

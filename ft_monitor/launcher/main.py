@@ -24,8 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from ft_client.safefiles import write_json_atomic
+from ft_monitor import timeout_order
 from ft_monitor.config import ConfigError, FaultToleranceConfig, add_config_flags, cli_overrides, load_config
-from ft_monitor.launcher import exit_codes
+from ft_monitor.launcher import exit_codes, torch_support
 from ft_monitor.launcher.store_auth import SecretError, load_job_secret
 from ft_monitor.settings import Settings, SettingsError
 
@@ -90,6 +91,13 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["status"] and not os.path.exists("status"):
         return status_main(argv[1:])
     logging.basicConfig(level=logging.INFO, format="[ft-launcher] %(asctime)s %(levelname)s %(message)s")
+    unsupported = torch_support.problem()  # before anything of torch's is used: never fail mid-run
+    if unsupported is not None:
+        print(f"ft-launcher: {unsupported}", file=sys.stderr)
+        return exit_codes.LAUNCHER_ERROR
+    untested = torch_support.untested()
+    if untested is not None:
+        log.warning("ft-launcher: %s", untested)
     parser = build_parser()
     args = parser.parse_args(argv)
     cli = cli_overrides(args)
@@ -104,12 +112,37 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ft-launcher: {e}", file=sys.stderr)
         return exit_codes.LAUNCHER_ERROR
     logging.getLogger("ft_monitor").setLevel(config.log_level)
+    if not _timeouts_in_order(config, args):
+        return exit_codes.LAUNCHER_ERROR
     # torch >= 2.4 shares the agent's rendezvous TCPStore with the workers, with no
     # per-attempt key prefix: after a restart, gloo reads the previous attempt's peer
     # addresses and fails ("connectFullMesh failed ... Connection refused") or hangs.
     # torch's own opt-out gives every attempt a fresh store hosted by its rank 0.
     os.environ.setdefault(SHARED_STORE_OPT_OUT, "1")
     return launch(args, config, args.ft_summary_json, secret)
+
+
+def _timeouts_in_order(config: Settings, args: argparse.Namespace) -> bool:
+    """The launch check of timeout_order.py with what the launcher knows: torch's default
+    process-group timeout and its shutdown wait. One warning per inversion, or with
+    ``timeout_check: strict`` one line and False."""
+    if config.timeout_check == "off":
+        return True
+    shutdown = getattr(args, "shutdown_timeout", None)
+    if shutdown is None:
+        try:
+            shutdown = float(os.environ.get(timeout_order.SHUTDOWN_TIMEOUT_ENV, timeout_order.TORCH_SHUTDOWN_TIMEOUT))
+        except ValueError:
+            shutdown = timeout_order.TORCH_SHUTDOWN_TIMEOUT
+    known = timeout_order.facts(config, os.environ, torch_default=torch_support.process_group_default(),
+                                shutdown_timeout=float(shutdown))
+    found = timeout_order.inversions(config, known)
+    if found and config.timeout_check == "strict":
+        print(f"ft-launcher: {timeout_order.refusal(found)}", file=sys.stderr)
+        return False
+    for inversion in found:
+        log.warning("ft-launcher: timeouts in the wrong order: %s", inversion.message())
+    return True
 
 
 def launch(args: argparse.Namespace, config: Settings | FaultToleranceConfig, summary_json: str | None = None,

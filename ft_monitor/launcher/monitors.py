@@ -18,8 +18,10 @@ import sys
 import time
 from pathlib import Path
 
+from ft_client import wire
 from ft_client.observer import ping, try_status
 from ft_client.parent_death import die_with_parent
+from ft_client.transport import TransportError, connect
 from ft_monitor.cli import RUN_CHECKED
 from ft_monitor.escalation import terminate_then_kill
 from ft_monitor.settings import ServeSpec, Settings
@@ -28,6 +30,8 @@ from ft_monitor.status import MonitorStatus, StatusError
 log = logging.getLogger("ft_monitor.launcher")
 
 READY_TIMEOUT = 30.0
+ANNOUNCE_TIMEOUT = 2.0
+"""Seconds for telling a daemon of its new worker (connect, handshake, WORKER_STARTED, ACK)."""
 
 
 class MonitorPool:
@@ -91,6 +95,27 @@ class MonitorPool:
             self.procs[lr] = self._spawn(lr)
             self._wait_ready(lr)
             log.warning("ft-launcher: monitor for local rank %d restarted as pid %d", lr, self.procs[lr].pid)
+
+    def announce(self, local_rank: int, pid: int, rank: int, error_file: str | None) -> None:
+        """Tell the daemon of ``local_rank`` that its worker ``pid`` (global rank ``rank``) has
+        just started, so it times the worker's start-up (startup_timeout). Best effort: a
+        daemon that cannot be told is logged, and the worker is then timed from its handshake."""
+        path = str(self.socket(local_rank))
+        try:
+            t, _ = connect(path, ANNOUNCE_TIMEOUT, wire.Role.LAUNCHER, rank)
+        except (TransportError, OSError) as e:
+            log.warning("ft-launcher: cannot tell monitor %d of worker pid %d: %s; its start-up is not timed",
+                        local_rank, pid, e)
+            return
+        try:
+            reply = t.request(wire.WorkerStarted(pid, rank, error_file))
+        except TransportError as e:
+            reply = wire.Error(wire.ErrorCode.PROTOCOL, str(e))
+        finally:
+            t.close()
+        if not isinstance(reply, wire.Ack):
+            log.warning("ft-launcher: monitor %d did not take worker pid %d: %s; its start-up is not timed",
+                        local_rank, pid, reply)
 
     def is_monitor(self, pid: int) -> bool:
         """One of this launcher's daemons (the only peers that may report hangs)."""

@@ -16,6 +16,7 @@ outside `data`).
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import sys
 import threading
@@ -67,7 +68,7 @@ def main() -> int:
     scenario = args.scenario
     rank = int(os.environ["RANK"])
     torch.set_num_threads(1)
-    saved: dict[str, object] = {}  # the in-memory copy the function restores from
+    saved: dict[int, dict[str, object]] = {}  # step -> the in-memory copy taken after it (the last two)
     client = None
     if scenario == "monitored":
         from ft_client import RankMonitorClient
@@ -88,10 +89,15 @@ def main() -> int:
         model = DDP(nn.Linear(8, 1))
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         start = 0
-        if "model" in saved:
-            model.module.load_state_dict(saved["model"])  # type: ignore[arg-type]
-            opt.load_state_dict(saved["opt"])  # type: ignore[arg-type]
-            start = int(saved["step"])  # type: ignore[call-overload]
+        if call.iteration > 0:
+            # the ranks may have been interrupted on either side of a step: restore the
+            # latest step every rank holds (a collective on the new group)
+            latest = torch.tensor([max(saved, default=0)])
+            dist.all_reduce(latest, op=dist.ReduceOp.MIN)
+            start = int(latest.item())
+            if start:
+                model.module.load_state_dict(saved[start]["model"])  # type: ignore[arg-type]
+                opt.load_state_dict(saved[start]["opt"])  # type: ignore[arg-type]
         say(f"rank {rank} pid {os.getpid()} iteration {call.iteration} start step {start} threads "
             f"{threading.active_count()} fds {fds()} groups {len(distributed_c10d._world.pg_map)} keys "
             f"{call.store.num_keys()} rss {rss_kb()}")
@@ -131,8 +137,9 @@ def main() -> int:
             opt.zero_grad()
             loss.backward()
             opt.step()
-            saved.update(model={k: v.clone() for k, v in model.module.state_dict().items()},
-                         opt=opt.state_dict(), step=step + 1)
+            saved[step + 1] = {"model": {k: v.clone() for k, v in model.module.state_dict().items()},
+                               "opt": copy.deepcopy(opt.state_dict())}
+            saved.pop(step - 1, None)
             if client is not None:
                 client.end_section("step")
                 client.send_heartbeat()

@@ -1,0 +1,170 @@
+"""What ft-launcher needs from the installed torch, checked once at start.
+
+The launcher is torchrun with one agent subclass swapped in (agent.py), so it relies on
+torch.distributed.elastic internals that torch does not promise to keep. They were
+checked on the torch versions in `TESTED` (pyproject.toml admits only those); on any
+other torch, `problem` looks for each one *before* anything starts, and ft-launcher
+refuses with one line naming what is missing (exit 2) instead of failing mid-run, after
+workers were started. A torch outside `TESTED` whose internals are all there runs, with
+one warning (`untested`).
+
+It also reads torch's default process-group timeout (`default_pg_timeout`) for the
+launch check of timeout_order.py. Nothing here starts anything.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from ft_monitor.timeout_order import Limit
+
+TESTED = ("2.13",)
+"""torch minor versions the launcher's tests ran on (pyproject.toml: torch>=2.13,<2.14)."""
+
+
+def _defines(cls: Any, *names: str) -> bool:
+    """``cls`` itself (not only a base class) defines every one of ``names``."""
+    return all(name in vars(cls) for name in names)
+
+
+def _uses(fn: Any, *names: str) -> bool:
+    """The code of ``fn`` reads or writes every one of ``names`` (as attribute or global names)."""
+    code = getattr(fn, "__code__", None)
+    return code is not None and all(name in code.co_names for name in names)
+
+
+def _start_processes_takes_envs() -> bool:
+    from torch.distributed.elastic.agent.server import local_elastic_agent as lea
+
+    return "envs" in inspect.signature(getattr(lea, "start_processes")).parameters
+
+
+def _agent() -> Any:
+    from torch.distributed.elastic.agent.server import local_elastic_agent as lea
+
+    return getattr(lea, "LocalElasticAgent")
+
+
+def _simple_agent() -> Any:
+    from torch.distributed.elastic.agent.server import api
+
+    return getattr(api, "SimpleElasticAgent")
+
+
+def _launch_agent_builds_local_elastic_agent() -> bool:
+    from torch.distributed.launcher import api
+
+    return hasattr(api, "LocalElasticAgent") and _uses(getattr(api, "launch_agent"), "LocalElasticAgent")
+
+
+def _run_module() -> bool:
+    from torch.distributed import run
+
+    return all(callable(getattr(run, n, None)) for n in ("get_args_parser", "run", "determine_local_world_size"))
+
+
+def _worker_group() -> bool:
+    from torch.distributed.elastic.agent.server.api import RunResult, Worker, WorkerGroup, WorkerState
+
+    return (_uses(WorkerGroup.__init__, "store", "group_rank", "group_world_size", "workers", "spec")
+            and _uses(Worker.__init__, "global_rank", "local_rank", "id")
+            and hasattr(WorkerState, "FAILED") and hasattr(WorkerState, "UNHEALTHY")
+            and {"state", "failures"} <= set(inspect.signature(RunResult).parameters))
+
+
+def _process_failure() -> bool:
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    return {"local_rank", "pid", "exitcode", "error_file"} <= set(inspect.signature(ProcessFailure).parameters)
+
+
+def _pcontext() -> bool:
+    from torch.distributed.elastic.multiprocessing.api import PContext
+
+    return _uses(PContext.__init__, "error_files") and "timeout" in inspect.signature(PContext.close).parameters
+
+
+def _errors() -> bool:
+    from torch.distributed.elastic.multiprocessing import errors
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    return all(hasattr(errors, n) for n in ("ChildFailedError", "get_error_handler")) and SignalException is not None
+
+
+CHECKS: tuple[tuple[str, Callable[[], bool]], ...] = (
+    ("torch.distributed.run's get_args_parser, run and determine_local_world_size", _run_module),
+    ("LocalElasticAgent as the agent torch.distributed.launcher.api.launch_agent builds",
+     _launch_agent_builds_local_elastic_agent),
+    ("local_elastic_agent.start_processes(envs=...)", _start_processes_takes_envs),
+    ("LocalElasticAgent's own _start_workers, _monitor_workers, _stop_workers and _shutdown",
+     lambda: _defines(_agent(), "_start_workers", "_monitor_workers", "_stop_workers", "_shutdown")),
+    ("LocalElasticAgent._pcontext", lambda: _uses(_agent().__init__, "_pcontext")),
+    ("SimpleElasticAgent's _rendezvous, _remaining_restarts and _worker_group",
+     lambda: _defines(_simple_agent(), "_rendezvous")
+     and _uses(_simple_agent()._invoke_run, "_remaining_restarts", "_worker_group")),
+    ("WorkerGroup.store, group_rank, group_world_size, workers; Worker ids; RunResult; WorkerState",
+     _worker_group),
+    ("ProcessFailure(local_rank, pid, exitcode, error_file)", _process_failure),
+    ("PContext.error_files and PContext.close(timeout=)", _pcontext),
+    ("ChildFailedError, get_error_handler and SignalException", _errors),
+)
+
+
+def missing() -> list[str]:
+    """The internals (as in `CHECKS`) this torch lacks; empty when it has them all."""
+    out = []
+    for what, check in CHECKS:
+        try:
+            ok = check()
+        except Exception:  # noqa: BLE001 - an import or attribute that is not there
+            ok = False
+        if not ok:
+            out.append(what)
+    return out
+
+
+def version() -> str | None:
+    try:
+        import torch
+    except ImportError:
+        return None
+    return str(torch.__version__)
+
+
+def problem() -> str | None:
+    """Why ft-launcher cannot run on the installed torch, in one line; None when it can."""
+    found = version()
+    if found is None:
+        return "torch is not installed (pip install 'torch==2.13.*')"
+    lacking = missing()
+    if not lacking:
+        return None
+    return (f"torch {found} is not supported: it lacks {'; '.join(lacking)}. ft-launcher relies on these "
+            f"torch.distributed.elastic internals and is tested with torch {', '.join(v + '.*' for v in TESTED)} "
+            f"(pip install 'torch=={TESTED[-1]}.*')")
+
+
+def untested() -> str | None:
+    """A warning for a torch outside `TESTED` that passed the check; None on a tested one."""
+    found = version()
+    if found is None or any(found == v or found.startswith(v + ".") for v in TESTED):
+        return None
+    return (f"torch {found} is not a version ft-launcher was tested with ({', '.join(v + '.*' for v in TESTED)}); "
+            "the internals it relies on are there, but it was not run on this version")
+
+
+def process_group_default() -> Limit:
+    """torch's default process-group timeout: NCCL's where this torch has NCCL (the smaller
+    one), else the one for gloo and the other backends."""
+    from torch.distributed import constants
+
+    nccl = getattr(constants, "default_pg_nccl_timeout", None)
+    if nccl is not None:
+        seconds = nccl.total_seconds()
+        return Limit(seconds, f"torch's default process-group timeout for NCCL, {seconds:g} s (no "
+                              "process_group_timeout set; gloo's is longer)")
+    seconds = constants.default_pg_timeout.total_seconds()
+    return Limit(seconds, f"torch's default process-group timeout, {seconds:g} s (no process_group_timeout set; "
+                          "this torch has no NCCL)")

@@ -1,0 +1,206 @@
+"""Checks made at launch, before anything starts: timeouts in the right order, a torch
+whose internals ft-launcher relies on, and the SDK helper that makes the process-group
+timeout known. In-process: the launch itself is replaced by a recorder."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import ft_client
+from ft_client.process_group import ProcessGroupTimeoutError, process_group_timeout
+from ft_monitor import cli, timeout_order
+from ft_monitor.config import FaultToleranceConfig, load_config
+from ft_monitor.launcher import main as launcher_main
+from ft_monitor.launcher import torch_support
+from ft_monitor.settings import Settings
+from ft_monitor.timeout_order import Facts, Limit, facts, inversions
+
+ROOT = Path(__file__).resolve().parent.parent
+GLOO_DEFAULT = Limit(1800.0, "torch's default process-group timeout, 1800 s")
+
+
+def settings(**kw: Any) -> Settings:
+    return Settings.from_config(FaultToleranceConfig(**kw))
+
+
+# -- the rules (pure) ---------------------------------------------------------------------
+def test_a_gloo_timeout_of_5_s_under_a_30_s_step_is_one_inversion_naming_both_and_the_fix() -> None:
+    cfg = settings(process_group_timeout=5, rank_section_timeouts={"step": 30})
+    (found,) = inversions(cfg, facts(cfg, {}, torch_default=GLOO_DEFAULT))
+    assert found.message() == (
+        "rank_section_timeouts['step'] = 30 s (+ stack_dump_timeout 5 s) is not below the process-group timeout of "
+        "5 s (process_group_timeout): ranks waiting for the hung rank in a collective or in init_process_group would "
+        "time out first, and the hang would be reported as their crash. Fix: process_group_timeout above 35 s, passed "
+        "as init_process_group(timeout=ft_client.process_group_timeout())")
+
+
+def test_the_example_config_is_in_order_against_torchs_default() -> None:
+    cfg = Settings.from_config(load_config(ROOT / "examples" / "ft.yaml", {}, {}))
+    assert inversions(cfg, facts(cfg, {}, torch_default=GLOO_DEFAULT)) == []
+
+
+def test_every_detection_timeout_is_checked_and_the_lower_fix_offered_when_there_is_one() -> None:
+    cfg = settings(startup_timeout=700, initial_rank_heartbeat_timeout=900, rank_heartbeat_timeout=100,
+                   rank_section_timeouts={"step": 60, "ckpt": 650, "eval": None}, on_hang="inprocess",
+                   inprocess_restart_timeout=30)
+    nccl = Limit(600.0, "torch's default process-group timeout for NCCL, 600 s")
+    found = inversions(cfg, facts(cfg, {}, torch_default=nccl))
+    assert [f.inner.split(" = ")[0] for f in found] == ["startup_timeout", "initial_rank_heartbeat_timeout",
+                                                      "rank_section_timeouts['ckpt']"]
+    assert found[0].fix.endswith(", or startup_timeout below 595 s")
+
+
+def test_nccl_heartbeat_timeout_from_the_environment_unless_monitoring_is_off() -> None:
+    cfg = settings(rank_section_timeouts={"step": 600})
+    env = {"TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "480"}
+    (found,) = inversions(cfg, facts(cfg, env))
+    assert "NCCL's heartbeat timeout of 480 s (TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC)" in found.outer
+    assert found.fix.startswith("TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC above 605 s")
+    assert inversions(cfg, facts(cfg, {**env, "TORCH_NCCL_ENABLE_MONITORING": "0"})) == []
+    assert inversions(cfg, facts(cfg, {"TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "soon"})) == []
+
+
+def test_a_scheduler_grace_shorter_than_stopping_a_hang_being_handled() -> None:
+    cfg = settings(scheduler_grace_time=30, stack_dump_timeout=5, termination_grace_time=5)
+    assert inversions(cfg, Facts()) == []  # serve: dump + grace = 10 s
+    (found,) = inversions(cfg, Facts(shutdown_timeout=30.0))  # the launcher adds torch's wait and its monitors'
+    assert found.inner == ("stopping a hang being handled (stack_dump_timeout 5 s + termination_grace_time 5 s + "
+                           "torch's shutdown timeout 30 s + the monitors' stop (termination_grace_time) 5 s = 45 s)")
+    assert "scheduler_grace_time = 30 s" in found.outer and "terminationGracePeriodSeconds" in found.fix
+
+
+def test_without_a_known_process_group_timeout_nothing_is_compared_to_it() -> None:
+    cfg = settings(rank_section_timeouts={"step": 1e6})
+    assert inversions(cfg, facts(cfg, {})) == []
+
+
+# -- ft-launcher and ft-monitor serve: warn, strict, off ------------------------------------
+@pytest.fixture
+def launcher(monkeypatch: pytest.MonkeyPatch, clean_logging: None) -> list[Any]:
+    """Run ft-launcher's main up to the launch, which records its arguments instead."""
+    calls: list[Any] = []
+    monkeypatch.setattr(launcher_main, "launch", lambda *a, **k: calls.append(a) or 0)
+    monkeypatch.setenv(launcher_main.SHARED_STORE_OPT_OUT, "1")
+    for key in [k for k in os.environ if k.startswith(("FT_", "TORCH_NCCL_"))]:
+        monkeypatch.delenv(key)
+    return calls
+
+
+def _launch(*flags: str) -> list[str]:
+    return ["--standalone", "--nproc-per-node", "1", *flags, "train.py"]
+
+
+def test_launcher_warns_once_per_inversion_and_launches(launcher: list[Any], caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, "ft_monitor.launcher"):
+        rc = launcher_main.main(_launch("--ft-process-group-timeout", "5", "--ft-rank-section-timeouts", "step:30"))
+    assert rc == 0 and len(launcher) == 1
+    (line,) = [r.getMessage() for r in caplog.records if "wrong order" in r.getMessage()]
+    assert "rank_section_timeouts['step'] = 30 s" in line and "process-group timeout of 5 s" in line
+
+
+def test_launcher_strict_exits_2_with_one_line(launcher: list[Any], capsys: pytest.CaptureFixture[str]) -> None:
+    rc = launcher_main.main(_launch("--ft-process-group-timeout", "5", "--ft-rank-section-timeouts", "step:30",
+                                    "--ft-timeout-check", "strict"))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and launcher == []
+    assert len(err) == 1 and re.match(r"ft-launcher: timeouts in the wrong order \(timeout_check: strict\): "
+                                      r"rank_section_timeouts\['step'\] = 30 s .* Fix: ", err[0]), err
+
+
+def test_launcher_says_nothing_about_a_correct_set(launcher: list[Any], caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING):
+        rc = launcher_main.main(_launch("--ft-cfg-path", str(ROOT / "examples" / "ft.yaml"),
+                                        "--ft-process-group-timeout", "300", "--ft-timeout-check", "strict"))
+    assert rc == 0 and len(launcher) == 1
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+
+
+@pytest.mark.parametrize("check, rc, lines", [("warn", 0, 1), ("strict", 2, 1), ("off", 0, 0)])
+def test_serve_checks_what_it_knows_without_torch(check: str, rc: int, lines: int, isolated_cli: None,
+                                                  capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture,
+                                                  tmp_path: Path) -> None:
+    got = cli.main([cli.CHECK_SERVE, "--socket", str(tmp_path / "r.sock"), "--ft-process-group-timeout", "5",
+                    "--ft-rank-section-timeouts", "step:30", "--ft-timeout-check", check])
+    err = [line for line in (capsys.readouterr().err + caplog.text).splitlines() if "wrong order" in line]
+    assert got == rc and len(err) == lines, err
+
+
+# -- the SDK helper for init_process_group(timeout=) ----------------------------------------
+def test_process_group_timeout_comes_from_the_setting_handed_to_the_worker() -> None:
+    assert ft_client.process_group_timeout is process_group_timeout
+    assert process_group_timeout(environ={}) is None  # torch's default (init_process_group accepts None)
+    assert process_group_timeout(timedelta(seconds=9), environ={}) == timedelta(seconds=9)
+    assert process_group_timeout(environ={"FT_PROCESS_GROUP_TIMEOUT": "300.0"}) == timedelta(seconds=300)
+    with pytest.raises(ProcessGroupTimeoutError, match=r"^FT_PROCESS_GROUP_TIMEOUT='-1': must be a number of "):
+        process_group_timeout(environ={"FT_PROCESS_GROUP_TIMEOUT": "-1"})
+
+
+def test_the_launcher_hands_process_group_timeout_to_each_worker() -> None:
+    from ft_monitor.launcher.agent import FtRuntime
+
+    class Pool:
+        def socket(self, local_rank: int) -> Path:
+            return Path(f"/tmp/ft-x/monitor{local_rank}.sock")
+
+    class Server:
+        path = "/tmp/ft-x/launcher.sock"
+
+    ft = FtRuntime(settings(process_group_timeout=300), Pool(), Server(), None)  # type: ignore[arg-type]
+    assert process_group_timeout(environ=ft.worker_env(0)) == timedelta(seconds=300)
+
+
+# -- the torch the launcher runs on ---------------------------------------------------------
+def test_the_installed_torch_has_every_internal_the_launcher_relies_on() -> None:
+    assert torch_support.missing() == []
+    assert torch_support.problem() is None and torch_support.untested() is None
+
+
+def test_pyproject_admits_only_the_tested_torch() -> None:
+    text = (ROOT / "pyproject.toml").read_text()
+    (spec,) = re.findall(r'"torch(>=[^"]+)"', text)
+    assert spec == ">=2.13,<2.14" and torch_support.TESTED == ("2.13",)
+
+
+@pytest.mark.parametrize("fake, named", [
+    ("no _monitor_workers", "LocalElasticAgent's own _start_workers, _monitor_workers"),
+    ("start_processes without envs", "local_elastic_agent.start_processes(envs=...)"),
+])
+def test_a_torch_missing_an_internal_is_refused_at_start_in_one_line(
+    fake: str, named: str, launcher: list[Any], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from torch.distributed.elastic.agent.server import local_elastic_agent as lea
+
+    if fake == "no _monitor_workers":
+        monkeypatch.delattr(lea.LocalElasticAgent, "_monitor_workers")
+    else:
+        monkeypatch.setattr(lea, "start_processes", lambda name, entrypoint, args: None)
+    monkeypatch.setattr("torch.__version__", "2.99.0")
+    rc = launcher_main.main(_launch())
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and launcher == [], "started on a torch it cannot run on"
+    assert len(err) == 1 and err[0].startswith("ft-launcher: torch 2.99.0 is not supported: it lacks ") and named in err[0]
+    assert "tested with torch 2.13.*" in err[0]
+
+
+def test_an_untested_torch_with_every_internal_runs_with_one_warning(
+    launcher: list[Any], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr("torch.__version__", "2.14.0")
+    with caplog.at_level(logging.WARNING, "ft_monitor.launcher"):
+        assert launcher_main.main(_launch()) == 0
+    assert len(launcher) == 1
+    assert "torch 2.14.0 is not a version ft-launcher was tested with (2.13.*)" in caplog.text
+
+
+def test_timeout_order_defaults_are_torchs() -> None:
+    import torch.distributed.constants as constants
+
+    assert torch_support.process_group_default().seconds == constants.default_pg_timeout.total_seconds() == 1800
+    assert timeout_order.TORCH_SHUTDOWN_TIMEOUT == 30.0

@@ -1,0 +1,78 @@
+"""End-to-end: the start-up deadline (startup_timeout) with real processes.
+
+A worker that hangs before it connects to its monitor is dumped through the start-up
+hook (the stack names the place) and stopped; under ft-launcher the job restarts.
+A worker that connects in time is never touched.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ft_monitor.launcher import exit_codes
+from tests.procs import ROOT, WORKERS, Daemon
+
+pytestmark = pytest.mark.e2e
+
+WORKER = str(WORKERS / "startup.py")
+
+
+def test_serve_cmd_worker_asleep_before_init_is_dumped_and_stopped(workdir: Path) -> None:
+    d = Daemon(workdir, "--ft-startup-timeout", "1.5", "--ft-termination-grace-time", "2",
+               cmd=[sys.executable, WORKER, "sleep"])
+    assert d.proc.wait(60) == 128 + signal.SIGTERM, d.log()
+    d.stop()
+    report = d.report()
+    assert report["reason"] == "startup" and report["stack_dump_captured"], report
+    assert report["message"] == "not connected to its monitor 1.5 s after it started, startup timeout 1.5 s"
+    assert "in sleep_before_init" in Path(report["stack_dump"]).read_text()
+    assert "reason=startup" in d.log()
+
+
+def test_serve_cmd_worker_that_connects_in_time_is_not_touched(workdir: Path) -> None:
+    d = Daemon(workdir, "--ft-startup-timeout", "30", "--ft-startup-until", "first_step",
+               cmd=[sys.executable, WORKER, "fast"])
+    assert d.proc.wait(60) == 0, d.log()
+    d.stop()
+    assert "connected" in d.log() and "hang detected" not in d.log()
+    assert not list(d.report_dir.glob("*-hang.json"))
+
+
+def test_launcher_restarts_workers_hung_before_init_each_dumped_where_it_hung(workdir: Path) -> None:
+    """Attempt 0: rank 1 asleep before anything; 1: rank 0 in init_process_group waiting
+    for a peer that never joins; 2: rank 0 stuck importing a module; 3: all finish."""
+    summary_path = workdir / "summary.json"
+    argv = [sys.executable, "-m", "ft_monitor.launcher.main", "--standalone", "--nproc-per-node", "2",
+            "--max-restarts", "3", "--log-dir", str(workdir / "logs"), "--ft-summary-json", str(summary_path),
+            "--ft-startup-timeout", "8", "--ft-termination-grace-time", "1", WORKER]
+    log = workdir / "launcher.out"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+    try:
+        rc = proc.wait(100)
+    finally:
+        if proc.poll() is None:  # SIGTERM stops its workers too (they run in sessions of their own)
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+    output = log.read_text()
+    assert rc == exit_codes.SUCCESS, output
+    hangs = json.loads(summary_path.read_text())["hangs"]
+    assert [(h["attempt"], h["rank"], h["reason"]) for h in hangs] == [(0, 1, "startup"), (1, 0, "startup"),
+                                                                      (2, 0, "startup")], hangs
+    where = ["in sleep_before_init", "in init_process_group", "stuck_at_import.py"]
+    for hang, place in zip(hangs, where):
+        assert hang["stack_dump_captured"], hang
+        assert place in Path(hang["stack_dump"]).read_text(), (place, Path(hang["stack_dump"]).read_text())
+        error = json.loads(Path(hang["error_file"]).read_text())
+        assert "RankHang: not connected to its monitor 8.0 s after it started" in error["message"]["message"]
+    assert output.count("] finished") == 2

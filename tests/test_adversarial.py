@@ -153,43 +153,69 @@ def test_hello_from_a_connection_whose_process_exited_does_not_pin_the_pids_new_
 
 # == High 3: a hang is acted on even when connections use up the descriptors ===============
 
+def _nofile_1024() -> None:
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
+
+
+def _connect_until_refused(path: Path, n: int, wait: float = 2.0) -> list[socket.socket]:
+    """Up to ``n`` idle connections, half of them observers after HELLO and half silent
+    inside the handshake window; stops early once the daemon takes no more (its accept
+    queue stays full for ``wait`` seconds: it is out of descriptors)."""
+    socks: list[socket.socket] = []
+    for i in range(n):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.setblocking(False)
+        end = time.monotonic() + wait
+        while True:
+            try:
+                s.connect(str(path))
+                break
+            except BlockingIOError:  # the accept queue is full
+                if time.monotonic() > end:
+                    s.close()
+                    return socks
+                time.sleep(0.01)
+        if i % 2 == 0:
+            try:
+                s.send(hello(wire.Role.OBSERVER, -1))
+            except OSError:
+                pass
+        socks.append(s)
+    return socks
+
+
 @e2e
 def test_hang_is_acted_on_with_a_thousand_idle_connections_at_rlimit_1024(workdir: Path) -> None:
-    d = Daemon(workdir, "--ft-rank-section-timeouts", "step:1", "--ft-stack-dump-timeout", "1",
-               "--ft-termination-grace-time", "2",
-               preexec=lambda: __import__("resource").setrlimit(__import__("resource").RLIMIT_NOFILE, (1024, 1024)))
-    d.wait_ready()
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 2048 <= hard:  # this process holds the connections
+        resource.setrlimit(resource.RLIMIT_NOFILE, (2048, hard))
+    d = Daemon(workdir, "--ft-rank-section-timeouts", "step:2", "--ft-stack-dump-timeout", "1",
+               "--ft-termination-grace-time", "2", preexec=_nofile_1024).wait_ready()
+    rank = Rank("hang-after-stdin", d.socket, stdin=True)
     socks: list[socket.socket] = []
     try:
-        for i in range(1000):  # half observers after HELLO, half silent inside the handshake window
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            s.setblocking(False)
-            try:
-                s.connect(str(d.socket))
-            except BlockingIOError:
-                pass
-            if i % 2 == 0:
-                try:
-                    s.send(hello(wire.Role.OBSERVER, -1))
-                except OSError:
-                    pass
-            socks.append(s)
-        wait_until(lambda: len(os.listdir(f"/proc/{d.proc.pid}/fd")) < 1024 - 16, 10, "the daemon's fds to settle")
-        rank = Rank("sleep", d.socket)
-        try:
-            rank.wait_line("steps done")
-            rc = rank.wait(30)
-        finally:
-            rank.kill()
+        rank.wait_line("steps done")  # connected first: then the connections take what is left
+        socks = _connect_until_refused(d.socket, 1100)
+        assert rank.proc.stdin is not None
+        rank.proc.stdin.write("\n")  # the rank opens "step" and hangs in it
+        rank.proc.stdin.flush()
+        rc = rank.wait(30)
         report = d.report()
+        # before: /proc/PID/stat failed with EMFILE, read as "exited": no signal, the rank stayed hung
         assert rc == -signal.SIGTERM, d.log()
         assert report["terminated_by"] == "SIGTERM", report
         assert "already exited" not in d.log()
         assert "connection cap (256) reached" in d.log() or "max_connections lowered" in d.log()
     finally:
+        rank.kill()
         for s in socks:
             s.close()
         d.stop()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 def test_process_liveness_needs_no_descriptor_and_is_not_fooled_by_emfile() -> None:

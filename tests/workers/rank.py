@@ -169,6 +169,10 @@ def main() -> None:
                 time.sleep(0.02)
             client.send_heartbeat()
         client.shutdown_workload_monitoring()
+    elif s == "hang-after-stdin":  # connected and idle until a line arrives on stdin, then hung in "step"
+        sys.stdin.readline()
+        client.start_section("step")
+        hang_in_sleep()
     elif s == "wait-stdin":
         sys.stdin.readline()
         client.shutdown_workload_monitoring()

@@ -280,13 +280,19 @@ def test_planted_fifo_or_symlink_at_the_dump_path_neither_blocks_nor_is_followed
         os.mkfifo(path)
     else:
         path.symlink_to(victim)
-    result: list[object] = []
-    t = threading.Thread(target=lambda: result.append(_try(open_append, path)), daemon=True)
-    t.start()
-    t.join(10)  # before the fix, opening a FIFO for writing blocked until a reader came: forever
-    assert result and isinstance(result[0], UnsafeFileError), result
+
+    def bounded(fn: Any, *args: Any) -> object:
+        result: list[object] = []
+        t = threading.Thread(target=lambda: result.append(_try(fn, *args)), daemon=True)
+        t.start()
+        t.join(10)  # before the fix, opening a FIFO blocked until the other end came: forever
+        assert result, f"{fn.__name__} blocked on a planted {kind}"
+        return result[0]
+
+    # the launcher's read (before: followed the symlink, or blocked on the FIFO), then the client's write
+    assert bounded(read_stack, str(path)) is None
+    assert isinstance(bounded(open_append, path), UnsafeFileError)
     assert victim.read_text() == "precious\n"
-    assert read_stack(str(path)) is None  # the launcher's read refuses it too, without blocking
 
 
 def _try(fn: Any, *args: Any) -> object:

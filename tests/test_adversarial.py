@@ -390,12 +390,15 @@ def test_client_request_timeout_is_what_the_kernel_enforces_also_after_reconnect
         d.stop()
 
 
-def test_progress_calls_return_while_reconnecting_blocks(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+@e2e
+def test_progress_calls_return_while_reconnecting_blocks(monkeypatch: pytest.MonkeyPatch, workdir: Path) -> None:
     """A stalled daemon's backlog makes every reconnect attempt wait; those waits happen on
     the client's background thread, never inside send_heartbeat()/section()."""
     from ft_client import client as client_mod
 
-    c = RankMonitorClient(str(tmp_path / "none.sock"))
+    d = Daemon(workdir).wait_ready()
+    c = RankMonitorClient(str(d.socket))
+    c.init_workload_monitoring()
     stalled = threading.Event()
     entered: list[str] = []
 
@@ -406,13 +409,16 @@ def test_progress_calls_return_while_reconnecting_blocks(monkeypatch: pytest.Mon
 
     monkeypatch.setattr(client_mod, "connect", connect_into_a_stalled_daemon)
     monkeypatch.setattr(client_mod, "RECONNECT_INTERVAL", 0.01)
-    with c._lock:
-        c._path = str(tmp_path / "none.sock")
-        c._mark_lost("monitor connection lost: test")
+    d.stop()  # the monitor goes away; the client notices at its next call and reconnects
     done = threading.Event()
 
-    def train() -> None:
-        for _ in range(2000):
+    def train() -> None:  # until a reconnection attempt has begun (bounded), then some more steps
+        end = time.monotonic() + 10
+        while not entered and time.monotonic() < end:
+            with c.section("step"):
+                pass
+            c.send_heartbeat()
+        for _ in range(100):
             with c.section("step"):
                 pass
             c.send_heartbeat()
@@ -420,8 +426,8 @@ def test_progress_calls_return_while_reconnecting_blocks(monkeypatch: pytest.Mon
 
     threading.Thread(target=train, daemon=True).start()
     try:
-        assert done.wait(20), "a progress call waited for a reconnection attempt"
-        wait_until(lambda: entered, 10, "a reconnection attempt")
+        # before: each attempt ran on the training thread, which waited in it
+        assert done.wait(20), f"a progress call waited for a reconnection attempt (on {entered})"
         assert entered and all(name == "ft-client-reconnect" for name in entered), entered
     finally:
         stalled.set()

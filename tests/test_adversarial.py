@@ -25,7 +25,7 @@ import pytest
 
 from ft_client import RankMonitorClient, RankMonitorClientError, wire
 from ft_client.safefiles import UnsafeFileError, open_append, read_bounded
-from ft_client.transport import TransportError, connect, resolve_socket_path
+from ft_client.transport import TransportError, resolve_socket_path
 from ft_monitor.config import ConfigError, load_config
 from ft_monitor.launcher.control import EventKind, LauncherServer
 from ft_monitor.launcher.rootcause import read_stack
@@ -485,27 +485,47 @@ def test_client_refuses_a_monitor_running_as_another_user(workdir: Path) -> None
 
 
 @ROOT_ONLY
+@e2e
 def test_socket_path_through_another_users_symlink_is_refused(workdir: Path) -> None:
     real = workdir / "real"
     real.mkdir(mode=0o700)
+    d = Daemon(real).wait_ready()  # a real monitor of ours: only the symlink's owner is wrong
     link = workdir / "link"
     link.symlink_to(real)
     os.lchown(link, NOBODY, NOBODY)
-    with pytest.raises(TransportError, match=rf"goes through the symbolic link {link}, owned by uid {NOBODY}"):
-        resolve_socket_path(str(link / "rank0.sock"))
-    os.lchown(link, 0, 0)
-    (real / "rank0.sock").touch()
-    assert resolve_socket_path(str(link / "rank0.sock")) == str(real / "rank0.sock")
+    try:
+        c = RankMonitorClient(str(link / "rank0.sock"))
+        with pytest.raises(RankMonitorClientError,
+                           match=rf"goes through the symbolic link {link}, owned by uid {NOBODY}"):
+            c.init_workload_monitoring()  # before: followed it and connected
+        os.lchown(link, 0, 0)
+        assert resolve_socket_path(str(link / "rank0.sock")) == str(d.socket)
+        c.init_workload_monitoring()
+        c.shutdown_workload_monitoring()
+    finally:
+        d.stop()
 
 
 @ROOT_ONLY
+@e2e
 def test_socket_directory_of_another_user_is_refused(workdir: Path) -> None:
     theirs = workdir / "theirs"
     theirs.mkdir()
     os.chown(theirs, NOBODY, NOBODY)
-    (theirs / "rank0.sock").touch()
-    with pytest.raises(TransportError, match=rf"belongs to uid {NOBODY}, not to this user"):
-        connect(str(theirs / "rank0.sock"), 1.0, wire.Role.OBSERVER, -1)
+    sock = theirs / "rank0.sock"
+    # a server of our uid answers there: only the directory's owner (who can swap the socket) is wrong
+    server = subprocess.Popen([sys.executable, str(ROOT / "tests/workers/impostor.py"), str(sock)],
+                              stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        assert server.stdout is not None and server.stdout.readline().strip() == "listening"
+        c = RankMonitorClient(str(sock))
+        with pytest.raises(RankMonitorClientError, match=rf"belongs to uid {NOBODY}, not to this user"):
+            c.init_workload_monitoring()  # before: connected and took its HELLO_OK
+    finally:
+        server.kill()
+        server.wait(10)
+        if server.stdout is not None:
+            server.stdout.close()
 
 
 def test_the_refusal_message_recommends_a_private_runtime_directory(tmp_path: Path) -> None:

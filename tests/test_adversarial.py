@@ -690,7 +690,8 @@ def test_hang_notices_and_workload_requests_only_from_the_launchers_own_processe
 @e2e
 def test_serve_with_a_command_never_leaves_it_running_unmonitored(workdir: Path, sig: signal.Signals,
                                                                   stops: bool) -> None:
-    d = Daemon(workdir, cmd=[sys.executable, str(ROOT / "tests/workers/rank.py"), "wait-stdin"]).wait_ready()
+    # a command that runs until stopped ("wait-stdin" would end by itself: its stdin is not a terminal here)
+    d = Daemon(workdir, cmd=[sys.executable, str(ROOT / "tests/workers/rank.py"), "no-heartbeat"]).wait_ready()
     try:
         wait_until(lambda: status(d.socket)["connected"], 20, "the command to connect")
         cmd_pid = status(d.socket)["pid"]

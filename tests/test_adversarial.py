@@ -685,6 +685,32 @@ def test_hang_notices_and_workload_requests_only_from_the_launchers_own_processe
         la.server.stop()
 
 
+@e2e
+def test_a_worker_forging_a_hang_notice_neither_gets_it_acknowledged_nor_ends_the_job(workdir: Path) -> None:
+    go = workdir / "go"
+    out_path = workdir / "launcher.out"
+    with open(out_path, "w") as out:
+        la = subprocess.Popen([sys.executable, "-m", "ft_monitor.launcher.main", "--standalone", "--nproc-per-node",
+                               "1", "--ft-rank-section-timeouts", "step:60", str(ROOT / "tests/workers/rank.py"),
+                               "forge-hang-notice", "--until-file", str(go)],
+                              stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+    try:
+        # the worker's next request is handled only after its forged notice (before: that notice
+        # was acknowledged and the launcher exited 2 on detected_time "x" at its next tick)
+        wait_until(lambda: "requests Continue" in out_path.read_text() or la.poll() is not None, 120,
+                   "the launcher to handle the worker's next request")
+        assert "requests Continue" in out_path.read_text(), out_path.read_text()[-3000:]
+        go.touch()
+        assert la.wait(60) == 0, out_path.read_text()[-3000:]
+    finally:
+        if la.poll() is None:
+            os.killpg(la.pid, signal.SIGKILL)
+            la.wait(10)
+    text = out_path.read_text()
+    assert "launcher replied Error forbidden" in text, text[-3000:]
+    assert "not one of this launcher's monitors" in text
+
+
 @pytest.mark.parametrize(("sig", "stops"), [(signal.SIGHUP, True), (signal.SIGQUIT, True),
                                              (signal.SIGUSR1, False), (signal.SIGUSR2, False)])
 @e2e

@@ -58,6 +58,24 @@ def test_the_public_names_and_their_bases() -> None:
     assert issubclass(ConfigError, ValueError) and issubclass(ConnectTimeoutError, TimeoutError)
 
 
+def test_bad_values_given_to_public_functions_raise_ft_errors_that_are_value_errors() -> None:
+    from ft_client import Timeouts, TimeoutsCalc, WorkloadAction
+    from ft_client.timeouts_calc import Observations, sections_not_ready
+
+    current = Timeouts(rank_section_timeouts={"step": 10.0})
+    for call in [
+        lambda: TimeoutsCalc(safety_factor=0.5),
+        lambda: WorkloadAction.parse("RestartEverything"),
+        lambda: sections_not_ready(current, Observations(), ["warmup"]),
+        lambda: sections_not_ready(current, Observations(), "step"),
+        lambda: sections_not_ready(current, Observations(), ["nosuch"]),
+        lambda: Observations.from_vector([1.0], ["step"]),
+    ]:
+        with pytest.raises(ValueError) as info:
+            call()
+        assert isinstance(info.value, FtError), repr(info.value)
+
+
 def test_a_client_used_before_init_or_after_shutdown_raises_closed(workdir: Path) -> None:
     c = RankMonitorClient(str(workdir / "none.sock"))
     with pytest.raises(MonitorClosedError, match="not initialized"):

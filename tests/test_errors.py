@@ -48,6 +48,35 @@ def test_every_exception_class_of_ours_derives_from_ft_error() -> None:
     assert len(found) >= 20, found  # the walk did find them
 
 
+BUILTIN_RAISES_ALLOWED = {
+    # pydantic turns a ValueError raised in a validator into ConfigError naming the field, and
+    # settings.py turns the same rules' ValueError into SettingsError
+    ("ft_monitor/rules.py", "ValueError"), ("ft_monitor/config.py", "ValueError"),
+    ("ft_client/env.py", "ValueError"),  # RankMonitorClient() re-raises it as RankMonitorClientError
+    ("ft_client/__init__.py", "AttributeError"),  # a module's __getattr__ must raise it
+    ("ft_client/wire.py", "TypeError"),  # encode() of something that is not a message: a bug, not input
+    ("ft_monitor/launcher/control.py", "EOFError"),  # the socket reader's, caught beside it
+}
+
+
+def test_nothing_raises_a_bare_builtin_exception() -> None:
+    import ast
+    import builtins
+
+    root = Path(ft_client.__file__).resolve().parent.parent
+    found = set()
+    for pkg in ("ft_client", "ft_monitor"):
+        for path in sorted((root / pkg).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                exc = node.exc if isinstance(node, ast.Raise) else None
+                name = exc.func if isinstance(exc, ast.Call) else exc
+                if isinstance(name, ast.Name) and isinstance(getattr(builtins, name.id, None), type) \
+                        and issubclass(getattr(builtins, name.id), BaseException):
+                    found.add((str(path.relative_to(root)), name.id, node.lineno))
+    assert {(f, n) for f, n, _ in found} <= BUILTIN_RAISES_ALLOWED, sorted(
+        x for x in found if x[:2] not in BUILTIN_RAISES_ALLOWED)
+
+
 def test_the_public_names_and_their_bases() -> None:
     assert {"FtError", "MonitorClosedError", "MonitorBrokenError", "NotEnoughDataError", "TimeoutsCalc"} \
         <= set(ft_client.__all__)

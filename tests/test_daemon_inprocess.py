@@ -290,6 +290,27 @@ def test_an_idle_observer_is_closed_and_an_active_one_kept(tmp_path: Path) -> No
     run(body, tmp_path, observer_idle_timeout=10.0)
 
 
+def test_at_the_connection_cap_the_oldest_unidentified_then_the_idlest_observer_is_closed(tmp_path: Path) -> None:
+    async def body(d: MonitorDaemon, clock: ManualClock, ops: FakeOps) -> None:
+        rank = Peer(d)
+        assert isinstance(rank.hello_rank(), wire.HelloOk)
+        o1, o2 = Peer(d), Peer(d)
+        for p in (o1, o2):
+            p.send(wire.Hello(wire.PROTOCOL_VERSION, wire.Role.OBSERVER, 0, {}))
+        o1.send(wire.Ping())  # o2 is now the least recently active
+        silent = Peer(d)  # over the cap of 2: no one unidentified yet, so the idlest observer goes
+        assert o2.transport.closed and not o1.transport.closed and not silent.transport.closed
+        err = o2.transport.replies()[-1]
+        assert isinstance(err, wire.Error) and err.code == wire.ErrorCode.BUSY, err
+        newest = Peer(d)  # the one still in its handshake goes before any observer
+        assert silent.transport.closed and not o1.transport.closed and not newest.transport.closed
+        for _ in range(10):  # a flood never closes the rank's connection
+            Peer(d)
+        assert not rank.transport.closed and d.rank is not None
+
+    run(body, tmp_path, max_connections=2)
+
+
 # -- who closes the rank's resources ------------------------------------------------
 def test_goodbye_frees_the_ranks_process_handle_at_once(tmp_path: Path) -> None:
     async def body(d: MonitorDaemon, clock: ManualClock, ops: FakeOps) -> None:

@@ -255,8 +255,10 @@ def test_report_dir_owned_by_another_user_is_refused(workdir: Path) -> None:
     reports.mkdir(mode=0o700)
     os.chown(reports, NOBODY, NOBODY)
     d = Daemon(workdir, "--ft-report-dir", str(reports))
-    assert d.proc.wait(20) == 1
-    d.stop()
+    try:
+        assert d.proc.wait(20) == 1  # before: it served
+    finally:
+        d.stop()
     assert f"report directory: {reports} belongs to uid {NOBODY}" in d.log(), d.log()
 
 
@@ -266,8 +268,10 @@ def test_report_dir_writable_by_others_is_refused(workdir: Path) -> None:
     reports.mkdir()
     os.chmod(reports, 0o777)
     d = Daemon(workdir, "--ft-report-dir", str(reports))
-    assert d.proc.wait(20) == 1
-    d.stop()
+    try:
+        assert d.proc.wait(20) == 1  # before: it served
+    finally:
+        d.stop()
     assert "has mode 0777: other users can write there" in d.log(), d.log()
 
 

@@ -28,7 +28,7 @@ from typing import Any
 
 from ft_client.errors import FtError, MonitorBrokenError, MonitorClosedError, RankMonitorClientError
 from ft_client.timeouts import HeartbeatTimeouts, SectionTimeouts, Timeouts, TimeoutsError
-from ft_client.workload import WorkloadAction, WorkloadControlRequest
+from ft_client.workload import WorkloadAction, WorkloadActionError, WorkloadControlRequest
 
 __all__ = [
     "RankMonitorClient",
@@ -43,6 +43,7 @@ __all__ = [
     "TimeoutsCalcNotReadyError",
     "SectionAction",
     "WorkloadAction",
+    "WorkloadActionError",
     "WorkloadControlRequest",
     "HeartbeatTimeouts",
     "SectionTimeouts",

@@ -11,12 +11,14 @@ builtin base that callers caught before (``ValueError`` for bad values,
     │   │                                   (never initialized, shut down, a forked child)
     │   ├── MonitorBrokenError          ... because the monitor went away or stopped answering
     │   ├── NotEnoughDataError          learned timeouts asked for before enough was observed
+    │   ├── WorkloadActionError         a name that is not a workload action
     │   └── SessionInfoError            the monitor's handshake broke the rules
     ├── TransportError                  one connection failed (TransportClosedError, TransportBrokenError)
     ├── ProtocolError                   a frame or message broke the wire protocol
     ├── TimeoutsCalcError               TimeoutsCalc (the reference's calculator API) refused a call
     │   └── TimeoutsCalcNotReadyError   ... not enough observed (also a NotEnoughDataError)
-    ├── TimeoutsError, StateDictError   a timeouts map or a checkpointed state is invalid
+    ├── TimeoutsError, StateDictError   a timeouts map, a request to learn timeouts (safety factor,
+    │                                   sections) or a checkpointed state is invalid
     ├── UnsafeFileError                 a path others could tamper with
     └── ft_monitor's: ConfigError, SettingsError, UsageError, ListenerError, SessionError,
         NoticeError, StatusError, ReportError, SecretError, StoreMessageError, MonitorStartError

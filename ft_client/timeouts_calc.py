@@ -34,6 +34,7 @@ from ft_client.timeouts import (
     LEARNED_OUT_OF_SECTION,
     WARMUP_SECTION,
     Timeouts,
+    TimeoutsError,
     learned_section_key,
 )
 
@@ -64,7 +65,7 @@ def safety_factor_ok(value: object) -> bool:
 def check_safety_factor(value: object) -> float:
     """Validate a safety factor (SAFETY_FACTOR_RULE)."""
     if not safety_factor_ok(value) or not isinstance(value, (int, float)):
-        raise ValueError(f"safety_factor = {value!r}: {SAFETY_FACTOR_RULE}")
+        raise TimeoutsError(f"safety_factor = {value!r}: {SAFETY_FACTOR_RULE}")
     return float(value)
 
 
@@ -95,7 +96,7 @@ class Observations:
         """Inverse of `to_vector`; a negative entry reads as not observed."""
         expected = _HEADER + len(section_names)
         if len(values) != expected:
-            raise ValueError(
+            raise TimeoutsError(
                 f"observation vector has {len(values)} values: expected {expected} "
                 f"({_HEADER} + one per section in {list(section_names)!r})"
             )
@@ -272,17 +273,17 @@ def _selected(current: Timeouts, selected_sections: Collection[str] | None) -> l
     if selected_sections is None:
         return sorted(n for n in current.rank_section_timeouts if n != WARMUP_SECTION)
     if isinstance(selected_sections, str):
-        raise ValueError(
+        raise TimeoutsError(
             f"selected_sections = {selected_sections!r}: must be a collection of section names, not one string"
         )
     for name in selected_sections:
         if name == WARMUP_SECTION:
-            raise ValueError(
+            raise TimeoutsError(
                 f"selected_sections contains {WARMUP_SECTION!r}: it is not a section of its own "
                 "(it replaces the 'step' timeout during warm-up) and cannot be learned"
             )
         if name not in current.rank_section_timeouts:
-            raise ValueError(
+            raise TimeoutsError(
                 f"selected_sections contains {name!r}: only sections listed in rank_section_timeouts "
                 f"({sorted(current.rank_section_timeouts)!r}) are observed"
             )
@@ -297,7 +298,7 @@ def sections_not_ready(
 ) -> str | None:
     """Why the chosen section timeouts cannot be learned from `obs`, or None if they can.
 
-    Raises ValueError (not NotEnoughDataError) for a selection that can never
+    Raises TimeoutsError (a ValueError, not NotEnoughDataError) for a selection that can never
     be learned: `warmup`, or a name not in current.rank_section_timeouts.
     """
     for name in _selected(current, selected_sections):

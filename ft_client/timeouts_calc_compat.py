@@ -62,9 +62,10 @@ from ft_client.timeouts_calc import (
 __all__ = ["SectionAction", "TimeoutsCalc", "TimeoutsCalcError", "TimeoutsCalcNotReadyError"]
 
 
-class TimeoutsCalcError(FtError):
+class TimeoutsCalcError(FtError, ValueError):
     """`TimeoutsCalc` cannot do what was asked: a section event out of order, an unknown
-    section, a bad argument, no process group for `synchronize_all`, or not enough data."""
+    section, a bad argument, no process group for `synchronize_all`, or not enough data.
+    A `ValueError` too, as every bad value given to our public functions is."""
 
 
 class TimeoutsCalcNotReadyError(TimeoutsCalcError, NotEnoughDataError):

@@ -9,6 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from ft_client.errors import RankMonitorClientError
+
+
+class WorkloadActionError(RankMonitorClientError, ValueError):
+    """A name that is not a workload action."""
+
 
 class WorkloadAction(Enum):
     Continue = "Continue"
@@ -25,7 +31,7 @@ class WorkloadAction(Enum):
         for action in cls:
             if str(value).lower() == action.value.lower():
                 return action
-        raise ValueError(f"unknown workload action {value!r}: use one of {', '.join(a.value for a in cls)}")
+        raise WorkloadActionError(f"unknown workload action {value!r}: use one of {', '.join(a.value for a in cls)}")
 
 
 @dataclass(frozen=True)

@@ -362,23 +362,31 @@ class MonitorDaemon:
                         rank.dump_path(), error_file=rank.error_file, action="inprocess",
                         restart_iteration=s.wrapper_iteration + 1)
         dumping = self.executor.request_dump(case)  # the stack as it hangs, before the abort unwinds it
-        rank.control.send(wire.Abort(iteration=s.wrapper_iteration, reason=f"rank {hang.rank}: {hang.describe()}",
-                                     hung_rank=hang.rank))
+        abort = wire.Abort(iteration=s.wrapper_iteration, reason=f"rank {hang.rank}: {hang.describe()}",
+                           hung_rank=hang.rank)
         case.actions.append(f"in-process restart requested ({self.inprocess_restarts} of at most "
                             f"{cfg.max_inprocess_restarts})")
         case.terminated_by = "inprocess"
         self.executor.write_report(case)
         self.hangs.append(HangSummary(hang.rank, hang.pid, hang.describe(), str(case.report_path)))
-        self.spawn(self._record_inprocess(case, dumping), rank.hold())
+        self.spawn(self._abort_inprocess(rank, case, abort, dumping), rank.hold())
         self._arm()
         return True
 
-    async def _record_inprocess(self, case: HangCase, dumping: int | None) -> None:
-        """After an ABORT: the stack dump into the report, and the launcher told (it records
-        the restart; its restart budget is untouched)."""
+    async def _abort_inprocess(self, rank: RankResources, case: HangCase, abort: wire.Abort,
+                               dumping: int | None) -> None:
+        """Push ABORT once the stack dump is written (faulthandler reads every thread's frames
+        without the GIL: a rank whose threads start running, as an ABORT makes them, while it
+        dumps can crash), then tell the launcher (it records the restart; its restart budget
+        is untouched)."""
         if dumping is not None:
             await self.executor.await_dump(case, dumping)
             self.executor.write_report(case)
+        if rank.control is not None:
+            rank.control.send(abort)
+        else:
+            log.warning("rank %d: its control connection closed before the ABORT could be pushed; it is stopped "
+                        "if it does not come back within inprocess_restart_timeout", case.hang.rank)
         if self.executor.handoff is None:
             return
         try:

@@ -25,7 +25,7 @@ import pytest
 
 from ft_client import RankMonitorClient, RankMonitorClientError, wire
 from ft_client.safefiles import UnsafeFileError, open_append, read_bounded
-from ft_client.transport import TransportError, connect, resolve_socket_path
+from ft_client.transport import TransportError, resolve_socket_path
 from ft_monitor.config import ConfigError, load_config
 from ft_monitor.launcher.control import EventKind, LauncherServer
 from ft_monitor.launcher.rootcause import read_stack
@@ -153,43 +153,69 @@ def test_hello_from_a_connection_whose_process_exited_does_not_pin_the_pids_new_
 
 # == High 3: a hang is acted on even when connections use up the descriptors ===============
 
+def _nofile_1024() -> None:
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
+
+
+def _connect_until_refused(path: Path, n: int, wait: float = 2.0) -> list[socket.socket]:
+    """Up to ``n`` idle connections, half of them observers after HELLO and half silent
+    inside the handshake window; stops early once the daemon takes no more (its accept
+    queue stays full for ``wait`` seconds: it is out of descriptors)."""
+    socks: list[socket.socket] = []
+    for i in range(n):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.setblocking(False)
+        end = time.monotonic() + wait
+        while True:
+            try:
+                s.connect(str(path))
+                break
+            except BlockingIOError:  # the accept queue is full
+                if time.monotonic() > end:
+                    s.close()
+                    return socks
+                time.sleep(0.01)
+        if i % 2 == 0:
+            try:
+                s.send(hello(wire.Role.OBSERVER, -1))
+            except OSError:
+                pass
+        socks.append(s)
+    return socks
+
+
 @e2e
 def test_hang_is_acted_on_with_a_thousand_idle_connections_at_rlimit_1024(workdir: Path) -> None:
-    d = Daemon(workdir, "--ft-rank-section-timeouts", "step:1", "--ft-stack-dump-timeout", "1",
-               "--ft-termination-grace-time", "2",
-               preexec=lambda: __import__("resource").setrlimit(__import__("resource").RLIMIT_NOFILE, (1024, 1024)))
-    d.wait_ready()
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 2048 <= hard:  # this process holds the connections
+        resource.setrlimit(resource.RLIMIT_NOFILE, (2048, hard))
+    d = Daemon(workdir, "--ft-rank-section-timeouts", "step:2", "--ft-stack-dump-timeout", "1",
+               "--ft-termination-grace-time", "2", preexec=_nofile_1024).wait_ready()
+    rank = Rank("hang-after-stdin", d.socket, stdin=True)
     socks: list[socket.socket] = []
     try:
-        for i in range(1000):  # half observers after HELLO, half silent inside the handshake window
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            s.setblocking(False)
-            try:
-                s.connect(str(d.socket))
-            except BlockingIOError:
-                pass
-            if i % 2 == 0:
-                try:
-                    s.send(hello(wire.Role.OBSERVER, -1))
-                except OSError:
-                    pass
-            socks.append(s)
-        wait_until(lambda: len(os.listdir(f"/proc/{d.proc.pid}/fd")) < 1024 - 16, 10, "the daemon's fds to settle")
-        rank = Rank("sleep", d.socket)
-        try:
-            rank.wait_line("steps done")
-            rc = rank.wait(30)
-        finally:
-            rank.kill()
+        rank.wait_line("steps done")  # connected first: then the connections take what is left
+        socks = _connect_until_refused(d.socket, 1100)
+        assert rank.proc.stdin is not None
+        rank.proc.stdin.write("\n")  # the rank opens "step" and hangs in it
+        rank.proc.stdin.flush()
+        rc = rank.wait(30)
         report = d.report()
+        # before: /proc/PID/stat failed with EMFILE, read as "exited": no signal, the rank stayed hung
         assert rc == -signal.SIGTERM, d.log()
         assert report["terminated_by"] == "SIGTERM", report
         assert "already exited" not in d.log()
         assert "connection cap (256) reached" in d.log() or "max_connections lowered" in d.log()
     finally:
+        rank.kill()
         for s in socks:
             s.close()
         d.stop()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 def test_process_liveness_needs_no_descriptor_and_is_not_fooled_by_emfile() -> None:
@@ -229,8 +255,10 @@ def test_report_dir_owned_by_another_user_is_refused(workdir: Path) -> None:
     reports.mkdir(mode=0o700)
     os.chown(reports, NOBODY, NOBODY)
     d = Daemon(workdir, "--ft-report-dir", str(reports))
-    assert d.proc.wait(20) == 1
-    d.stop()
+    try:
+        assert d.proc.wait(20) == 1  # before: it served
+    finally:
+        d.stop()
     assert f"report directory: {reports} belongs to uid {NOBODY}" in d.log(), d.log()
 
 
@@ -240,8 +268,10 @@ def test_report_dir_writable_by_others_is_refused(workdir: Path) -> None:
     reports.mkdir()
     os.chmod(reports, 0o777)
     d = Daemon(workdir, "--ft-report-dir", str(reports))
-    assert d.proc.wait(20) == 1
-    d.stop()
+    try:
+        assert d.proc.wait(20) == 1  # before: it served
+    finally:
+        d.stop()
     assert "has mode 0777: other users can write there" in d.log(), d.log()
 
 
@@ -254,13 +284,19 @@ def test_planted_fifo_or_symlink_at_the_dump_path_neither_blocks_nor_is_followed
         os.mkfifo(path)
     else:
         path.symlink_to(victim)
-    result: list[object] = []
-    t = threading.Thread(target=lambda: result.append(_try(open_append, path)), daemon=True)
-    t.start()
-    t.join(10)  # before the fix, opening a FIFO for writing blocked until a reader came: forever
-    assert result and isinstance(result[0], UnsafeFileError), result
+
+    def bounded(fn: Any, *args: Any) -> object:
+        result: list[object] = []
+        t = threading.Thread(target=lambda: result.append(_try(fn, *args)), daemon=True)
+        t.start()
+        t.join(10)  # before the fix, opening a FIFO blocked until the other end came: forever
+        assert result, f"{fn.__name__} blocked on a planted {kind}"
+        return result[0]
+
+    # the launcher's read (before: followed the symlink, or blocked on the FIFO), then the client's write
+    assert bounded(read_stack, str(path)) is None
+    assert isinstance(bounded(open_append, path), UnsafeFileError)
     assert victim.read_text() == "precious\n"
-    assert read_stack(str(path)) is None  # the launcher's read refuses it too, without blocking
 
 
 def _try(fn: Any, *args: Any) -> object:
@@ -358,12 +394,15 @@ def test_client_request_timeout_is_what_the_kernel_enforces_also_after_reconnect
         d.stop()
 
 
-def test_progress_calls_return_while_reconnecting_blocks(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+@e2e
+def test_progress_calls_return_while_reconnecting_blocks(monkeypatch: pytest.MonkeyPatch, workdir: Path) -> None:
     """A stalled daemon's backlog makes every reconnect attempt wait; those waits happen on
     the client's background thread, never inside send_heartbeat()/section()."""
     from ft_client import client as client_mod
 
-    c = RankMonitorClient(str(tmp_path / "none.sock"))
+    d = Daemon(workdir).wait_ready()
+    c = RankMonitorClient(str(d.socket))
+    c.init_workload_monitoring()
     stalled = threading.Event()
     entered: list[str] = []
 
@@ -374,13 +413,16 @@ def test_progress_calls_return_while_reconnecting_blocks(monkeypatch: pytest.Mon
 
     monkeypatch.setattr(client_mod, "connect", connect_into_a_stalled_daemon)
     monkeypatch.setattr(client_mod, "RECONNECT_INTERVAL", 0.01)
-    with c._lock:
-        c._path = str(tmp_path / "none.sock")
-        c._mark_lost("monitor connection lost: test")
+    d.stop()  # the monitor goes away; the client notices at its next call and reconnects
     done = threading.Event()
 
-    def train() -> None:
-        for _ in range(2000):
+    def train() -> None:  # until a reconnection attempt has begun (bounded), then some more steps
+        end = time.monotonic() + 10
+        while not entered and time.monotonic() < end:
+            with c.section("step"):
+                pass
+            c.send_heartbeat()
+        for _ in range(100):
             with c.section("step"):
                 pass
             c.send_heartbeat()
@@ -388,8 +430,8 @@ def test_progress_calls_return_while_reconnecting_blocks(monkeypatch: pytest.Mon
 
     threading.Thread(target=train, daemon=True).start()
     try:
-        assert done.wait(20), "a progress call waited for a reconnection attempt"
-        wait_until(lambda: entered, 10, "a reconnection attempt")
+        # before: each attempt ran on the training thread, which waited in it
+        assert done.wait(20), f"a progress call waited for a reconnection attempt (on {entered})"
         assert entered and all(name == "ft-client-reconnect" for name in entered), entered
     finally:
         stalled.set()
@@ -447,27 +489,47 @@ def test_client_refuses_a_monitor_running_as_another_user(workdir: Path) -> None
 
 
 @ROOT_ONLY
+@e2e
 def test_socket_path_through_another_users_symlink_is_refused(workdir: Path) -> None:
     real = workdir / "real"
     real.mkdir(mode=0o700)
+    d = Daemon(real).wait_ready()  # a real monitor of ours: only the symlink's owner is wrong
     link = workdir / "link"
     link.symlink_to(real)
     os.lchown(link, NOBODY, NOBODY)
-    with pytest.raises(TransportError, match=rf"goes through the symbolic link {link}, owned by uid {NOBODY}"):
-        resolve_socket_path(str(link / "rank0.sock"))
-    os.lchown(link, 0, 0)
-    (real / "rank0.sock").touch()
-    assert resolve_socket_path(str(link / "rank0.sock")) == str(real / "rank0.sock")
+    try:
+        c = RankMonitorClient(str(link / "rank0.sock"))
+        with pytest.raises(RankMonitorClientError,
+                           match=rf"goes through the symbolic link {link}, owned by uid {NOBODY}"):
+            c.init_workload_monitoring()  # before: followed it and connected
+        os.lchown(link, 0, 0)
+        assert resolve_socket_path(str(link / "rank0.sock")) == str(d.socket)
+        c.init_workload_monitoring()
+        c.shutdown_workload_monitoring()
+    finally:
+        d.stop()
 
 
 @ROOT_ONLY
+@e2e
 def test_socket_directory_of_another_user_is_refused(workdir: Path) -> None:
     theirs = workdir / "theirs"
     theirs.mkdir()
     os.chown(theirs, NOBODY, NOBODY)
-    (theirs / "rank0.sock").touch()
-    with pytest.raises(TransportError, match=rf"belongs to uid {NOBODY}, not to this user"):
-        connect(str(theirs / "rank0.sock"), 1.0, wire.Role.OBSERVER, -1)
+    sock = theirs / "rank0.sock"
+    # a server of our uid answers there: only the directory's owner (who can swap the socket) is wrong
+    server = subprocess.Popen([sys.executable, str(ROOT / "tests/workers/impostor.py"), str(sock)],
+                              stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        assert server.stdout is not None and server.stdout.readline().strip() == "listening"
+        c = RankMonitorClient(str(sock))
+        with pytest.raises(RankMonitorClientError, match=rf"belongs to uid {NOBODY}, not to this user"):
+            c.init_workload_monitoring()  # before: connected and took its HELLO_OK
+    finally:
+        server.kill()
+        server.wait(10)
+        if server.stdout is not None:
+            server.stdout.close()
 
 
 def test_the_refusal_message_recommends_a_private_runtime_directory(tmp_path: Path) -> None:
@@ -507,12 +569,12 @@ def test_a_rank_that_exits_while_a_child_holds_its_socket_ends_its_session(workd
     try:
         child = int(rank.wait_line("child pid=").split("=")[1])
         assert rank.wait(30) == 0
-        log = d.wait_log("exited while its connection is still open")
-        assert "disconnected without shutdown_workload_monitoring(); the process exited" in d.wait_log(
-            "disconnected without")
-        assert not status(d.socket)["connected"]
+        # before: the child's copy of the socket kept the session, later judged a hang of an exited process
+        wait_until(lambda: not status(d.socket)["connected"], 10, "the exited rank's session to end")
         time.sleep(1.5)  # the behaviour under test: past the 1 s heartbeat timeout, no hang of an exited rank
-        assert status(d.socket)["hangs_detected"] == 0, log
+        assert status(d.socket)["hangs_detected"] == 0, d.log()
+        d.wait_log("exited while its connection is still open")
+        d.wait_log("disconnected without shutdown_workload_monitoring(); the process exited")
         assert pid_alive(child)
     finally:
         if child:
@@ -627,12 +689,39 @@ def test_hang_notices_and_workload_requests_only_from_the_launchers_own_processe
         la.server.stop()
 
 
+@e2e
+def test_a_worker_forging_a_hang_notice_neither_gets_it_acknowledged_nor_ends_the_job(workdir: Path) -> None:
+    go = workdir / "go"
+    out_path = workdir / "launcher.out"
+    with open(out_path, "w") as out:
+        la = subprocess.Popen([sys.executable, "-m", "ft_monitor.launcher.main", "--standalone", "--nproc-per-node",
+                               "1", "--ft-rank-section-timeouts", "step:60", str(ROOT / "tests/workers/rank.py"),
+                               "forge-hang-notice", "--until-file", str(go)],
+                              stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+    try:
+        # the worker's next request is handled only after its forged notice (before: that notice
+        # was acknowledged and the launcher exited 2 on detected_time "x" at its next tick)
+        wait_until(lambda: "requests Continue" in out_path.read_text() or la.poll() is not None, 120,
+                   "the launcher to handle the worker's next request")
+        assert "requests Continue" in out_path.read_text(), out_path.read_text()[-3000:]
+        go.touch()
+        assert la.wait(60) == 0, out_path.read_text()[-3000:]
+    finally:
+        if la.poll() is None:
+            os.killpg(la.pid, signal.SIGKILL)
+            la.wait(10)
+    text = out_path.read_text()
+    assert "launcher replied Error forbidden" in text, text[-3000:]
+    assert "not one of this launcher's monitors" in text
+
+
 @pytest.mark.parametrize(("sig", "stops"), [(signal.SIGHUP, True), (signal.SIGQUIT, True),
                                              (signal.SIGUSR1, False), (signal.SIGUSR2, False)])
 @e2e
 def test_serve_with_a_command_never_leaves_it_running_unmonitored(workdir: Path, sig: signal.Signals,
                                                                   stops: bool) -> None:
-    d = Daemon(workdir, cmd=[sys.executable, str(ROOT / "tests/workers/rank.py"), "wait-stdin"]).wait_ready()
+    # a command that runs until stopped ("wait-stdin" would end by itself: its stdin is not a terminal here)
+    d = Daemon(workdir, cmd=[sys.executable, str(ROOT / "tests/workers/rank.py"), "no-heartbeat"]).wait_ready()
     try:
         wait_until(lambda: status(d.socket)["connected"], 20, "the command to connect")
         cmd_pid = status(d.socket)["pid"]

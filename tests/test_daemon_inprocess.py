@@ -293,6 +293,27 @@ def test_an_idle_observer_is_closed_and_an_active_one_kept(tmp_path: Path) -> No
     run(body, tmp_path, observer_idle_timeout=10.0)
 
 
+def test_at_the_connection_cap_the_oldest_unidentified_then_the_idlest_observer_is_closed(tmp_path: Path) -> None:
+    async def body(d: MonitorDaemon, clock: ManualClock, ops: FakeOps) -> None:
+        rank = Peer(d)
+        assert isinstance(rank.hello_rank(), wire.HelloOk)
+        o1, o2 = Peer(d), Peer(d)
+        for p in (o1, o2):
+            p.send(wire.Hello(wire.PROTOCOL_VERSION, wire.Role.OBSERVER, 0, {}))
+        o1.send(wire.Ping())  # o2 is now the least recently active
+        silent = Peer(d)  # over the cap of 2: no one unidentified yet, so the idlest observer goes
+        assert o2.transport.closed and not o1.transport.closed and not silent.transport.closed
+        err = o2.transport.replies()[-1]
+        assert isinstance(err, wire.Error) and err.code == wire.ErrorCode.BUSY, err
+        newest = Peer(d)  # the one still in its handshake goes before any observer
+        assert silent.transport.closed and not o1.transport.closed and not newest.transport.closed
+        for _ in range(10):  # a flood never closes the rank's connection
+            Peer(d)
+        assert not rank.transport.closed and d.rank is not None
+
+    run(body, tmp_path, max_connections=2)
+
+
 # -- who closes the rank's resources ------------------------------------------------
 def test_goodbye_frees_the_ranks_process_handle_at_once(tmp_path: Path) -> None:
     async def body(d: MonitorDaemon, clock: ManualClock, ops: FakeOps) -> None:
@@ -498,6 +519,7 @@ def test_a_hang_with_on_hang_inprocess_pushes_abort_and_the_rank_comes_back(tmp_
         rank, control = _rank_with_control(d)
         rank.send(wire.SectionOpen("step"), wire.Iteration(11))
         clock.advance(1.01)
+        await settle()  # pushed by a task (after the stack dump, when there is one)
         (abort,) = control.transport.replies()[1:]
         assert isinstance(abort, wire.Abort) and abort.hung_rank == 0 and abort.iteration == 0
         assert "section 'step'" in abort.reason
@@ -545,6 +567,7 @@ def test_past_max_inprocess_restarts_a_hang_is_stopped(tmp_path: Path) -> None:
         for i in (1, 2):
             rank.send(wire.SectionOpen("step"))
             clock.advance(1.01)
+            await settle()
             rank.send(wire.Restarting(i), _reentered(i), wire.Heartbeat())
         assert d.inprocess_restarts == 2 and ops.sent == []
         aborts = [m for m in control.transport.replies() if isinstance(m, wire.Abort)]
@@ -725,3 +748,31 @@ def test_without_startup_timeout_an_announced_worker_is_not_timed(tmp_path: Path
         assert d.hangs == [] and d.startup_watch.watched is None
 
     run(body, tmp_path)
+
+
+def test_the_abort_is_pushed_once_the_hung_ranks_stack_is_dumped(tmp_path: Path) -> None:
+    """faulthandler walks every thread's frames without the GIL: the ABORT, which sets the
+    rank's threads running, waits until the dump file is written (a rank crashed when both
+    came at once)."""
+    async def body(d: MonitorDaemon, clock: ManualClock, ops: FakeOps) -> None:
+        rank, control = _rank_with_control(d)
+        seen: list[tuple[int, int]] = []  # (signal, ABORTs pushed by then)
+        size = {"n": 0}
+
+        def send(proc: ProcessHandle, sig: int) -> bool:
+            seen.append((sig, len(control.transport.replies()) - 1))
+            if sig == signal.SIGUSR2:
+                size["n"] = 4096  # faulthandler writes at once
+            return True
+
+        ops.send = send  # type: ignore[method-assign]
+        ops.file_size = lambda path: size["n"]  # type: ignore[method-assign]
+        rank.send(wire.SectionOpen("step"))
+        clock.advance(1.01)
+        await settle()
+        assert (signal.SIGUSR2, 0) in seen, seen  # the dump was asked for before any ABORT
+        assert [type(m) for m in control.transport.replies()[1:]] == [wire.Abort]
+        report = json.loads((tmp_path / "reports" / f"rank0-pid{os.getpid()}-inprocess1-hang.json").read_text())
+        assert report["stack_dump_captured"] and report["terminated_by"] == "inprocess"
+
+    run(body, tmp_path, **{**INPROCESS, "stack_dump_timeout": 1.0})

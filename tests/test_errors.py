@@ -56,6 +56,39 @@ def test_every_exception_class_of_ours_derives_from_ft_error() -> None:
     assert len(found) >= 20, found  # the walk did find them
 
 
+BUILTIN_RAISES_ALLOWED = {
+    # pydantic turns a ValueError raised in a validator into ConfigError naming the field, and
+    # settings.py turns the same rules' ValueError into SettingsError
+    ("ft_monitor/rules.py", "ValueError"), ("ft_monitor/config.py", "ValueError"),
+    ("ft_client/env.py", "ValueError"),  # RankMonitorClient() re-raises it as RankMonitorClientError
+    ("ft_client/__init__.py", "AttributeError"),  # a module's __getattr__ must raise it
+    ("ft_client/inprocess/__init__.py", "AttributeError"), ("ft_monitor/__init__.py", "AttributeError"),
+    # Wrapper(**options) given an option nvidia-resiliency-ext does not have either: what Python
+    # itself raises for a keyword a function does not take
+    ("ft_client/inprocess/wrapper.py", "TypeError"),
+    ("ft_client/wire.py", "TypeError"),  # encode() of something that is not a message: a bug, not input
+    ("ft_monitor/launcher/control.py", "EOFError"),  # the socket reader's, caught beside it
+}
+
+
+def test_nothing_raises_a_bare_builtin_exception() -> None:
+    import ast
+    import builtins
+
+    root = Path(ft_client.__file__).resolve().parent.parent
+    found = set()
+    for pkg in ("ft_client", "ft_monitor"):
+        for path in sorted((root / pkg).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                exc = node.exc if isinstance(node, ast.Raise) else None
+                name = exc.func if isinstance(exc, ast.Call) else exc
+                if isinstance(name, ast.Name) and isinstance(getattr(builtins, name.id, None), type) \
+                        and issubclass(getattr(builtins, name.id), BaseException):
+                    found.add((str(path.relative_to(root)), name.id, node.lineno))
+    assert {(f, n) for f, n, _ in found} <= BUILTIN_RAISES_ALLOWED, sorted(
+        x for x in found if x[:2] not in BUILTIN_RAISES_ALLOWED)
+
+
 def test_the_public_names_and_their_bases() -> None:
     assert {"FtError", "MonitorClosedError", "MonitorBrokenError", "NotEnoughDataError", "TimeoutsCalc"} \
         <= set(ft_client.__all__)
@@ -64,6 +97,24 @@ def test_the_public_names_and_their_bases() -> None:
     assert issubclass(MonitorBrokenError, RankMonitorClientError)
     assert issubclass(NotEnoughDataError, RankMonitorClientError) and issubclass(NotEnoughDataError, ValueError)
     assert issubclass(ConfigError, ValueError) and issubclass(ConnectTimeoutError, TimeoutError)
+
+
+def test_bad_values_given_to_public_functions_raise_ft_errors_that_are_value_errors() -> None:
+    from ft_client import Timeouts, TimeoutsCalc, WorkloadAction
+    from ft_client.timeouts_calc import Observations, sections_not_ready
+
+    current = Timeouts(rank_section_timeouts={"step": 10.0})
+    for call in [
+        lambda: TimeoutsCalc(safety_factor=0.5),
+        lambda: WorkloadAction.parse("RestartEverything"),
+        lambda: sections_not_ready(current, Observations(), ["warmup"]),
+        lambda: sections_not_ready(current, Observations(), "step"),
+        lambda: sections_not_ready(current, Observations(), ["nosuch"]),
+        lambda: Observations.from_vector([1.0], ["step"]),
+    ]:
+        with pytest.raises(ValueError) as info:
+            call()
+        assert isinstance(info.value, FtError), repr(info.value)
 
 
 def test_a_client_used_before_init_or_after_shutdown_raises_closed(workdir: Path) -> None:

@@ -58,13 +58,14 @@ class FaultRecord:
         try:
             d = json.loads(raw)
             reason, rank, source, writer, when = d["reason"], d["rank"], d["source"], d["by"], d["time"]
-            if not (isinstance(reason, str) and isinstance(source, str) and isinstance(writer, int)
-                    and (rank is None or isinstance(rank, int)) and isinstance(when, (int, float))
-                    and math.isfinite(when)):
-                raise TypeError("field of the wrong type")
-            return cls(reason[:MAX_REASON], rank, source[:64], writer, float(when))
         except (ValueError, TypeError, KeyError) as e:
             return cls(f"unreadable fault record {raw[:80]!r} ({e})", None, "unknown", by, time.time())
+        if not (isinstance(reason, str) and isinstance(source, str) and isinstance(writer, int)
+                and (rank is None or isinstance(rank, int)) and isinstance(when, (int, float))
+                and math.isfinite(when)):
+            return cls(f"unreadable fault record {raw[:80]!r} (a field of the wrong type)", None, "unknown", by,
+                       time.time())
+        return cls(reason[:MAX_REASON], rank, source[:64], writer, float(when))
 
 
 def namespace() -> str:

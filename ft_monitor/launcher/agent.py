@@ -45,6 +45,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from ft_client import env as ft_env
+from ft_client.errors import FtError
 from ft_client.inprocess import timeline
 from ft_client.process_group import PROCESS_GROUP_TIMEOUT_ENV
 from ft_client.startup import worker_env as startup_env
@@ -88,6 +89,10 @@ ATTRIBUTION_WINDOW = 0.5
 """Seconds a launcher waits, on several nodes, for the other nodes' hang reports of the
 same rendezvous round: ranks waiting in a collective for a hung rank on another node
 time out too, and only the earliest onset is the hung rank."""
+
+
+class TorchVersionError(FtError, RuntimeError):
+    """torch's elastic internals are not what this launcher was built against."""
 
 
 @dataclass
@@ -192,8 +197,8 @@ def _worker_env(ft: FtRuntime) -> Iterator[None]:
     def start_processes(*args: Any, **kwargs: Any) -> Any:
         envs = kwargs.get("envs")
         if envs is None:
-            raise RuntimeError("ft-launcher: torch's start_processes was called without envs=; "
-                               "this torch version is not supported")
+            raise TorchVersionError("ft-launcher: torch's start_processes was called without envs=; "
+                                    "this torch version is not supported")
         for local_rank, worker_env in envs.items():
             worker_env.update(ft.worker_env(local_rank))
             worker_env.pop(SECRET_ENV, None)  # the job secret is the launchers', not the training code's

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from ft_client import wire
+from ft_client.errors import FtError
 from ft_client.observer import ping, try_status
 from ft_client.parent_death import die_with_parent
 from ft_client.transport import TransportError, connect
@@ -28,6 +29,11 @@ from ft_monitor.settings import ServeSpec, Settings
 from ft_monitor.status import MonitorStatus, StatusError
 
 log = logging.getLogger("ft_monitor.launcher")
+
+
+class MonitorStartError(FtError, RuntimeError):
+    """A monitor daemon did not start: it exited, or its socket did not answer in time."""
+
 
 READY_TIMEOUT = 30.0
 ANNOUNCE_TIMEOUT = 2.0
@@ -70,13 +76,13 @@ class MonitorPool:
         end = time.monotonic() + READY_TIMEOUT
         while time.monotonic() < end:
             if proc.poll() is not None:
-                raise RuntimeError(f"monitor for local rank {local_rank} exited with {proc.returncode} at start; "
-                                   f"see {self.log_path(local_rank)}:\n{self._tail(local_rank)}")
+                raise MonitorStartError(f"monitor for local rank {local_rank} exited with {proc.returncode} "
+                                        f"at start; see {self.log_path(local_rank)}:\n{self._tail(local_rank)}")
             if ping(str(self.socket(local_rank)), 1.0):
                 return
             time.sleep(0.01)
-        raise RuntimeError(f"monitor for local rank {local_rank} not ready within {READY_TIMEOUT:.0f}s; "
-                           f"see {self.log_path(local_rank)}")
+        raise MonitorStartError(f"monitor for local rank {local_rank} not ready within {READY_TIMEOUT:.0f}s; "
+                                f"see {self.log_path(local_rank)}")
 
     def _tail(self, local_rank: int) -> str:
         try:

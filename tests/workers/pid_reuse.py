@@ -22,7 +22,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from ft_client import wire  # noqa: E402
-from ft_monitor.launcher.groups import WorkerGroups  # noqa: E402
 
 
 def spawn_with_pid(pid: int, argv: list[str], **kwargs: object) -> subprocess.Popen[bytes]:
@@ -48,6 +47,8 @@ def survives(proc: subprocess.Popen[bytes], seconds: float = 0.5) -> bool:
 def groups() -> dict[str, object]:
     """The launcher's leftover-group kill must not reach a session leader that reused a
     finished worker's pid, and must still reach a worker's leftover child."""
+    from ft_monitor.launcher.groups import WorkerGroups  # here: "hello-after-exit" needs none of the launcher
+
     out: dict[str, object] = {}
     # 1. a worker that finished and was reaped; its pid is then reused by a new session leader
     worker = subprocess.Popen(["sleep", "600"], start_new_session=True)

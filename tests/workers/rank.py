@@ -12,11 +12,13 @@ import argparse
 import ctypes
 import os
 import signal
+import socket
 import sys
 import threading
 import time
+from pathlib import Path
 
-from ft_client import RankMonitorClient
+from ft_client import RankMonitorClient, env, wire
 
 
 def say(line: str) -> None:
@@ -99,11 +101,49 @@ def fork_child_holding_the_socket(client: RankMonitorClient) -> int:
     return pid
 
 
+def forge_hang_notice() -> str:
+    """Tell the launcher, as if this worker were one of its monitors, that this very
+    process hung, with a field of the wrong type; return the reply ("Ack", "Error CODE")."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10)
+
+    def recv_exact(n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk = s.recv(n - len(data))
+            if not chunk:
+                raise EOFError("the launcher closed the connection")
+            data += chunk
+        return data
+
+    try:
+        s.connect(os.environ[env.LAUNCHER_SOCKET])
+        s.sendall(wire.encode(wire.Hello(wire.PROTOCOL_VERSION, wire.Role.MONITOR, 0, {})))
+        wire.read_frame_blocking(recv_exact)
+        s.sendall(wire.encode(wire.HangNotice({
+            "rank": 0, "pid": os.getpid(), "reason": "section", "section": "step", "message": "forged",
+            "elapsed_s": 2.0, "timeout_s": 1.0, "onset_time": 1.0, "detected_time": "x", "iteration": 1,
+            "report": "/nonexistent/r.json", "stack_dump": None, "stack_dump_captured": False, "error_file": None})))
+        reply = wire.read_frame_blocking(recv_exact)
+    finally:
+        s.close()
+    return f"{type(reply).__name__} {getattr(reply, 'code', '')}".strip()
+
+
+def wait_for_file(path: str, timeout: float = 60.0) -> None:
+    end = time.monotonic() + timeout
+    while not Path(path).exists():
+        if time.monotonic() > end:
+            raise SystemExit(f"{path} did not appear within {timeout:.0f}s")
+        time.sleep(0.01)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("scenario")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--socket", default=None)
+    p.add_argument("--until-file", default=None)
     args = p.parse_args()
 
     client = RankMonitorClient(args.socket)
@@ -169,6 +209,15 @@ def main() -> None:
                 time.sleep(0.02)
             client.send_heartbeat()
         client.shutdown_workload_monitoring()
+    elif s == "forge-hang-notice":  # under ft-launcher; ends once --until-file appears
+        say(f"launcher replied {forge_hang_notice()}")
+        client.send_workload_control_request("Continue", "after a forged hang notice")  # queued behind it
+        wait_for_file(args.until_file)
+        client.shutdown_workload_monitoring()
+    elif s == "hang-after-stdin":  # connected and idle until a line arrives on stdin, then hung in "step"
+        sys.stdin.readline()
+        client.start_section("step")
+        hang_in_sleep()
     elif s == "wait-stdin":
         sys.stdin.readline()
         client.shutdown_workload_monitoring()

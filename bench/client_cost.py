@@ -1,4 +1,4 @@
-"""Figure 1: what one client call costs the training process.
+"""Figure 1: what one client call costs the training process, in both progress modes.
 
 A real client process (`--worker`) connects a `RankMonitorClient` to a real
 daemon and times, with time.perf_counter_ns, each call of:
@@ -16,6 +16,11 @@ the daemon has drained; the batch mean (one timer around n calls) is kept in the
 JSON as a cross-check. Paced: one call per millisecond, one kind at a time
 (what ran just before a call changes its cost: a heartbeat right after a PING
 costs more), the process sleeping in between as a training step would.
+
+Progress modes, side by side in the same run: `record` (the default: the daemon
+hands the client a shared-memory progress record, and heartbeats and monitored
+section events are stores into it) and `socket` (`--ft-progress-record false`:
+every event is a message the daemon reads). Round trips take the socket in both.
 
 Placement: everything that wakes the idle daemon costs several times more when
 the wake-up crosses CPUs (an inter-processor interrupt; on a VM, a hypervisor
@@ -50,7 +55,11 @@ DAEMON_FLAGS = ("--ft-rank-heartbeat-timeout", "600", "--ft-rank-section-timeout
 
 EVENT_TARGET_US = 2.0
 PACED_TARGET_US = 5.0
+RECORD_EVENT_TARGET_US = 0.5
+RECORD_PACED_TARGET_US = 1.0
 RTT_TARGET_US = 30.0
+MODES: dict[str, tuple[str, ...]] = {"record": (), "socket": ("--ft-progress-record", "false")}
+"""Progress modes: daemon flags for each."""
 HEARTBEAT = b"\x00\x00\x00\x02\x91\x04"  # wire.HEARTBEAT_FRAME, spelled out: the reference needs no client
 
 
@@ -73,21 +82,23 @@ def placements() -> dict[str, tuple[int, int] | None]:
 
 def run(mode: Mode, loop: str) -> list[Figure]:
     out: list[Figure] = []
-    for name, cpus in placements().items():
-        out += run_placed(mode, loop, name, cpus)
+    for progress in MODES:
+        for name, cpus in placements().items():
+            out += run_placed(mode, loop, name, cpus, progress)
     return out
 
 
-def run_placed(mode: Mode, loop: str, placement: str, cpus: tuple[int, int] | None) -> list[Figure]:
+def run_placed(mode: Mode, loop: str, placement: str, cpus: tuple[int, int] | None,
+               progress: str = "record") -> list[Figure]:
     n = mode.pick(5000, 2000, 200)
     repeats = mode.pick(20, 5, 2)
     paced = mode.pick(2000, 300, 20)
     rtt = mode.pick(2000, 500, 50)
     d = private_dir()
-    daemon = Daemon(d, loop, *DAEMON_FLAGS).wait_ready()
+    daemon = Daemon(d, loop, *DAEMON_FLAGS, *MODES[progress]).wait_ready()
     try:
         args = ["--socket", str(daemon.socket), "--n", str(n), "--repeats", str(repeats), "--paced", str(paced),
-                "--rtt", str(rtt)]
+                "--rtt", str(rtt), "--progress", progress]
         if cpus is not None:
             os.sched_setaffinity(daemon.pid, {cpus[0]})
             args += ["--cpu", str(cpus[1]), "--peer-cpu", str(cpus[0])]
@@ -99,43 +110,51 @@ def run_placed(mode: Mode, loop: str, placement: str, cpus: tuple[int, int] | No
     finally:
         daemon.stop()
         cleanup(d)
-    return figures(r, loop, placement, n, repeats, paced, rtt)
+    if r["progress"] != progress:
+        raise RuntimeError(f"the client reported progress through the {r['progress']}, not the {progress}:\n"
+                           f"{daemon.log()}")
+    return figures(r, loop, placement, n, repeats, paced, rtt, progress)
 
 
-def figures(r: dict[str, Any], loop: str, placement: str, n: int, repeats: int, paced: int, rtt: int) -> list[Figure]:
+def figures(r: dict[str, Any], loop: str, placement: str, n: int, repeats: int, paced: int, rtt: int,
+            progress: str = "record") -> list[Figure]:
     us = lambda xs: [x / 1000.0 for x in xs]  # noqa: E731
     b2b_note = f"{repeats} x {n} calls, each timed; timer overhead {r['timer_ns']} ns subtracted"
     paced_note = f"{paced} calls, one per ms, one kind at a time"
+    event_us, paced_us = ((RECORD_EVENT_TARGET_US, RECORD_PACED_TARGET_US) if progress == "record"
+                          else (EVENT_TARGET_US, PACED_TARGET_US))
     out = []
 
     def fig(key: str, what: str, samples_ns: list[float], target_us: float, note: str, **extra: Any) -> None:
-        out.append(Figure(id=f"client.{placement}.{key}", what=f"{what} ({placement})", unit="us",
-                          samples=us(samples_ns), target=f"p50 <= {target_us:g} us", limit=target_us, loop=loop,
-                          details={"how": note, "placement": placement, **extra}))
+        out.append(Figure(id=f"client.{progress}.{placement}.{key}", what=f"{what} ({progress}, {placement})",
+                          unit="us", samples=us(samples_ns), target=f"p50 <= {target_us:g} us", limit=target_us,
+                          loop=loop, details={"how": note, "placement": placement, "progress": progress, **extra}))
 
     b = r["b2b"]
-    fig("heartbeat.b2b", "heartbeat, back-to-back", b["heartbeat"], EVENT_TARGET_US, b2b_note,
+    fig("heartbeat.b2b", "heartbeat, back-to-back", b["heartbeat"], event_us, b2b_note,
         batch_mean_us=[x / 1000 for x in r["batch"]["heartbeat"]])
-    fig("section.b2b", "monitored section event, back-to-back", b["section"], EVENT_TARGET_US,
+    fig("section.b2b", "monitored section event, back-to-back", b["section"], event_us,
         b2b_note + "; start+end pair / 2", batch_mean_us=[x / 1000 for x in r["batch"]["section"]])
-    fig("unmonitored.b2b", "unmonitored section event, back-to-back", b["unmonitored"], EVENT_TARGET_US,
+    fig("unmonitored.b2b", "unmonitored section event, back-to-back", b["unmonitored"], event_us,
         b2b_note + "; start+end pair / 2", batch_mean_us=[x / 1000 for x in r["batch"]["unmonitored"]])
     p = r["paced"]
-    fig("heartbeat.paced", "heartbeat, 1 call/ms", p["heartbeat"], PACED_TARGET_US, paced_note)
-    fig("section.paced", "monitored section event, 1 call/ms", p["section"], PACED_TARGET_US,
+    fig("heartbeat.paced", "heartbeat, 1 call/ms", p["heartbeat"], paced_us, paced_note)
+    fig("section.paced", "monitored section event, 1 call/ms", p["section"], paced_us,
         paced_note + "; start+end pair / 2")
-    fig("unmonitored.paced", "unmonitored section event, 1 call/ms", p["unmonitored"], PACED_TARGET_US,
+    fig("unmonitored.paced", "unmonitored section event, 1 call/ms", p["unmonitored"], paced_us,
         paced_note + "; start+end pair / 2")
     fig("ping.b2b", "round trip (PING), back-to-back", r["rtt"]["ping"], RTT_TARGET_US,
         f"{rtt} requests through the client's transport")
     fig("set_timeouts.b2b", "round trip set_timeouts(), back-to-back", r["rtt"]["set_timeouts"], RTT_TARGET_US,
         f"{rtt} calls of client.set_timeouts(client.timeouts)")
     fig("ping.paced", "round trip (PING), 1 call/ms", p["ping"], RTT_TARGET_US, paced_note)
+    if progress != "socket":
+        return out
     ref = "reference: bare send() of the heartbeat frame to a reader idle in epoll (another process)"
-    out.append(Figure(id=f"client.{placement}.raw_send.b2b", unit="us", samples=us(b["raw"]), loop=loop,
+    out.append(Figure(id=f"client.reference.{placement}.raw_send.b2b", unit="us", samples=us(b["raw"]), loop=loop,
                       what=f"reference: raw send() syscall, back-to-back ({placement})",
                       details={"how": ref + "; " + b2b_note, "placement": placement}))
-    out.append(Figure(id=f"client.{placement}.raw_send.paced", unit="us", samples=us(p["raw"]), loop=loop,
+    out.append(Figure(id=f"client.reference.{placement}.raw_send.paced", unit="us", samples=us(p["raw"]), loop=loop,
                       what=f"reference: raw send() syscall, 1 call/ms ({placement})",
                       details={"how": ref + "; " + paced_note, "placement": placement}))
     return out
@@ -271,6 +290,7 @@ def worker(argv: list[str]) -> None:
     a.add_argument("--rtt", type=int, required=True)
     a.add_argument("--cpu", type=int, default=None, help="pin this process to one CPU")
     a.add_argument("--peer-cpu", type=int, default=None, help="pin the reference reader to the daemon's CPU")
+    a.add_argument("--progress", default="record")
     args = a.parse_args(argv)
     if args.cpu is not None:
         os.sched_setaffinity(0, {args.cpu})
@@ -319,10 +339,12 @@ def worker(argv: list[str]) -> None:
         paced[k] = _paced(client, k, args.paced, ovh, raw)  # precedes a call changes its cost
 
     lost = client.lost_reason
+    progress = "record" if client._record is not None else "socket"
     client.shutdown_workload_monitoring()
     raw.close()
     os.waitpid(reader, 0)
-    say({"timer_ns": ovh, "b2b": b2b, "batch": batch, "rtt": rtt, "paced": paced, "lost": lost})
+    say({"timer_ns": ovh, "b2b": b2b, "batch": batch, "rtt": rtt, "paced": paced, "lost": lost,
+         "progress": progress})
 
 
 if __name__ == "__main__":

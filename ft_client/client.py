@@ -10,6 +10,16 @@ What is sent: heartbeats always; a section's open/close only when the monitor
 can act on it (`ft_client.timeouts.section_needs_ipc`); sections not listed in
 rank_section_timeouts cost no IPC at all.
 
+Where the monitor hands over a progress record (a shared-memory page, see
+`ft_client.record`), progress is a few stores into it, with no syscall: each
+monitored section is registered once over the socket (SECTION_SLOT) and then
+opens and closes in its slot; heartbeats and the iteration are stored too. The
+socket carries the rest (and every progress report where there is no record, or
+the monitor's config says ``progress_record: false``). Either way, while an
+in-process restart unwinds nothing is reported, and the first progress after
+re-entry sends REENTERED over the socket before it is stored; re-entry starts a
+new epoch of the record, so the sections abandoned while unwinding read as closed.
+
 The connection is in one of the states of `ConnState`::
 
     NOT_INITIALIZED --init_workload_monitoring()--> CONNECTED
@@ -38,7 +48,7 @@ from dataclasses import replace
 from enum import Enum
 from typing import Any, TypeVar
 
-from ft_client import env, wire
+from ft_client import env, record, wire
 from ft_client.control import ControlLink
 from ft_client.errors import MonitorBrokenError, MonitorClosedError, RankMonitorClientError
 from ft_client.inprocess import events
@@ -66,7 +76,7 @@ from ft_client.timeouts_calc import (
     learn_section_timeouts,
     sections_not_ready,
 )
-from ft_client.transport import Transport, TransportError, connect
+from ft_client.transport import Transport, TransportBrokenError, TransportError, connect
 from ft_client.workload import WorkloadAction, WorkloadControlRequest
 
 log = logging.getLogger("ft_client")
@@ -80,6 +90,14 @@ failed attempt up to RECONNECT_MAX_INTERVAL. Attempts run on a background thread
 RECONNECT_MAX_INTERVAL = 8.0
 ITERATION_REPORT_INTERVAL = 0.2
 """Seconds between iteration reports to the monitor (the launcher's progress tracking)."""
+_UNSENT = -1
+"""`_open` route of a section the monitor was not told about."""
+_SOCKET = -2
+"""`_open` route of a section reported over the socket; a route >= 0 is a record slot."""
+_now_ns = time.monotonic_ns
+_HB_SEQ, _HB_AT, _ITERATION = record.W_HB_SEQ, record.W_HB_AT, record.W_ITERATION
+_SLOT_BASE, _SLOT_WORDS = record.SLOT_BASE, record.SLOT_WORDS
+_OPENED_AT, _CLOSED_AT = record.OPENED_AT, record.CLOSED_AT
 
 
 class _Section:
@@ -139,6 +157,8 @@ class RankMonitorClient:
             raise RankMonitorClientError(str(e)) from e
         self._socket_path = socket_path
         self._clock = clock
+        self._mono = clock is time.monotonic
+        """The clock is the default: one monotonic_ns() read serves the record and the learning."""
         self._lock = threading.RLock()
         self._state = ConnState.NOT_INITIALIZED
         self._transport: Transport | None = None
@@ -149,7 +169,12 @@ class RankMonitorClient:
         self._forked_warned = False
         self._timeouts = Timeouts()
         self._ipc: frozenset[str] = frozenset()
-        self._open: dict[str, bool] = {}  # open section -> whether the monitor was told
+        self._open: dict[str, int] = {}
+        """Open section -> how the monitor was told: _UNSENT, _SOCKET or its record slot."""
+        self._record: record.RecordWriter | None = None
+        """The progress record, while connected to a monitor that handed one over."""
+        self._slots: dict[str, int] = {}
+        """Section -> its slot in the current record (registered with SECTION_SLOT)."""
         self._open_frames: dict[str, bytes] = {}
         self._close_frames: dict[str, bytes] = {}
         self._sync_sections = False
@@ -199,8 +224,10 @@ class RankMonitorClient:
                     f"no monitor socket: set {env.RANK_MONITOR_SOCKET} (ft-launcher and `ft-monitor serve -- CMD` "
                     "set it) or pass socket_path="
                 )
+            asked = _now_ns()
             try:
-                transport, hello = connect(path, CONNECT_TIMEOUT, wire.Role.RANK, self.rank, _hello_info())
+                transport, hello = connect(path, CONNECT_TIMEOUT, wire.Role.RANK, self.rank, _hello_info(),
+                                           take_fd=True)
             except FileNotFoundError as e:
                 raise RankMonitorClientError(
                     f"no monitor listens at {path} (from {self._path_origin(socket_path)}): the socket file does not "
@@ -213,7 +240,7 @@ class RankMonitorClient:
             except (TransportError, OSError) as e:
                 raise RankMonitorClientError(f"cannot connect to the monitor at {path}: {e}") from e
             self._path = transport.path  # resolved once: reconnections cannot be redirected
-            configured = self._adopt(transport, hello)
+            configured = self._adopt(transport, hello, asked)
             self._calc = TimeoutsRecorder(
                 (n for n in configured.rank_section_timeouts if n != WARMUP_SECTION), self._safety_factor
             )
@@ -224,11 +251,15 @@ class RankMonitorClient:
             events.add_restart_listener(self._restart_hook)
             _die_with_launcher()
 
-    def _adopt(self, transport: Transport, hello: wire.HelloOk) -> Timeouts:
-        """Take a new connection's session (config from the monitor); return its configured timeouts."""
+    def _adopt(self, transport: Transport, hello: wire.HelloOk, asked_ns: int) -> Timeouts:
+        """Take a new connection's session (config from the monitor, its progress record);
+        return its configured timeouts. ``asked_ns``: when the HELLO was sent."""
+        fd = transport.take_fd()
         try:
             info = SessionInfo.from_wire(hello.session)
         except SessionInfoError:
+            if fd is not None:
+                os.close(fd)
             transport.close()
             raise
         configured = info.timeouts
@@ -239,6 +270,7 @@ class RankMonitorClient:
         self._raise_on_lost = info.on_monitor_lost == "raise"
         self._request_timeout = info.client_request_timeout
         transport.set_timeout(self._request_timeout)
+        self._take_record(transport, info, fd, asked_ns)
         self._safety_factor = info.safety_factor
         self._min_learned = info.min_learned_timeout
         self._set_timeouts(configured)
@@ -249,6 +281,41 @@ class RankMonitorClient:
                 log.warning("rank %d: cannot open stack dump file %s: %s", self.rank, info.stack_dump_path, e)
         self._open_control(info)
         return configured
+
+    def _take_record(self, transport: Transport, info: SessionInfo, fd: int | None, asked_ns: int) -> None:
+        """Map the progress record passed with HELLO_OK, if any; one that cannot be used is
+        declined (RECORD_DECLINED, with why) and progress goes through the socket."""
+        self._record = None
+        self._slots = {}
+        if info.record is None and fd is None:
+            return
+        from ft_client.record_open import open_record
+
+        if fd is None:
+            problem = "HELLO_OK describes a progress record but no descriptor came with it"
+        elif info.record is None:
+            os.close(fd)
+            problem = "a descriptor came with HELLO_OK, which describes no progress record"
+        else:
+            try:
+                self._record = open_record(fd, info.record, asked_ns, _now_ns())
+            except (record.RecordError, OSError) as e:
+                problem = str(e)
+            else:
+                threading.Thread(target=self._watch, args=(transport,), name="ft-client-watch", daemon=True).start()
+                return
+        log.warning("rank %d: cannot use the monitor's progress record (%s); reporting progress through the socket",
+                    self.rank, problem)
+        self._event(transport, wire.encode(wire.RecordDeclined(problem)))
+
+    def _watch(self, t: Transport) -> None:
+        """With a progress record the training thread may never touch the socket: this thread
+        notices the monitor going away (and starts reconnecting, or makes the next progress
+        call raise with ``on_monitor_lost: raise``)."""
+        t.wait_hangup()
+        with self._lock:
+            if self._transport is t and self._state is ConnState.CONNECTED and not t.closed:
+                self._lost(TransportBrokenError("monitor closed the connection"), raising=False)
 
     def _open_control(self, info: SessionInfo) -> None:
         """With ``on_hang: inprocess``, open the control connection the monitor pushes ABORT on."""
@@ -281,6 +348,8 @@ class RankMonitorClient:
             self._open.clear()
             self._calc.start(self._clock())
             self._restart = restart
+            if self._record is not None:
+                self._record.reset(_now_ns())  # a new epoch: what was open while unwinding reads as closed
 
     def _restart_gate(self, t: Transport | None) -> bool:
         """Called by progress calls while a restart is under way: True to report nothing
@@ -305,19 +374,23 @@ class RankMonitorClient:
         interval = RECONNECT_INTERVAL
         while not self._stop_reconnecting.wait(interval):
             interval = min(interval * 2, RECONNECT_MAX_INTERVAL)
+            asked = _now_ns()
             try:
                 transport, hello = connect(self._path, self._request_timeout, wire.Role.RANK, self.rank,
-                                           _hello_info())
+                                           _hello_info(), take_fd=True)
             except (TransportError, OSError):
                 continue
             with self._lock:
                 if self._state is not ConnState.LOST or self._stop_reconnecting.is_set():
+                    fd = transport.take_fd()
+                    if fd is not None:
+                        os.close(fd)
                     transport.close()
                     return
                 mine = self._timeouts
-                self._open = dict.fromkeys(self._open, False)
+                self._open = dict.fromkeys(self._open, _UNSENT)
                 try:
-                    configured = self._adopt(transport, hello)  # re-sends opens the monitor must know about
+                    configured = self._adopt(transport, hello, asked)  # re-sends opens the monitor must know about
                     if mine.learned:
                         self.set_timeouts(overlay_learned(configured, mine))
                     if self._transport is not None:
@@ -351,6 +424,7 @@ class RankMonitorClient:
         """After os.fork(), in the child: drop the rank's connection without a word (the
         parent still owns the session), stop dumping stacks, and ignore progress calls."""
         self._lock = threading.RLock()  # another thread may have held the parent's at fork time
+        self._record = None  # not mapped here (MADV_DONTFORK): the rank's progress is the rank's
         if self._transport is not None:
             self._transport.abandon()
         self._transport = None
@@ -373,6 +447,7 @@ class RankMonitorClient:
             return
         self._stop_reconnector()
         with self._lock:
+            self._record = None
             t = self._transport
             if t is not None:
                 try:
@@ -395,65 +470,192 @@ class RankMonitorClient:
             self._restart = None
 
     # -- progress --------------------------------------------------------------
+    # Each call takes the lock explicitly (cheaper than `with`, which matters at a few
+    # hundred nanoseconds a call). With a record and no restart under way, the fast path
+    # is: learn, store. Otherwise the transport is checked (raising before init), the
+    # restart gate applied, and the event sent or stored.
     def send_heartbeat(self) -> None:
-        with self._lock:
+        lock = self._lock
+        lock.acquire()
+        try:
+            rec = self._record
+            if rec is not None and self._restart is None:  # the fast path: learn, store
+                now = _now_ns()
+                self._calc.on_heartbeat(now * 1e-9 if self._mono else self._clock())
+                w = rec.words  # RecordWriter.heartbeat, inlined: this runs at every call
+                seq = rec.hb_seq + 1
+                w[_HB_SEQ] = seq
+                w[_HB_AT] = now
+                w[_HB_SEQ] = rec.hb_seq = seq + 1
+                if self._sync_sections:
+                    self._confirm()
+                return
             t = self._transport or self._not_connected()
             if self._restart is not None and self._restart_gate(t):
                 return
             self._calc.on_heartbeat(self._clock())
-            if t is not None:
-                self._event(t, wire.HEARTBEAT_FRAME)
+            rec = self._record
+            if rec is not None:
+                rec.heartbeat(_now_ns())
+            elif self._transport is not None:
+                self._event(self._transport, wire.HEARTBEAT_FRAME)
+        finally:
+            lock.release()
 
     def start_section(self, name: str) -> None:
-        with self._lock:
+        lock = self._lock
+        lock.acquire()
+        try:
             if name in self._open:
                 raise RankMonitorClientError(f"section {name!r} is already open; end_section({name!r}) first")
-            t = self._transport or self._not_connected()
-            if self._restart is not None and self._restart_gate(t):
-                self._open[name] = False
+            rec = self._record
+            if rec is not None and self._restart is None:
+                now = _now_ns()
+                self._calc.on_section_open(name, now * 1e-9 if self._mono else self._clock())
+                slot = self._slots.get(name)
+                if slot is not None:  # the fast path: a registered section
+                    self._open[name] = slot
+                    w, seqs = rec.words, rec.seqs  # RecordWriter.open, inlined: this runs at every call
+                    i = _SLOT_BASE + _SLOT_WORDS * slot
+                    seq = seqs[slot] + 1
+                    w[i] = seq
+                    w[i + _OPENED_AT] = now
+                    w[i] = seqs[slot] = seq + 1
+                    if self._sync_sections:
+                        self._confirm()
+                    return
+            else:
+                t = self._transport or self._not_connected()
+                if self._restart is not None and self._restart_gate(t):
+                    self._open[name] = _UNSENT
+                    return
+                self._calc.on_section_open(name, self._clock())
+            self._open[name] = _UNSENT
+            if name not in self._ipc:
                 return
-            self._calc.on_section_open(name, self._clock())
-            send = t is not None and name in self._ipc
-            self._open[name] = send
-            if send:
+            rec = self._record
+            if rec is not None:
+                slot = self._slots.get(name)
+                if slot is None:
+                    slot = self._register_slot(name)
+                if slot is not None and self._record is rec:
+                    self._open[name] = slot
+                    rec.open(slot, _now_ns())
+                    if self._sync_sections:
+                        self._confirm()
+                    return
+            t = self._transport
+            if t is not None:
+                self._open[name] = _SOCKET
                 frame = self._open_frames.get(name)
                 if frame is None:
                     frame = self._open_frames[name] = self._section_frame(name, wire.section_open_frame)
-                self._event(t, frame)  # type: ignore[arg-type]
+                self._event(t, frame)
+        finally:
+            lock.release()
 
     def end_section(self, name: str) -> None:
-        with self._lock:
-            sent = self._open.pop(name, None)
-            if sent is None:
+        lock = self._lock
+        lock.acquire()
+        try:
+            route = self._open.pop(name, None)
+            if route is None:
                 raise RankMonitorClientError(f"section {name!r} is not open; start_section({name!r}) first")
+            rec = self._record
+            if rec is not None and self._restart is None:  # the fast path: learn, store
+                now_ns = _now_ns()
+                self._calc.on_section_close(name, now_ns * 1e-9 if self._mono else self._clock())
+                w = rec.words
+                if route >= 0:  # RecordWriter.close, inlined: this runs at every call
+                    seqs = rec.seqs
+                    i = _SLOT_BASE + _SLOT_WORDS * route
+                    seq = seqs[route] + 1
+                    w[i] = seq
+                    w[i + _CLOSED_AT] = now_ns
+                    w[i] = seqs[route] = seq + 1
+                if name == STEP_SECTION:
+                    self._iteration += 1
+                    w[_ITERATION] = self._iteration
+                if route == _SOCKET:
+                    self._send_close(name)
+                elif route >= 0 and self._sync_sections:
+                    self._confirm()
+                return
             t = self._transport or self._not_connected()
             if self._restart is not None and self._restart_gate(t):
                 return
             now = self._clock()
             self._calc.on_section_close(name, now)
-            if name == STEP_SECTION:
+            step = name == STEP_SECTION
+            if step:
                 self._iteration += 1
+            rec = self._record
+            if rec is not None:  # REENTERED was just sent
+                if route >= 0:
+                    rec.close(route, _now_ns())
+                if step:
+                    rec.words[record.W_ITERATION] = self._iteration
+                if route == _SOCKET:
+                    self._send_close(name)
+                return
+            t = self._transport
             if t is None:
                 return
-            if sent:
-                frame = self._close_frames.get(name)
-                if frame is None:
-                    frame = self._close_frames[name] = self._section_frame(name, wire.section_close_frame)
-                self._event(t, frame)
-            if name == STEP_SECTION and now - self._iteration_sent_at >= ITERATION_REPORT_INTERVAL:
+            if route == _SOCKET:
+                self._send_close(name)
+            if step and now - self._iteration_sent_at >= ITERATION_REPORT_INTERVAL:
                 self._iteration_sent_at = now
                 self._event(t, wire.encode(wire.Iteration(self._iteration)))
+        finally:
+            lock.release()
+
+    def _send_close(self, name: str) -> None:
+        t = self._transport
+        if t is None:
+            return
+        frame = self._close_frames.get(name)
+        if frame is None:
+            frame = self._close_frames[name] = self._section_frame(name, wire.section_close_frame)
+        self._event(t, frame)
 
     def end_all_sections(self) -> None:
         """Close every open section, here and in the monitor."""
         with self._lock:
             t = self._transport or self._not_connected()
+            routes = list(self._open.values())
             self._open.clear()
             if self._restart is not None and self._restart_gate(t):
                 return
             self._calc.on_close_all(self._clock())
+            rec = self._record
+            if rec is not None:
+                now = _now_ns()
+                for route in routes:
+                    if route >= 0:
+                        rec.close(route, now)
+                if _SOCKET not in routes:
+                    if self._sync_sections:
+                        self._confirm()
+                    return
             if t is not None:
                 self._event(t, _CLOSE_ALL_FRAME)
+
+    def _register_slot(self, name: str) -> int | None:
+        """Give a monitored section a slot of the record and tell the monitor (once per
+        record); None when every slot is taken (the section reports through the socket)."""
+        t = self._transport
+        if len(self._slots) >= record.SLOTS or t is None:
+            return None
+        slot = len(self._slots)
+        try:
+            frame = wire.encode(wire.SectionSlot(name, slot))
+        except wire.ProtocolError as e:
+            raise RankMonitorClientError(f"bad section name {name!r}: {e}") from e
+        self._event(t, frame)
+        if self._record is None:  # the monitor went away meanwhile
+            return None
+        self._slots[name] = slot
+        return slot
 
     def section(self, name: str) -> _Section:
         """``with client.section("step"): ...`` or ``@client.section("step")``."""
@@ -502,13 +704,23 @@ class RankMonitorClient:
             return self._timeouts
 
     def _set_timeouts(self, timeouts: Timeouts) -> None:
-        """Adopt new timeouts; tell the monitor about open sections it now needs to know."""
+        """Adopt new timeouts; tell the monitor about open sections it now needs to know
+        (opened now, as far as it can tell)."""
         self._timeouts = timeouts
         self._ipc = frozenset(n for n in timeouts.rank_section_timeouts if section_needs_ipc(n, timeouts))
-        t = self._transport
-        for name, sent in list(self._open.items()):
-            if not sent and name in self._ipc and t is not None:
-                self._open[name] = True
+        for name, route in list(self._open.items()):
+            t = self._transport
+            if route != _UNSENT or name not in self._ipc or t is None:
+                continue
+            rec = self._record
+            slot = self._slots.get(name) if rec is not None else None
+            if rec is not None and slot is None:
+                slot = self._register_slot(name)
+            if rec is not None and slot is not None and self._record is rec:
+                self._open[name] = slot
+                rec.open(slot, _now_ns())
+            else:
+                self._open[name] = _SOCKET
                 self._event(t, wire.section_open_frame(name))
 
     # -- learned timeouts ------------------------------------------------------
@@ -647,6 +859,20 @@ class RankMonitorClient:
         except TransportError as e:
             self._lost(e)
 
+    def _confirm(self) -> None:
+        """``skip_section_response: false`` with a record: a PING round trip (the monitor
+        reads the record before it answers a message of the rank's)."""
+        t = self._transport
+        if t is None:
+            return
+        try:
+            reply = t.request(wire.PING)
+        except TransportError as e:
+            self._lost(e)
+            return
+        if not isinstance(reply, wire.Pong):
+            raise RankMonitorClientError(f"monitor answered PING with {reply!r}")
+
     def _why_not_connected(self) -> str:
         if self._state is ConnState.LOST:
             return f"the monitor connection was lost: {self._lost_reason}"
@@ -675,6 +901,7 @@ class RankMonitorClient:
         raise self._not_connected_error()
 
     def _mark_lost(self, reason: str) -> None:
+        self._record = None  # the next monitor hands over a record of its own
         if self._transport is not None:
             self._transport.close()
         self._transport = None
@@ -714,8 +941,14 @@ class _RestartHook:
 
 
 def _hello_info() -> dict[str, Any]:
-    return {"pid": os.getpid(), "local_rank": os.environ.get(env.LOCAL_RANK),
+    info = {"pid": os.getpid(), "local_rank": os.environ.get(env.LOCAL_RANK),
             "restart": os.environ.get(env.RESTART_COUNT), "error_file": os.environ.get(env.ERROR_FILE)}
+    if _RECORD_PROBLEM is None:
+        info["record"] = record.VERSION  # this client can write a progress record of this layout
+    return info
+
+
+_RECORD_PROBLEM = record.supported()
 
 
 def _die_with_launcher() -> None:

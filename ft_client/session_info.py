@@ -22,6 +22,27 @@ class SessionInfoError(RankMonitorClientError, ValueError):
 
 
 @dataclass(frozen=True, slots=True)
+class RecordInfo:
+    """The progress record the monitor passed with HELLO_OK (ft_client.record)."""
+
+    version: int
+    size: int
+    slots: int
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"version": self.version, "size": self.size, "slots": self.slots}
+
+    @classmethod
+    def from_wire(cls, data: Any) -> RecordInfo | None:
+        if data is None:
+            return None
+        if not isinstance(data, Mapping):
+            raise SessionInfoError(f"session info record = {data!r:.60}: must be a map or null")
+        return cls(_whole(data, "version", "record "), _whole(data, "size", "record "),
+                   _whole(data, "slots", "record "))
+
+
+@dataclass(frozen=True, slots=True)
 class SessionInfo:
     rank: int
     pid: int
@@ -38,6 +59,9 @@ class SessionInfo:
     client_request_timeout: float
     safety_factor: float
     min_learned_timeout: float
+    record: RecordInfo | None = None
+    """The progress record passed with this HELLO_OK (SCM_RIGHTS), or None: progress goes
+    through the socket. A monitor that predates the record sends no key (None)."""
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -54,6 +78,7 @@ class SessionInfo:
             "client_request_timeout": self.client_request_timeout,
             "safety_factor": self.safety_factor,
             "min_learned_timeout": self.min_learned_timeout,
+            "record": None if self.record is None else self.record.to_wire(),
         }
 
     @classmethod
@@ -93,13 +118,14 @@ class SessionInfo:
             client_request_timeout=_positive(data, "client_request_timeout"),
             safety_factor=_positive(data, "safety_factor"),
             min_learned_timeout=_positive(data, "min_learned_timeout", zero_ok=True),
+            record=RecordInfo.from_wire(data.get("record")),
         )
 
 
-def _whole(data: Mapping[str, Any], key: str) -> int:
+def _whole(data: Mapping[str, Any], key: str, prefix: str = "") -> int:
     v = data.get(key)
     if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise SessionInfoError(f"session info {key} = {v!r:.60}: must be a whole number >= 0")
+        raise SessionInfoError(f"session info {prefix}{key} = {v!r:.60}: must be a whole number >= 0")
     return v
 
 

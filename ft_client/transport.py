@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import errno
 import os
+import select
 import socket
 import stat
 import struct
@@ -123,7 +124,7 @@ def _timeval(seconds: float) -> bytes:
 
 
 class Transport:
-    __slots__ = ("path", "timeout", "_sock", "_pending", "_lock", "closed", "broken_reason")
+    __slots__ = ("path", "timeout", "_sock", "_pending", "_lock", "closed", "broken_reason", "received_fd")
 
     def __init__(self, path: str, timeout: float) -> None:
         self.path = resolve_socket_path(path)
@@ -132,6 +133,9 @@ class Transport:
         self._lock = threading.Lock()
         self.closed = False
         self.broken_reason: str | None = None
+        self.received_fd: int | None = None
+        """A descriptor the peer passed with a reply read by `request(..., take_fd=True)`
+        (SCM_RIGHTS); whoever takes it closes it."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.settimeout(timeout)
@@ -194,8 +198,10 @@ class Transport:
             raise TransportBrokenError(self.broken_reason)
 
     # -- requests --------------------------------------------------------------
-    def request(self, msg: wire.Message) -> wire.Message:
-        """Send ``msg`` and return the daemon's reply, within the timeout."""
+    def request(self, msg: wire.Message, *, take_fd: bool = False) -> wire.Message:
+        """Send ``msg`` and return the daemon's reply, within the timeout. With
+        ``take_fd``, a descriptor passed with the reply's first bytes is kept in
+        `received_fd` (the handshake's progress record)."""
         frame = wire.encode(msg)
         with self._lock:
             if self.closed:
@@ -205,6 +211,8 @@ class Transport:
                     self._sock.sendall(self._pending)
                     self._pending.clear()
                 self._sock.sendall(frame)
+                if take_fd:
+                    return wire.read_frame_blocking(self._recv_exact_taking_fd)
                 return wire.read_frame_blocking(self._recv_exact)
             except (BlockingIOError, TimeoutError) as e:
                 self._break(f"monitor did not answer within {self.timeout:.1f}s")
@@ -228,6 +236,33 @@ class Transport:
             chunks.append(chunk)
             n -= len(chunk)
         return b"".join(chunks)
+
+    def _recv_exact_taking_fd(self, n: int) -> bytes:
+        """As _recv_exact, its first receive with room for one passed descriptor (the
+        kernel attaches it to the first byte of the message that carries it)."""
+        if self.received_fd is not None:
+            return self._recv_exact(n)
+        data, fds, flags, _ = socket.recv_fds(self._sock, n, 1)
+        if not data:
+            for fd in fds:
+                os.close(fd)
+            raise TransportBrokenError("monitor closed the connection")
+        keep = fds[:1]
+        for fd in fds[1:]:
+            os.close(fd)
+        if keep and not flags & socket.MSG_CTRUNC:
+            self.received_fd = keep[0]
+        else:
+            for fd in keep:
+                os.close(fd)
+            self.received_fd = -1  # nothing (more) to take from this reply
+        rest = n - len(data)
+        return data + self._recv_exact(rest) if rest else data
+
+    def take_fd(self) -> int | None:
+        """The descriptor received with the last `request(..., take_fd=True)` reply, once."""
+        fd, self.received_fd = self.received_fd, None
+        return fd if fd is not None and fd >= 0 else None
 
     def _recv_spinning(self, n: int) -> bytes:
         """A reply usually arrives within tens of microseconds: poll for it briefly,
@@ -299,6 +334,22 @@ class Transport:
             n -= len(chunk)
         return b"".join(chunks)
 
+    def wait_hangup(self, poll_interval: float = 1.0) -> None:
+        """Block until the daemon closes the connection (POLLRDHUP: replies waiting to be read
+        do not wake it) or this side closes it. For a watcher thread: with a progress record
+        the training thread may send nothing for a long time, so it would not notice."""
+        p = select.poll()
+        try:
+            p.register(self._sock.fileno(), select.POLLRDHUP)
+        except (OSError, ValueError):
+            return
+        while not self.closed:
+            try:
+                if p.poll(int(poll_interval * 1000)):
+                    return
+            except OSError:
+                return
+
     def abandon(self) -> None:
         """Close without taking the lock: in a forked child, where another thread of the
         parent may have held it at fork time. Sends nothing."""
@@ -310,19 +361,30 @@ class Transport:
             pass
 
 
-def connect(path: str, timeout: float, role: str, rank: int, info: dict[str, object] | None = None
-            ) -> tuple[Transport, wire.HelloOk]:
-    """Connect and handshake. Raises TransportError with the daemon's reason on refusal."""
+def connect(path: str, timeout: float, role: str, rank: int, info: dict[str, object] | None = None, *,
+            take_fd: bool = False) -> tuple[Transport, wire.HelloOk]:
+    """Connect and handshake. Raises TransportError with the daemon's reason on refusal.
+    With ``take_fd``, a descriptor the daemon passes with HELLO_OK (the progress record)
+    waits in the transport's `take_fd()`."""
     t = Transport(path, timeout)
     try:
-        reply = t.request(wire.Hello(wire.PROTOCOL_VERSION, role, rank, info or {}))
+        reply = t.request(wire.Hello(wire.PROTOCOL_VERSION, role, rank, info or {}), take_fd=take_fd)
     except TransportError:
+        _drop_fd(t)
         t.close()
         raise
     if isinstance(reply, wire.Error):
+        _drop_fd(t)
         t.close()
         raise TransportError(f"monitor at {path} refused the connection ({reply.code}): {reply.message}")
     if not isinstance(reply, wire.HelloOk):
+        _drop_fd(t)
         t.close()
         raise TransportError(f"monitor at {path} answered HELLO with {type(reply).__name__}")
     return t, reply
+
+
+def _drop_fd(t: Transport) -> None:
+    fd = t.take_fd()
+    if fd is not None:
+        os.close(fd)

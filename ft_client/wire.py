@@ -31,6 +31,8 @@ msgpack. The body is an array whose first element is the message type tag::
     REENTERED      [21, iteration, reason, fault_rank, source, times]
                                                        fire-and-forget (rank back, first progress made)
     WORKER_STARTED [22, pid, rank, error_file]         request  -> ACK | ERROR   (launcher -> monitor)
+    SECTION_SLOT   [23, name, slot]                    fire-and-forget (this section reports in record slot N)
+    RECORD_DECLINED [24, reason]                       fire-and-forget (the rank cannot use its progress record)
 
 Nothing here unpickles or evaluates anything: msgpack with ``raw=False`` and
 ``strict_map_key=True`` yields only None, bool, int, float, str, bytes, list, dict.
@@ -83,6 +85,8 @@ class MsgType(IntEnum):
     RESTARTING = 20
     REENTERED = 21
     WORKER_STARTED = 22
+    SECTION_SLOT = 23
+    RECORD_DECLINED = 24
 
 
 class Role:
@@ -253,10 +257,28 @@ class WorkerStarted:
     """Its torchelastic error file (its attempt directory), if any."""
 
 
+@dataclass(frozen=True, slots=True)
+class SectionSlot:
+    """Rank -> monitor: section ``name`` opens and closes in slot ``slot`` of the progress
+    record from now on (ft_client.record); sent once, before the slot's first use."""
+
+    name: str
+    slot: int
+
+
+@dataclass(frozen=True, slots=True)
+class RecordDeclined:
+    """Rank -> monitor: the rank cannot use the progress record it was handed (why, for the
+    monitor's log); its progress comes through this connection."""
+
+    reason: str
+
+
 Message = (
     Hello | HelloOk | Error | Heartbeat | SectionOpen | SectionClose | SectionCloseAll
     | UpdateConfig | ConfigOk | Status | StatusReply | Ping | Pong | Goodbye | Iteration
     | Control | HangNotice | Ack | Abort | Restarting | Reentered | WorkerStarted
+    | SectionSlot | RecordDeclined
 )
 
 # Singletons for the messages without fields: decoding them allocates nothing.
@@ -320,6 +342,8 @@ _ENCODERS: dict[type, Any] = {
     Restarting: lambda m: [MsgType.RESTARTING, m.iteration],
     Reentered: lambda m: [MsgType.REENTERED, m.iteration, m.reason, m.fault_rank, m.source, m.times],
     WorkerStarted: lambda m: [MsgType.WORKER_STARTED, m.pid, m.rank, m.error_file],
+    SectionSlot: lambda m: [MsgType.SECTION_SLOT, m.name, m.slot],
+    RecordDeclined: lambda m: [MsgType.RECORD_DECLINED, m.reason],
 }
 
 HEARTBEAT_FRAME = _frame([MsgType.HEARTBEAT])
@@ -412,6 +436,8 @@ _DECODERS: dict[int, tuple[int, Any]] = {
                                                _opt_int(f[2], "fault_rank"), _str(f[3], "source"), _times(f[4]))),
     MsgType.WORKER_STARTED: (3, lambda f: WorkerStarted(_int(f[0], "pid"), _int(f[1], "rank"),
                                                         _opt_str(f[2], "error_file"))),
+    MsgType.SECTION_SLOT: (2, lambda f: SectionSlot(_name(f[0]), _int(f[1], "slot"))),
+    MsgType.RECORD_DECLINED: (1, lambda f: RecordDeclined(_str(f[0], "reason"))),
 }
 
 

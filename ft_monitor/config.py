@@ -120,6 +120,7 @@ class FaultToleranceConfig(BaseModel):
     process_group_timeout: float | None = None
     scheduler_grace_time: float | None = None
     timeout_check: str = "warn"
+    progress_record: bool = True
 
     # -- rules -----------------------------------------------------------------
     @field_validator(
@@ -192,7 +193,7 @@ class FaultToleranceConfig(BaseModel):
             raise ValueError(problem)
         return self
 
-    @field_validator("skip_section_response", mode="before")
+    @field_validator("skip_section_response", "progress_record", mode="before")
     @classmethod
     def _bool(cls, v: Any) -> Any:
         if isinstance(v, int) and not isinstance(v, bool) and v in (0, 1):

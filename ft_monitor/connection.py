@@ -16,6 +16,7 @@ import asyncio
 import fcntl
 import logging
 import os
+import socket
 import struct
 import termios
 from typing import Protocol
@@ -130,6 +131,34 @@ class Connection(asyncio.Protocol):
             t.abort()
             return
         t.write(wire.encode(msg))
+
+    def send_with_fd(self, msg: wire.Message, fd: int) -> bool:
+        """Send ``msg`` with descriptor ``fd`` attached to its first byte (SCM_RIGHTS), straight
+        on the socket: the event loop's transport cannot pass descriptors, and doing it beside
+        the transport keeps the stream's order only while nothing waits in the transport (a
+        handshake's reply is a connection's first output). Returns False, having sent nothing,
+        when it cannot be done; a part the socket did not take goes through the transport."""
+        t = self.transport
+        if t is None or self.closing or t.get_write_buffer_size():
+            return False
+        raw = t.get_extra_info("socket")
+        if raw is None:
+            return False
+        frame = wire.encode(msg)
+        try:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, fileno=raw.fileno())
+        except OSError:
+            return False
+        try:
+            sent = socket.send_fds(sock, [frame], [fd], socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
+        except OSError as e:
+            log.warning("cannot pass a descriptor to pid %d: %s", self.pid, e.strerror or e)
+            return False
+        finally:
+            sock.detach()
+        if sent < len(frame):
+            t.write(frame[sent:])
+        return True
 
     def fail(self, code: str, message: str) -> None:
         """Send an ERROR and close this connection (the daemon keeps serving)."""

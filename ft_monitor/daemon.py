@@ -33,7 +33,7 @@ from typing import Any
 from ft_client import wire
 from ft_client.safefiles import private_dir_problem
 from ft_client.timeouts import Timeouts
-from ft_monitor import handlers
+from ft_monitor import handlers, record_watch
 from ft_monitor.clock import Clock, SystemClock, Timer
 from ft_monitor.connection import Connection
 from ft_monitor.deadline import DeadlineTimer
@@ -227,6 +227,9 @@ class MonitorDaemon:
         self.others[conn] = None
 
     def dispatch(self, conn: Connection, msg: wire.Message) -> None:
+        rank = self.rank
+        if rank is not None and rank.record is not None and conn is rank.conn:
+            record_watch.sync(self, rank)  # what the rank stored before it sent this comes first
         handlers.dispatch(self, conn, msg)
 
     def after_batch(self, conn: Connection) -> None:
@@ -302,17 +305,24 @@ class MonitorDaemon:
 
     # -- detection -------------------------------------------------------------
     def _arm(self) -> None:
-        d = next_deadline(self.rank.session) if self.rank is not None else None
-        if d is None:
+        """The timer on the earliest deadline, or sooner on the progress record's tick."""
+        rank = self.rank
+        d = next_deadline(rank.session) if rank is not None else None
+        at = None if d is None else d.at
+        tick = record_watch.tick(rank) if rank is not None else None
+        if tick is not None:
+            at = self.clock.now() + tick if at is None else min(at, self.clock.now() + tick)
+        if at is None:
             self.deadline.cancel()
         else:
-            self.deadline.arm(d.at)
+            self.deadline.arm(at)
 
     def _deadline_due(self) -> None:
         rank = self.rank
         if rank is None:
             return
         s = rank.session
+        record_watch.sync(self, rank)  # the rank's latest progress in its record, before judging
         now = self.clock.now()
         hang = check(s, now)
         if hang is None:
@@ -416,6 +426,8 @@ class MonitorDaemon:
 
     # -- status ----------------------------------------------------------------
     def status(self) -> MonitorStatus:
+        if self.rank is not None:
+            record_watch.sync(self, self.rank)
         return build_status(
             now=self.clock.now(), monitor_pid=os.getpid(), socket=str(self.socket_path),
             started_at=self.started_at, sessions=self.sessions_started, timeouts=self.timeouts,

@@ -20,6 +20,7 @@ from ft_client import wire
 from ft_client.inprocess import timeline
 from ft_client.session_info import SessionInfo
 from ft_client.timeouts import Timeouts, TimeoutsError
+from ft_monitor import record_watch
 from ft_monitor.connection import Connection
 from ft_monitor.rank import RankResources, error_file_from_hello
 from ft_monitor.server_log import printable
@@ -133,14 +134,16 @@ def hello(d: MonitorDaemon, conn: Connection, msg: wire.Hello) -> None:
         rank.use_attempt_dir()
     d.rank_connected(rank)
     cfg = d.config
+    offered = record_watch.offer(d, msg.info)
     info = SessionInfo(
         rank=msg.rank, pid=conn.pid, session=d.sessions_started, timeouts=d.timeouts,
         num_warmup_iterations=cfg.num_warmup_iterations, stack_dump_signal=int(cfg.stack_dump_signal),
         stack_dump_path=str(rank.dump_path()), skip_section_response=cfg.skip_section_response,
         on_monitor_lost=cfg.on_monitor_lost, on_hang=cfg.on_hang, client_request_timeout=cfg.client_request_timeout,
         safety_factor=cfg.safety_factor, min_learned_timeout=cfg.min_learned_timeout,
+        record=record_watch.INFO if offered is not None else None,
     )
-    conn.send(wire.HelloOk(wire.PROTOCOL_VERSION, info.to_wire()))
+    record_watch.send_hello_ok(rank, info, offered)
     log.info("rank %d pid %d connected (session %d)", msg.rank, conn.pid, d.sessions_started)
 
 
@@ -274,4 +277,6 @@ _RANK_HANDLERS: dict[type, Callable[[Any, RankResources, Any], None]] = {
     wire.Control: _control,
     wire.Restarting: _restarting,
     wire.Reentered: _reentered,
+    wire.SectionSlot: record_watch.section_slot,
+    wire.RecordDeclined: record_watch.declined,
 }

@@ -19,6 +19,7 @@ import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ft_client.safefiles import open_append, private_dir_problem
 from ft_client.startup import stack_dump_name
@@ -27,6 +28,9 @@ from ft_monitor.exits import ExitWatch
 from ft_monitor.procinfo import ProcessHandle
 from ft_monitor.server_log import LOG_FORMAT
 from ft_monitor.state import Session
+
+if TYPE_CHECKING:
+    from ft_monitor.record_watch import RankRecord
 
 log = logging.getLogger("ft_monitor.server")
 
@@ -39,6 +43,8 @@ class RankResources:
         self.conn = conn
         self.control: Connection | None = None
         """The rank's control connection (in-process restart pushes ABORT there), if it opened one."""
+        self.record: RankRecord | None = None
+        """The rank's progress record, while the daemon reads it (record_watch.py)."""
         self.session = session
         self.process = process
         self.error_file = error_file
@@ -123,6 +129,9 @@ class RankResources:
         if not self._closed or self._holds or self._freed:
             return
         self._freed = True
+        if self.record is not None:
+            self.record.close()
+            self.record = None
         self.exits.forget(self.process)
         self.process.close()
         if self._log is not None:

@@ -107,6 +107,7 @@ class Settings:
     process_group_timeout: float | None = _setting(None, rules.timeout)
     scheduler_grace_time: float | None = _setting(None, rules.timeout)
     timeout_check: str = _setting("warn", rules.timeout_check)
+    progress_record: bool = _setting(True, rules.boolean)
 
     def __init__(self, data: Mapping[str, Any] | None = None, /, **values: Any) -> None:
         if data is not None and not isinstance(data, Mapping):

@@ -638,6 +638,7 @@ BAD: dict[str, list[str]] = {
     "process_group_timeout": ["0", "x"],
     "scheduler_grace_time": ["-1", "x"],
     "timeout_check": ["loud", "1"],
+    "progress_record": ["maybe", "2", "socket"],
 }
 _XFAIL_BAD: dict[tuple[str, str], str] = {}
 

@@ -33,7 +33,7 @@ NON_DEFAULT: dict[str, Any] = {
     "metrics_port": "0", "metrics_address": "::", "metrics_textfile": "/tmp/ft.prom", "slow_rank_ratio": "none",
     "slow_rank_section": "data",
     "startup_timeout": "45", "startup_until": "First_Step", "process_group_timeout": 600, "scheduler_grace_time": 30,
-    "timeout_check": "strict",
+    "timeout_check": "strict", "progress_record": "off",
 }
 
 

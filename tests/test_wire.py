@@ -43,6 +43,9 @@ ALL_MESSAGES: list[wire.Message] = [
     wire.Reentered(1, "", None, "monitor", {}),
     wire.WorkerStarted(4242, 3, "/logs/attempt_0/1/error.json"),
     wire.WorkerStarted(4242, 0, None),
+    wire.SectionSlot("step", 0),
+    wire.SectionSlot("data", 124),
+    wire.RecordDeclined("the monitor's clock differs from this process's"),
 ]
 
 

@@ -1,0 +1,262 @@
+"""The shared-memory progress record: its layout, the rank's writer, the pure decoder.
+
+At the handshake a rank's monitor hands it a small record (a sealed memfd passed
+over the socket, see docs/protocol.md "The progress record"); from then on the
+rank reports heartbeats, section opens and closes and its iteration by storing
+into that record, with no syscall, and the monitor reads it on a fine tick and
+whenever a deadline comes due. This module owns the bytes, as `wire` owns the
+frames: both sides import the layout from here.
+
+Layout, version 1: one page (`SIZE` bytes) of native-endian signed 64-bit words::
+
+    word  0  MAGIC                 written by the monitor; constant
+          1  VERSION (1)           written by the monitor; constant
+          2  SLOTS                 written by the monitor; constant (section slots below)
+          3  CREATED_NS            the monitor's CLOCK_MONOTONIC when it made the record
+          4  EPOCH_NS              the rank: when it last reset the record (0: never)
+          5  ITERATION             the rank: completed `step` sections (-1: not reported)
+          6, 7                     reserved (0)
+          8  heartbeat group: SEQ, AT, reserved, reserved
+         12  section slot k at 12 + 4k: SEQ, OPENED_AT, CLOSED_AT, reserved
+
+Every time is the rank's CLOCK_MONOTONIC in nanoseconds. A group (the heartbeat,
+or one slot) is guarded by its sequence word, a seqlock with one writer: the rank
+makes SEQ odd, stores the data, makes SEQ even again (2 more than before), so
+SEQ / 2 counts the group's writes. A reader takes SEQ, then the data, then SEQ
+again; equal and even means the data is one consistent state, anything else is a
+write in progress (`decode` reports the group as torn, and the reader keeps what
+it knew). The heartbeat group's writes are the heartbeats. A slot's writes
+alternate open, close, open, ...: an odd number of writes means open, since
+OPENED_AT. After an in-process restart the rank closes every slot left open
+while it unwound (at the new epoch) and stamps EPOCH_NS, before it reports
+anything: what was stamped before EPOCH_NS is void.
+
+Ordering: the writer's stores and the reader's loads must reach memory in the
+order the code issues them. x86-64 guarantees that (total store order), and
+CPython issues each store of a 64-bit item as one aligned store; other
+architectures reorder, so the record is used only on x86-64 (`supported`), and
+the socket carries progress elsewhere.
+
+Pure except `RecordWriter`, which stores into a mapping it is given.
+"""
+
+from __future__ import annotations
+
+import platform
+import struct
+from dataclasses import dataclass
+
+from ft_client.errors import FtError
+
+VERSION = 1
+SIZE = 4096
+"""Bytes in a record: one page."""
+MAGIC = int.from_bytes(b"ftprog\x00\x01", "little")
+WORDS = SIZE // 8
+
+# header
+W_MAGIC, W_VERSION, W_SLOTS, W_CREATED, W_EPOCH, W_ITERATION = range(6)
+# heartbeat group
+W_HB_SEQ, W_HB_AT = 8, 9
+# section slots
+SLOT_BASE = 12
+SLOT_WORDS = 4
+SEQ, OPENED_AT, CLOSED_AT = range(3)
+SLOTS = (WORDS - SLOT_BASE) // SLOT_WORDS
+"""Section slots in a record (125); sections beyond them report through the socket."""
+
+SUPPORTED_MACHINES = frozenset({"x86_64", "amd64", "AMD64"})
+
+
+def supported() -> str | None:
+    """None where the record can be used; else why not (the socket carries progress)."""
+    machine = platform.machine()
+    if machine not in SUPPORTED_MACHINES:
+        return (f"this CPU ({machine or 'unknown'}) may reorder memory accesses; the progress record needs "
+                "x86-64's store order")
+    return None
+
+
+def slot_word(slot: int) -> int:
+    """The first word (SEQ) of section slot ``slot``."""
+    return SLOT_BASE + SLOT_WORDS * slot
+
+
+def words_for(slots: int) -> int:
+    """Words a reader copies to see the header, the heartbeat and the first ``slots`` slots."""
+    return SLOT_BASE + SLOT_WORDS * slots
+
+
+def initial_header(created_ns: int) -> bytes:
+    """What the monitor writes into a new record before handing it over."""
+    return struct.pack("=8q", MAGIC, VERSION, SLOTS, created_ns, 0, -1, 0, 0)
+
+
+class RecordError(FtError, ValueError):
+    """A record that breaks the layout's rules (garbage, or not a record of this version)."""
+
+
+class RecordWriter:
+    """The rank's side: plain stores into the mapping (``words``: the record cast to
+    signed 64-bit items), three per event. One writer at a time: the client calls these
+    under its lock (and inlines heartbeat, open and close on its hot path: keep them in
+    step). The sequence words are shadowed here, so the hot path only stores."""
+
+    __slots__ = ("words", "_keep", "hb_seq", "seqs")
+
+    def __init__(self, words: memoryview, keep: object = None) -> None:
+        self.words = words
+        self._keep = keep
+        """What must outlive the stores (the mmap behind ``words``); never closed
+        explicitly: a progress call in another thread may still hold ``words``."""
+        self.hb_seq: int = words[W_HB_SEQ]
+        self.seqs: list[int] = [words[slot_word(k)] for k in range(SLOTS)]
+
+    def heartbeat(self, now_ns: int) -> None:
+        w = self.words
+        seq = self.hb_seq + 1
+        w[W_HB_SEQ] = seq
+        w[W_HB_AT] = now_ns
+        w[W_HB_SEQ] = self.hb_seq = seq + 1
+
+    def open(self, slot: int, now_ns: int) -> None:
+        """Open ``slot`` (closed: the client opens only what it has not open)."""
+        w = self.words
+        i = SLOT_BASE + SLOT_WORDS * slot
+        seq = self.seqs[slot] + 1
+        w[i] = seq
+        w[i + OPENED_AT] = now_ns
+        w[i] = self.seqs[slot] = seq + 1
+
+    def close(self, slot: int, now_ns: int) -> None:
+        """Close ``slot`` (open)."""
+        w = self.words
+        i = SLOT_BASE + SLOT_WORDS * slot
+        seq = self.seqs[slot] + 1
+        w[i] = seq
+        w[i + CLOSED_AT] = now_ns
+        w[i] = self.seqs[slot] = seq + 1
+
+    def iteration(self, iteration: int) -> None:
+        self.words[W_ITERATION] = iteration
+
+    def reset(self, now_ns: int) -> None:
+        """A new epoch (in-process restart): close what is open at ``now_ns``, then void
+        everything stamped before it."""
+        for slot, seq in enumerate(self.seqs):
+            if seq & 2:  # an odd number of writes: open
+                self.close(slot, now_ns)
+        self.words[W_EPOCH] = now_ns
+
+    def is_open(self, slot: int) -> bool:
+        return bool(self.seqs[slot] & 2)
+
+
+# -- reading (pure) ---------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Heartbeats:
+    count: int
+    at: int
+    """The latest heartbeat's time (ns), 0 before the first."""
+
+
+@dataclass(frozen=True, slots=True)
+class SlotState:
+    writes: int
+    """Opens and closes so far (they alternate, an open first)."""
+    opened_at: int
+    """The latest open's time (ns), 0 before the first."""
+    closed_at: int
+    """The latest close's time (ns), 0 before the first."""
+
+    @property
+    def opens(self) -> int:
+        return (self.writes + 1) // 2
+
+    @property
+    def closes(self) -> int:
+        return self.writes // 2
+
+    @property
+    def is_open(self) -> bool:
+        return bool(self.writes & 1)
+
+    def open_since(self, floor: int) -> int | None:
+        """When the running open began, if one runs and began at ``floor`` or later."""
+        if self.writes & 1 and self.opened_at >= floor:
+            return self.opened_at
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class RecordView:
+    """One read of a record: the header and every group that was not being written."""
+
+    created_ns: int
+    epoch_ns: int
+    iteration: int
+    heartbeats: Heartbeats | None
+    """None: being written when read (torn); the reader keeps what it knew."""
+    slots: tuple[SlotState | None, ...]
+    """The first slots read, in slot order; None for one being written."""
+
+    @property
+    def torn(self) -> bool:
+        return self.heartbeats is None or any(s is None for s in self.slots)
+
+
+def decode(before: bytes, data: bytes, after: bytes, slots: int = 0) -> RecordView:
+    """One read of a record from three copies of its first `words_for(slots)` words,
+    taken in this order: the sequence words come from ``before`` and ``after``, the
+    data from ``data``. Raises RecordError naming what is wrong for bytes that are
+    not a record of this layout (sizes, magic, version, negative counts or times)."""
+    if not 0 <= slots <= SLOTS:
+        raise RecordError(f"cannot read {slots} slots: a record has {SLOTS}")
+    n = words_for(slots)
+    size = 8 * n
+    for what, buf in (("before", before), ("data", data), ("after", after)):
+        if len(buf) < size:
+            raise RecordError(f"the {what} copy has {len(buf)} bytes; reading {slots} slot(s) takes {size}")
+    fmt = f"={n}q"
+    b = struct.unpack_from(fmt, before)
+    d = struct.unpack_from(fmt, data)
+    a = struct.unpack_from(fmt, after)
+    if d[W_MAGIC] != MAGIC or a[W_MAGIC] != MAGIC:
+        raise RecordError(f"magic word is {d[W_MAGIC]:#x}, not {MAGIC:#x}: not a progress record")
+    if d[W_VERSION] != VERSION:
+        raise RecordError(f"layout version {d[W_VERSION]}, expected {VERSION}")
+    if d[W_SLOTS] != SLOTS:
+        raise RecordError(f"slot count {d[W_SLOTS]}, expected {SLOTS}")
+    created, epoch, iteration = d[W_CREATED], d[W_EPOCH], d[W_ITERATION]
+    if created <= 0:
+        raise RecordError(f"creation time {created} is not a time")
+    if epoch < 0:
+        raise RecordError(f"epoch {epoch} is negative")
+    if iteration < -1:
+        raise RecordError(f"iteration {iteration} is below -1")
+
+    def stable(i: int) -> bool:
+        seq = b[i]
+        if seq < 0 or a[i] < seq:
+            raise RecordError(f"sequence word {i} went from {seq} to {a[i]}: sequences only grow")
+        return seq == a[i] and not seq & 1
+
+    hb: Heartbeats | None = None
+    if stable(W_HB_SEQ):
+        count, at = b[W_HB_SEQ] // 2, d[W_HB_AT]
+        if at < 0 or (at == 0) != (count == 0):
+            raise RecordError(f"{count} heartbeat(s), the last at {at}: a time is >= 0, and set once there is a "
+                              "heartbeat")
+        hb = Heartbeats(count, at)
+    out: list[SlotState | None] = []
+    for k in range(slots):
+        i = SLOT_BASE + SLOT_WORDS * k
+        if not stable(i):
+            out.append(None)
+            continue
+        writes, opened, closed = b[i] // 2, d[i + OPENED_AT], d[i + CLOSED_AT]
+        if opened < 0 or closed < 0 or (opened == 0) != (writes == 0) or (closed == 0) != (writes < 2):
+            raise RecordError(f"slot {k}: {writes} write(s), opened at {opened}, closed at {closed}: times are "
+                              ">= 0, and set once the slot was opened (closed)")
+        out.append(SlotState(writes, opened, closed))
+    return RecordView(created, epoch, iteration, hb, tuple(out))

@@ -1,0 +1,182 @@
+"""How the daemon uses a rank's progress record (ft_client.record).
+
+* At the handshake (`offer`, `send_hello_ok`): a rank that asks for a record (its
+  HELLO info says ``record: 1``) gets one with HELLO_OK, unless the config says
+  ``progress_record: false`` or none can be made here (record_map.py says why,
+  logged once); HELLO_OK's ``record`` key says which.
+* `sync`: read the record and apply it to the session (record_sync.py). The
+  daemon calls it on the fine tick (`tick`), when a deadline comes due, before
+  each message of the rank's (so the socket's order holds: a PONG confirms what
+  was stored before the PING) and before answering STATUS.
+* A record that no correct writer could have left (record_sync's RecordError)
+  is read no more: one ERROR line says why; the session keeps what it had
+  applied, so a rank that goes on storing its progress there is timed from its
+  last valid progress and treated as hung when a deadline passes. The monitor
+  never crashes on a record's content: it reads copies of it, decoded with
+  bounds checked.
+* SECTION_SLOT registers a section's slot; RECORD_DECLINED (the rank could not
+  use the record) drops it, with one WARNING line.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from ft_client import record, wire
+from ft_client.record import RecordError, decode, words_for
+from ft_client.session_info import RecordInfo, SessionInfo
+from ft_monitor.record_map import RecordSource, RecordUnavailable, create_record
+from ft_monitor.record_sync import Applied, RecordSync, tick_for
+from ft_monitor.server_log import printable
+from ft_monitor.state import Phase, Session, SessionError
+
+if TYPE_CHECKING:
+    from ft_monitor.daemon import MonitorDaemon
+    from ft_monitor.rank import RankResources
+
+log = logging.getLogger("ft_monitor.server")
+
+INFO = RecordInfo(record.VERSION, record.SIZE, record.SLOTS)
+MAX_TRIES = 3
+"""Reads in a row while a group is being written, before the torn groups keep their old state."""
+_logged: set[str] = set()
+
+
+class RankRecord:
+    """One rank's record as the daemon holds it: where it is read from, what was applied."""
+
+    __slots__ = ("source", "sync", "_key", "reads", "torn_reads")
+
+    def __init__(self, source: RecordSource, created_ns: int) -> None:
+        self.source = source
+        self.sync = RecordSync(created_ns)
+        self._key: tuple[bytes, Phase, int] | None = None
+        self.reads = 0
+        self.torn_reads = 0
+
+    def apply(self, session: Session, now: float) -> Applied | None:
+        """Read the record and apply what is new to ``session``; None when nothing changed
+        since the last read (same bytes, same session). Raises RecordError."""
+        slots = self.sync.slots_in_use
+        words = words_for(slots)
+        for _ in range(MAX_TRIES):
+            before, data, after = self.source.read(words)
+            if self._key == (data, session.phase, session.events):
+                return None
+            self.reads += 1
+            view = decode(before, data, after, slots)
+            if not view.torn:
+                break
+            self.torn_reads += 1
+        applied = self.sync.apply(session, view, now)
+        self._key = None if view.torn else (data, session.phase, session.events)
+        return applied
+
+    def close(self) -> None:
+        self.source.close()
+
+
+# -- the handshake ---------------------------------------------------------------------
+def offer(d: MonitorDaemon, info: dict[str, Any]) -> tuple[int, RankRecord] | None:
+    """A record for the rank whose HELLO carried ``info``, if it asked and one can be made."""
+    asked = info.get("record")
+    if not d.config.progress_record or isinstance(asked, bool) or asked != record.VERSION:
+        return None
+    created = round(d.clock.now() * 1e9)
+    try:
+        fd, mapping = create_record(created)
+    except RecordUnavailable as e:
+        reason = str(e)
+        if reason not in _logged:
+            _logged.add(reason)
+            log.warning("no progress record for the ranks of this monitor (%s); their progress goes through the "
+                        "socket", reason)
+        return None
+    return fd, RankRecord(mapping, created)
+
+
+def send_hello_ok(rank: RankResources, info: SessionInfo, offered: tuple[int, RankRecord] | None) -> None:
+    """HELLO_OK to a new rank: with its record attached when one was made, else without."""
+    conn = rank.conn
+    if offered is not None:
+        fd, rr = offered
+        try:
+            sent = conn.send_with_fd(wire.HelloOk(wire.PROTOCOL_VERSION, info.to_wire()), fd)
+        finally:
+            os.close(fd)  # the rank holds it now (or nobody does)
+        if sent:
+            rank.record = rr
+            log.info("rank %d pid %d reports progress through a shared-memory record", info.rank, info.pid)
+            return
+        rr.close()
+        reason = "the record could not be passed over the socket (SCM_RIGHTS)"
+        if reason not in _logged:
+            _logged.add(reason)
+            log.warning("no progress record for rank %d pid %d: %s; its progress goes through the socket",
+                        info.rank, info.pid, reason)
+        info = replace(info, record=None)
+    conn.send(wire.HelloOk(wire.PROTOCOL_VERSION, info.to_wire()))
+
+
+# -- reading ---------------------------------------------------------------------------
+def sync(d: MonitorDaemon, rank: RankResources) -> None:
+    """Apply what the rank stored since the last read; refuse a record that breaks the rules."""
+    rr = rank.record
+    if rr is None:
+        return
+    try:
+        applied = rr.apply(rank.session, d.clock.now())
+    except RecordError as e:
+        refuse(rank, str(e))
+        return
+    if applied is None:
+        return
+    for name, took in applied.closed:
+        d.section_stats.record(name, took)
+    if applied.iteration is not None and (d.iteration_high is None or applied.iteration > d.iteration_high):
+        d.iteration_high = applied.iteration
+
+
+def refuse(rank: RankResources, reason: str) -> None:
+    s = rank.session
+    log.error("rank %d pid %d: its progress record is corrupt (%s); it is read no more: progress the rank stores "
+              "there is not seen, so the rank is timed from its last valid progress and treated as hung when a "
+              "deadline passes", s.rank, s.pid, reason)
+    drop(rank)
+
+
+def drop(rank: RankResources) -> None:
+    rr, rank.record = rank.record, None
+    if rr is not None:
+        rr.close()
+
+
+def tick(rank: RankResources) -> float | None:
+    """Seconds until the record should be read again, or None (no record, or nothing timed now)."""
+    if rank.record is None or rank.session.phase is not Phase.ACTIVE:
+        return None
+    s = rank.session
+    return tick_for(s.timeouts, s.startup_timeout if s.startup_since is not None else None)
+
+
+# -- the rank's messages about it ----------------------------------------------------------
+def section_slot(d: MonitorDaemon, rank: RankResources, msg: wire.SectionSlot) -> None:
+    rr = rank.record
+    if rr is None:
+        return  # declined or refused: the rank's stores are not read
+    problem = rr.sync.register(msg.name, msg.slot)
+    if problem is not None:
+        raise SessionError(problem)
+    sync(d, rank)
+
+
+def declined(d: MonitorDaemon, rank: RankResources, msg: wire.RecordDeclined) -> None:
+    if rank.record is None:
+        return
+    s = rank.session
+    log.warning("rank %d pid %d cannot use its progress record (%s); its progress comes through the socket",
+                s.rank, s.pid, printable(msg.reason[:512]))
+    drop(rank)

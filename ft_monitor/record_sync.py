@@ -123,53 +123,60 @@ class RecordSync:
         if session.phase is not Phase.ACTIVE:
             return out
         floor = view.epoch_ns
-        events: list[tuple[int, int, int, int]] = []  # (time ns, kind, slot or -1, count)
+        events: list[tuple[int, int, int, int, bool]] = []
         hb = view.heartbeats
         if hb is not None and hb.count > self._hb_count:
             if hb.at >= floor and hb.at > self._hb_at:
-                events.append((hb.at, _HEARTBEAT, -1, hb.count - self._hb_count))
+                events.append((hb.at, _HEARTBEAT, -1, hb.count - self._hb_count, True))
             self._hb_count = hb.count
         for slot, name in self.names.items():
             st = view.slots[slot] if slot < len(view.slots) else None
             if st is not None:
                 self._slot_events(session, slot, name, st, floor, events)
         events.sort()
-        for at, kind, slot, count in events:
-            self._replay(session, at, kind, slot, count, out)
+        for at, kind, slot, count, timed in events:
+            self._replay(session, at, kind, slot, count, timed, out)
         return out
 
     def _slot_events(self, session: Session, slot: int, name: str, st: SlotState, floor: int,
-                     events: list[tuple[int, int, int, int]]) -> None:
+                     events: list[tuple[int, int, int, int, bool]]) -> None:
+        """The events that take the session from what it holds of ``slot`` to ``st``: (time,
+        kind, slot, how many such events it stands for, whether its duration is known)."""
         new_opens = st.opens - self._opens.get(slot, 0)
         new_closes = st.closes - self._closes.get(slot, 0)
         self._opens[slot] = st.opens
         self._closes[slot] = st.closes
         held = self._held.get(slot)
         cur = session.open_sections.get(name)
-        ours = held is not None and cur is not None and cur.opened_at == held / 1e9
-        if held is not None and not ours:  # the session let it go (CLOSE_ALL over the socket, a restart)
-            del self._held[slot]
+        if held is not None and (cur is None or cur.opened_at != held / 1e9):
+            del self._held[slot]  # the session let it go (CLOSE_ALL over the socket, a restart)
             held = None
         since = st.open_since(floor)
         if since is not None:
             if held == since:
                 return
-            if held is not None:  # closed and opened again since the last read
-                events.append((max(st.closed_at, held), _CLOSE, slot, max(1, new_closes)))
-            elif new_closes > 0:  # opened and closed before this open, between two reads: counted
+            if held is not None:  # closed (and maybe opened and closed again) since the last read
+                events.append((max(st.closed_at, held), _CLOSE, slot, max(1, new_closes), new_closes == 1))
+            elif new_closes > 0:  # opens and closes before this open, between two reads: counted
                 session.events += new_closes
                 if name == STEP_SECTION:
                     session.steps_closed += new_closes
-            events.append((since, _OPEN, slot, max(1, new_opens)))
+            events.append((since, _OPEN, slot, max(1, new_opens), True))
         elif held is not None:
-            # closed; or abandoned at a reset (an in-process restart): closed at the new epoch
-            at = st.closed_at if st.closed_at >= held else max(floor, held)
-            events.append((at, _CLOSE, slot, max(1, new_closes)))
+            if new_opens == 0 or st.opened_at < floor:
+                # closed; or abandoned at a reset (an in-process restart): closed at the new epoch
+                at = st.closed_at if st.closed_at >= held else max(floor, held)
+                events.append((at, _CLOSE, slot, max(1, new_closes), new_closes <= 1))
+            else:  # closed, then opened and closed again since the last read: the latest run is timed
+                events.append((st.opened_at, _CLOSE, slot, max(1, new_closes - 1), False))
+                events.append((st.opened_at, _OPEN, slot, new_opens, True))
+                events.append((st.closed_at, _CLOSE, slot, 1, True))
         elif new_opens > 0 and cur is None and st.opens and floor <= st.opened_at <= st.closed_at:
-            events.append((st.opened_at, _OPEN, slot, new_opens))  # opened and closed between two reads
-            events.append((st.closed_at, _CLOSE, slot, max(1, new_closes)))
+            events.append((st.opened_at, _OPEN, slot, new_opens, True))  # opened and closed between two reads
+            events.append((st.closed_at, _CLOSE, slot, max(1, new_closes), new_closes == 1))
 
-    def _replay(self, session: Session, at: int, kind: int, slot: int, count: int, out: Applied) -> None:
+    def _replay(self, session: Session, at: int, kind: int, slot: int, count: int, timed: bool,
+                out: Applied) -> None:
         t = at / 1e9
         out.events += count
         if kind == _HEARTBEAT:
@@ -195,7 +202,7 @@ class RecordSync:
                 if step:
                     session.steps_closed += count - 1
                 session.events += count - 1
-                if took is not None:
+                if took is not None and timed:
                     out.closed.append((name, took))
         except SessionError:
             self._held.pop(slot, None)

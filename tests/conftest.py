@@ -22,6 +22,17 @@ def workdir() -> Iterator[Path]:
     cleanup_dir(d)
 
 
+PROGRESS_MODES: dict[str, tuple[str, ...]] = {"record": (), "socket": ("--ft-progress-record", "false")}
+"""The two ways a rank reports progress, as daemon (or ft-launcher) flags: the shared-memory
+record (the default) and the socket alone."""
+
+
+@pytest.fixture(params=list(PROGRESS_MODES))
+def progress(request: pytest.FixtureRequest) -> tuple[str, ...]:
+    """Runs a test in both progress modes: the flags to give the daemon (or ft-launcher)."""
+    return PROGRESS_MODES[request.param]
+
+
 @pytest.fixture
 def clean_logging() -> Iterator[None]:
     """cli.main configures the root logger (force=True); put it back as it was."""

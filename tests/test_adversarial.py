@@ -441,8 +441,10 @@ def test_progress_calls_return_while_reconnecting_blocks(monkeypatch: pytest.Mon
 # == Medium 8: a daemon that was stopped reads pending progress before judging ==============
 
 @e2e
-def test_daemon_stopped_longer_than_a_timeout_does_not_kill_a_healthy_rank(workdir: Path) -> None:
-    d = Daemon(workdir, "--ft-rank-section-timeouts", "step:1", "--ft-rank-heartbeat-timeout", "1").wait_ready()
+def test_daemon_stopped_longer_than_a_timeout_does_not_kill_a_healthy_rank(workdir: Path,
+                                                                          progress: tuple[str, ...]) -> None:
+    d = Daemon(workdir, "--ft-rank-section-timeouts", "step:1", "--ft-rank-heartbeat-timeout", "1",
+               *progress).wait_ready()
     rank = Rank("train-until-stdin", d.socket, stdin=True)
     try:
         rank.wait_line("steps done")
@@ -545,9 +547,9 @@ def test_the_refusal_message_recommends_a_private_runtime_directory(tmp_path: Pa
 # == Medium 10: forked children neither speak for the rank nor keep its session ===========
 
 @e2e
-def test_a_forked_child_cycling_steps_does_not_hide_the_ranks_hang(workdir: Path) -> None:
+def test_a_forked_child_cycling_steps_does_not_hide_the_ranks_hang(workdir: Path, progress: tuple[str, ...]) -> None:
     d = Daemon(workdir, "--ft-rank-section-timeouts", "step:1", "--ft-stack-dump-timeout", "1",
-               "--ft-termination-grace-time", "2").wait_ready()
+               "--ft-termination-grace-time", "2", *progress).wait_ready()
     rank = Rank("fork-child-cycles", d.socket)
     try:
         child = int(rank.wait_line("child pid=").split("=")[1])

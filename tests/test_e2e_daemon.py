@@ -32,6 +32,14 @@ def daemon(workdir: Path) -> Iterator[Daemon]:
     d.stop()
 
 
+@pytest.fixture
+def detecting(workdir: Path, progress: tuple[str, ...]) -> Iterator[Daemon]:
+    """The `daemon` above, in each progress mode (the detection tests run in both)."""
+    d = Daemon(workdir, "--ft-rank-section-timeouts", f"step:{STEP_TIMEOUT}", *FAST, *progress).wait_ready()
+    yield d
+    d.stop()
+
+
 def _hang_case(daemon: Daemon, scenario: str, function: str, expected_rc: int) -> dict:
     rank = Rank(scenario, daemon.socket)
     try:
@@ -52,22 +60,22 @@ def _hang_case(daemon: Daemon, scenario: str, function: str, expected_rc: int) -
     return report
 
 
-def test_rank_hung_in_sleep_is_dumped_and_terminated(daemon: Daemon) -> None:
-    report = _hang_case(daemon, "sleep", "hang_in_sleep", -signal.SIGTERM)
+def test_rank_hung_in_sleep_is_dumped_and_terminated(detecting: Daemon) -> None:
+    report = _hang_case(detecting, "sleep", "hang_in_sleep", -signal.SIGTERM)
     assert report["terminated_by"] == "SIGTERM"
 
 
-def test_rank_hung_in_c_call_holding_the_gil_still_dumps(daemon: Daemon) -> None:
-    _hang_case(daemon, "gil", "hang_in_c_call_holding_gil", -signal.SIGTERM)
+def test_rank_hung_in_c_call_holding_the_gil_still_dumps(detecting: Daemon) -> None:
+    _hang_case(detecting, "gil", "hang_in_c_call_holding_gil", -signal.SIGTERM)
 
 
-def test_stopped_rank_is_continued_dumped_and_terminated(daemon: Daemon) -> None:
-    _hang_case(daemon, "stop", "stop_myself", -signal.SIGTERM)
+def test_stopped_rank_is_continued_dumped_and_terminated(detecting: Daemon) -> None:
+    _hang_case(detecting, "stop", "stop_myself", -signal.SIGTERM)
 
 
-def test_rank_ignoring_sigterm_is_killed_after_grace(workdir: Path) -> None:
+def test_rank_ignoring_sigterm_is_killed_after_grace(workdir: Path, progress: tuple[str, ...]) -> None:
     d = Daemon(workdir, "--ft-rank-section-timeouts", "step:1", "--ft-termination-grace-time", "0.5",
-               "--ft-stack-dump-timeout", "0").wait_ready()
+               "--ft-stack-dump-timeout", "0", *progress).wait_ready()
     try:
         rank = Rank("ignore-term", d.socket)
         try:
@@ -83,8 +91,8 @@ def test_rank_ignoring_sigterm_is_killed_after_grace(workdir: Path) -> None:
         d.stop()
 
 
-def test_data_loader_children_die_with_the_rank(daemon: Daemon) -> None:
-    rank = Rank("children", daemon.socket)
+def test_data_loader_children_die_with_the_rank(detecting: Daemon) -> None:
+    rank = Rank("children", detecting.socket)
     try:
         child = int(rank.wait_line("child pid=").split("=")[1])
         rank.wait(30)
@@ -95,22 +103,22 @@ def test_data_loader_children_die_with_the_rank(daemon: Daemon) -> None:
             os.kill(child, signal.SIGKILL)
 
 
-def test_after_a_hang_the_next_connection_is_a_fresh_session(daemon: Daemon) -> None:
-    first = Rank("sleep", daemon.socket)
+def test_after_a_hang_the_next_connection_is_a_fresh_session(detecting: Daemon) -> None:
+    first = Rank("sleep", detecting.socket)
     try:
         first.wait(30)
     finally:
         first.kill()
-    daemon.report()
-    second = Rank("clean", daemon.socket)
+    detecting.report()
+    second = Rank("clean", detecting.socket)
     try:
         second.wait_line("shutdown")
         assert second.wait(30) == 0
     finally:
         second.kill()
-    log = daemon.wait_log("shut down monitoring cleanly")
+    log = detecting.wait_log("shut down monitoring cleanly")
     assert "(session 2)" in log
-    assert status(daemon.socket)["sessions"] == 2
+    assert status(detecting.socket)["sessions"] == 2
 
 
 def test_second_rank_connection_is_refused_naming_the_live_pid(daemon: Daemon) -> None:
@@ -417,9 +425,9 @@ def test_import_ft_client_stays_light() -> None:
     assert out.stdout.strip() == ""
 
 
-def test_unreachable_launcher_means_the_daemon_kills_the_rank_itself(workdir: Path) -> None:
+def test_unreachable_launcher_means_the_daemon_kills_the_rank_itself(workdir: Path, progress: tuple[str, ...]) -> None:
     d = Daemon(workdir, "--ft-rank-section-timeouts", "step:0.5", "--ft-stack-dump-timeout", "0",
-               "--launcher-socket", str(workdir / "no-launcher.sock")).wait_ready()
+               "--launcher-socket", str(workdir / "no-launcher.sock"), *progress).wait_ready()
     rank = Rank("sleep", d.socket)
     try:
         assert rank.wait(30) == -signal.SIGTERM

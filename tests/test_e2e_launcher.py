@@ -83,8 +83,9 @@ def job_processes(marker: str) -> list[int]:
     return pids
 
 
-def test_hung_rank_is_caught_dumped_and_the_job_resumes_from_its_checkpoint(workdir: Path) -> None:
-    la = Launcher(workdir, "--max-restarts", "2", train_args=("--hang", "rank=1,step=12,attempt=0"))
+def test_hung_rank_is_caught_dumped_and_the_job_resumes_from_its_checkpoint(workdir: Path,
+                                                                           progress: tuple[str, ...]) -> None:
+    la = Launcher(workdir, "--max-restarts", "2", *progress, train_args=("--hang", "rank=1,step=12,attempt=0"))
     try:
         assert la.wait() == exit_codes.SUCCESS, la.output()
     finally:

@@ -83,12 +83,12 @@ def test_rank_sigkilled_mid_section_is_logged_as_killed_and_is_no_hang(workdir: 
         d.stop()
 
 
-def test_rank_killed_just_before_its_deadline_is_never_signalled(workdir: Path) -> None:
+def test_rank_killed_just_before_its_deadline_is_never_signalled(workdir: Path, progress: tuple[str, ...]) -> None:
     """The rank dies (SIGKILL from outside) 0.4 s before its section deadline; its pid
     may be reused. The daemon must send nothing to anyone: an unrelated process
     started right after the kill must survive the moment the deadline would have fired."""
     timeout = 1.0
-    d = Daemon(workdir, "--ft-rank-section-timeouts", f"step:{timeout}", *QUICK).wait_ready()
+    d = Daemon(workdir, "--ft-rank-section-timeouts", f"step:{timeout}", *QUICK, *progress).wait_ready()
     rank = Rank("sleep", d.socket)
     bystander: subprocess.Popen[bytes] | None = None
     try:

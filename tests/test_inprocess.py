@@ -191,12 +191,14 @@ def test_twenty_restarts_leak_no_threads_descriptors_groups_store_keys_or_memory
         assert finished and finished[1] == "1", j.output(r)[-500:]  # every thread the Wrapper started is gone
 
 
-def test_a_hang_found_by_the_monitor_daemon_restarts_in_process(workdir: Path, jobs: list[Job]) -> None:
+def test_a_hang_found_by_the_monitor_daemon_restarts_in_process(workdir: Path, jobs: list[Job],
+                                                                 progress: tuple[str, ...]) -> None:
     """Each rank beside its own `ft-monitor serve` with on_hang: inprocess: rank 1 hangs
     inside `data`, its monitor pushes ABORT, both ranks restart in their processes, and
-    neither monitor stops anything."""
+    neither monitor stops anything (with the progress record, the `data` section the rank
+    abandoned reads as closed after re-entry)."""
     flags = ("--ft-on-hang", "inprocess", "--ft-rank-section-timeouts", "data:3",
-             "--ft-inprocess-restart-timeout", "20", "--ft-stack-dump-timeout", "0")
+             "--ft-inprocess-restart-timeout", "20", "--ft-stack-dump-timeout", "0", *progress)
     daemons = [Daemon(workdir, *flags, name=f"rank{r}.sock").wait_ready() for r in (0, 1)]
     try:
         env = {r: {"FT_RANK_MONITOR_IPC_SOCKET": str(daemons[r].socket)} for r in (0, 1)}

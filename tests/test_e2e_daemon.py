@@ -462,3 +462,21 @@ def test_launcher_that_acknowledges_but_never_acts_is_overridden(workdir: Path) 
     log = d.log()
     assert "launcher acknowledged the hang" in log
     assert "still running 1.0s after the launcher was told; terminating it here" in log
+
+
+def test_a_rank_that_corrupts_its_record_is_refused_in_one_line_and_treated_as_hung(workdir: Path) -> None:
+    d = Daemon(workdir, "--ft-rank-section-timeouts", "step:1", "--ft-rank-heartbeat-timeout", "1",
+               "--ft-stack-dump-timeout", "0", "--ft-termination-grace-time", "2").wait_ready()
+    rank = Rank("corrupt-record", d.socket)
+    try:
+        rank.wait_line("record corrupted")
+        assert rank.wait(30) == -signal.SIGTERM, d.log()
+        report = d.report()
+        assert report["reason"] in ("section", "heartbeat") and report["pid"] == rank.proc.pid
+        (line,) = [x for x in d.log().splitlines() if "progress record is corrupt" in x]
+        assert f"ERROR rank 0 pid {rank.proc.pid}: its progress record is corrupt (magic word is" in line
+        assert d.proc.poll() is None, "the monitor must outlive the record"
+        assert status(d.socket)["hangs_detected"] == 1
+    finally:
+        rank.kill()
+        d.stop()

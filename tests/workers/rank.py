@@ -221,6 +221,16 @@ def main() -> None:
     elif s == "wait-stdin":
         sys.stdin.readline()
         client.shutdown_workload_monitoring()
+    elif s == "corrupt-record":  # scribbles garbage over its progress record, then goes on training
+        rec = client._record
+        if rec is None:
+            raise SystemExit("no progress record to corrupt")
+        rec.words[:16] = memoryview(os.urandom(128)).cast("q")
+        say("record corrupted")
+        while True:  # healthy, but reporting only through the broken record
+            with client.section("step"):
+                time.sleep(0.02)
+            client.send_heartbeat()
     else:
         raise SystemExit(f"unknown scenario {s}")
 

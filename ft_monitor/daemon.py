@@ -426,11 +426,14 @@ class MonitorDaemon:
 
     # -- status ----------------------------------------------------------------
     def status(self) -> MonitorStatus:
+        progress = None
         if self.rank is not None:
             record_watch.sync(self, self.rank)
+            progress = "record" if self.rank.record is not None else "socket"
         return build_status(
             now=self.clock.now(), monitor_pid=os.getpid(), socket=str(self.socket_path),
             started_at=self.started_at, sessions=self.sessions_started, timeouts=self.timeouts,
             iteration_high=self.iteration_high, session=self.rank.session if self.rank else None,
             hangs=self.hangs, last_restart=self.last_restart, section_stats=self.section_stats,
+            progress=progress,
         )

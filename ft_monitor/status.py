@@ -91,6 +91,9 @@ class RankStatus:
     """Since the last heartbeat or section open/close."""
     steps_closed: int = 0
     iteration_base: int | None = None
+    progress: str | None = None
+    """How the rank reports progress: "record" (shared memory) or "socket"; None from an
+    older monitor."""
 
     @property
     def iteration_now(self) -> int | None:
@@ -146,6 +149,7 @@ class MonitorStatus:
                 "since_last_progress_s": r.since_last_progress_s,
                 "steps_closed": r.steps_closed,
                 "iteration_base": r.iteration_base,
+                "progress": r.progress,
                 "next_deadline": None if r.next_deadline is None else {
                     "reason": r.next_deadline.reason, "section": r.next_deadline.section,
                     "in_s": r.next_deadline.in_s, "timeout_s": r.next_deadline.timeout_s},
@@ -180,6 +184,7 @@ class MonitorStatus:
                     since_last_progress_s=st.get("since_last_progress_s"),
                     steps_closed=st.get("steps_closed", 0),
                     iteration_base=st.get("iteration_base"),
+                    progress=st.get("progress"),
                 )
             h = st.get("last_hang")
             lr = st.get("last_restart")
@@ -200,8 +205,8 @@ class MonitorStatus:
 def build_status(*, now: float, monitor_pid: int, socket: str, started_at: float, sessions: int,
                  timeouts: Timeouts, iteration_high: int | None, session: Session | None,
                  hangs: Iterable[HangSummary], last_restart: InprocessRestart | None = None,
-                 section_stats: SectionStats | None = None) -> MonitorStatus:
-    """The status at ``now`` (pure)."""
+                 section_stats: SectionStats | None = None, progress: str | None = None) -> MonitorStatus:
+    """The status at ``now`` (pure); ``progress``: how the connected rank reports it."""
     hangs = list(hangs)
     rank = None
     s = session
@@ -219,7 +224,7 @@ def build_status(*, now: float, monitor_pid: int, socket: str, started_at: float
             steps_started=s.steps_started, iteration=s.iteration, events=s.events,
             next_deadline=None if d is None else DeadlineStatus(d.reason.value, d.section, d.at - now, d.timeout),
             since_last_progress_s=None if s.last_progress is None else now - s.last_progress,
-            steps_closed=s.steps_closed, iteration_base=s.iteration_base,
+            steps_closed=s.steps_closed, iteration_base=s.iteration_base, progress=progress,
         )
     return MonitorStatus(
         monitor_pid=monitor_pid, socket=socket, uptime_s=now - started_at, sessions=sessions,
@@ -227,6 +232,9 @@ def build_status(*, now: float, monitor_pid: int, socket: str, started_at: float
         last_hang=hangs[-1] if hangs else None, last_restart=last_restart,
         section_stats=section_stats or SectionStats(),
     )
+
+
+PROGRESS_WORDS = {"record": "shared-memory record", "socket": "socket"}
 
 
 def _secs(v: float | None) -> str:
@@ -254,7 +262,8 @@ def format_status(status: MonitorStatus | Mapping[str, Any]) -> str:
     else:
         lines.append(f"rank {r.rank} pid {r.pid} ({r.phase}), connected {_secs(r.session_age_s)} ago, "
                      f"{r.heartbeats} heartbeat(s), last {_secs(r.since_last_heartbeat_s)} ago"
-                     + (f", iteration {r.iteration}" if r.iteration is not None else ""))
+                     + (f", iteration {r.iteration}" if r.iteration is not None else "")
+                     + (f", progress through the {PROGRESS_WORDS.get(r.progress, r.progress)}" if r.progress else ""))
         if r.open_sections:
             for sec in r.open_sections:
                 lines.append(f"  section {sec.name!r} open {_secs(sec.elapsed_s)}, timeout "

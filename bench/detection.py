@@ -14,6 +14,10 @@ dump (default config: SIGUSR2 to the rank, wait for faulthandler's file to stop
 growing) and the signal. It is measured twice: with the default stack dump and
 with it off (--ft-stack-dump-timeout 0). The daemon's own detection lateness
 (hang report: elapsed_s - timeout_s, its clock only) is reported beside it.
+
+Both progress modes, side by side: `record` (the default: the rank's last event is
+a store into its shared-memory record, which the daemon reads on its fine tick and
+when the deadline comes due) and `socket` (``--ft-progress-record false``).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ KINDS = {
     "section": ("--ft-rank-section-timeouts", f"step:{TIMEOUT}"),
     "out_of_section": ("--ft-rank-out-of-section-timeout", str(TIMEOUT), "--ft-rank-section-timeouts", "step:none"),
 }
+MODES: dict[str, tuple[str, ...]] = {"record": (), "socket": ("--ft-progress-record", "false")}
 VARIANTS = {
     "default": ("--ft-termination-grace-time", "5"),
     "no_dump": ("--ft-termination-grace-time", "5", "--ft-stack-dump-timeout", "0"),
@@ -44,20 +49,23 @@ VARIANTS = {
 def run(mode: Mode, loop: str) -> list[Figure]:
     hangs = mode.pick(20, 5, 1)
     out: list[Figure] = []
-    for variant, vflags in VARIANTS.items():
-        for kind, kflags in KINDS.items():
-            delays, lateness, dumps = _measure(loop, hangs, kind, (*kflags, *vflags))
-            label = "stack dump on (default)" if variant == "default" else "stack dump off"
-            out.append(Figure(
-                id=f"detect.{kind}.{variant}", what=f"{kind} timeout -> SIGTERM at rank, {label}", unit="ms",
-                samples=delays, target=f"<= {TARGET_MS:g} ms", limit=TARGET_MS, loop=loop,
-                details={"hangs": hangs, "timeout_s": TIMEOUT, "stack_dumps_captured": dumps,
-                         "daemon_detection_lateness_ms": lateness}))
-            if variant == "default":
+    for progress, pflags in MODES.items():
+        for variant, vflags in VARIANTS.items():
+            for kind, kflags in KINDS.items():
+                delays, lateness, dumps = _measure(loop, hangs, kind, (*kflags, *vflags, *pflags))
+                label = "stack dump on (default)" if variant == "default" else "stack dump off"
                 out.append(Figure(
-                    id=f"detect.{kind}.daemon", what=f"{kind} timeout -> daemon detects (its clock)", unit="ms",
-                    samples=lateness, target=f"<= {TARGET_MS:g} ms", limit=TARGET_MS, loop=loop,
-                    details={"how": "hang report elapsed_s - timeout_s"}))
+                    id=f"detect.{progress}.{kind}.{variant}",
+                    what=f"{kind} timeout -> SIGTERM at rank, {label} ({progress})", unit="ms",
+                    samples=delays, target=f"<= {TARGET_MS:g} ms", limit=TARGET_MS, loop=loop,
+                    details={"hangs": hangs, "timeout_s": TIMEOUT, "stack_dumps_captured": dumps,
+                             "daemon_detection_lateness_ms": lateness, "progress": progress}))
+                if variant == "default":
+                    out.append(Figure(
+                        id=f"detect.{progress}.{kind}.daemon",
+                        what=f"{kind} timeout -> daemon detects (its clock, {progress})", unit="ms",
+                        samples=lateness, target=f"<= {TARGET_MS:g} ms", limit=TARGET_MS, loop=loop,
+                        details={"how": "hang report elapsed_s - timeout_s", "progress": progress}))
     return out
 
 

@@ -8,6 +8,9 @@ that started inside the stop window: the worst and p99 call time, how many ticks
 ran (the client was not blocked), whether the connection survived, and whether
 the daemon counted every event once it resumed (`ft-monitor status --json`
 against the worker's count, see bench/events.py).
+
+The socket path (``--ft-progress-record false``): with the progress record a call
+stores into memory and never waits on the daemon, stopped or not.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from typing import Any
 
 from bench.harness import Daemon, Figure, Mode, Worker, cleanup, private_dir, say
 
-DAEMON_FLAGS = ("--ft-rank-heartbeat-timeout", "600", "--ft-rank-section-timeouts", "step:600")
+DAEMON_FLAGS = ("--ft-rank-heartbeat-timeout", "600", "--ft-rank-section-timeouts", "step:600",
+                "--ft-progress-record", "false")
 MAX_CALL_US = 10_000.0
 """A call during the stop must not wait for the daemon: 10 ms is far above a
 scheduler hiccup and far below the stop (seconds)."""

@@ -23,6 +23,8 @@ it: the direct cost, without the noise of the step. Two variants: steps back to
 back, and with a 1 ms untimed sleep between steps (the daemon goes idle between
 steps, as with the demo's 50 ms steps, so each event pays for waking it).
 Pinned like client_cost's cross-CPU placement: daemon on one CPU, rank on another.
+Both progress modes, side by side: `record` (the default: the three calls are stores
+into the shared-memory record) and `socket` (``--ft-progress-record false``).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ SECTION = "step"
 DAEMON_FLAGS = ("--ft-rank-heartbeat-timeout", "600", "--ft-rank-section-timeouts", f"{SECTION}:600")
 VARIANTS = {"b2b": 0.0, "gap": 0.001}
 """Untimed sleep between steps, seconds."""
+MODES: dict[str, tuple[str, ...]] = {"record": (), "socket": ("--ft-progress-record", "false")}
 
 
 def run(mode: Mode, loop: str) -> list[Figure]:
@@ -50,29 +53,38 @@ def run(mode: Mode, loop: str) -> list[Figure]:
     cpus = sorted(os.sched_getaffinity(0))
     pin = (cpus[0], cpus[1]) if len(cpus) >= 2 else None
     out: list[Figure] = []
-    for variant, gap in VARIANTS.items():
-        d = private_dir()
-        daemon = Daemon(d, loop, *DAEMON_FLAGS).wait_ready()
-        try:
-            args = ["--socket", str(daemon.socket), "--steps", str(steps), "--block", str(block),
-                    "--warmup", str(warmup), "--gap", str(gap)]
-            if pin is not None:
-                os.sched_setaffinity(daemon.pid, {pin[0]})
-                args += ["--cpu", str(pin[1])]
-            w = Worker("bench.step_overhead", args, env={"OMP_NUM_THREADS": "1"})
-            try:
-                r = w.recv(timeout=600)
-            finally:
-                w.finish()
-        finally:
-            daemon.stop()
-            cleanup(d)
-        out += figures(r, loop, variant, gap, steps, block, pin)
+    for progress in MODES:
+        for variant, gap in VARIANTS.items():
+            out += _run_one(loop, progress, variant, gap, steps, block, warmup, pin)
     return out
 
 
+def _run_one(loop: str, progress: str, variant: str, gap: float, steps: int, block: int, warmup: int,
+             pin: tuple[int, int] | None) -> list[Figure]:
+    """One daemon, one rank process: both modes of the step (bare, with the client) in it."""
+    d = private_dir()
+    daemon = Daemon(d, loop, *DAEMON_FLAGS, *MODES[progress]).wait_ready()
+    try:
+        args = ["--socket", str(daemon.socket), "--steps", str(steps), "--block", str(block),
+                "--warmup", str(warmup), "--gap", str(gap)]
+        if pin is not None:
+            os.sched_setaffinity(daemon.pid, {pin[0]})
+            args += ["--cpu", str(pin[1])]
+        w = Worker("bench.step_overhead", args, env={"OMP_NUM_THREADS": "1"})
+        try:
+            r = w.recv(timeout=600)
+        finally:
+            w.finish()
+    finally:
+        daemon.stop()
+        cleanup(d)
+    if r["progress"] != progress:
+        raise RuntimeError(f"the rank reported progress through the {r['progress']}, not the {progress}")
+    return figures(r, loop, variant, gap, steps, block, pin, progress)
+
+
 def figures(r: dict[str, Any], loop: str, variant: str, gap: float, steps: int, block: int,
-            pin: tuple[int, int] | None) -> list[Figure]:
+            pin: tuple[int, int] | None, progress: str = "record") -> list[Figure]:
     us = lambda xs: [x / 1000.0 for x in xs]  # noqa: E731
     bare_blocks = [statistics.median(b) / 1000 for b in r["bare"]]
     client_blocks = [statistics.median(b) / 1000 for b in r["client"]]
@@ -89,7 +101,10 @@ def figures(r: dict[str, Any], loop: str, variant: str, gap: float, steps: int, 
     how = (f"{steps} steps per mode in blocks of {block}, ABBA interleaved, one process, no process group/DDP, "
            f"1 torch thread; {label}; "
            + ("daemon and rank pinned to CPUs %d and %d" % pin if pin else "unpinned"))
-    common = {"how": how, "variant": variant, "gap_s": gap, "placement": list(pin) if pin else None}
+    common = {"how": how, "variant": variant, "gap_s": gap, "placement": list(pin) if pin else None,
+              "progress": progress}
+    label = f"{progress}, {label}"
+    variant = f"{progress}.{variant}"
     return [
         Figure(id=f"step.{variant}.bare", what=f"demo model step, no client ({label})", unit="us",
                samples=us(x for b in r["bare"] for x in b), loop=loop,
@@ -196,8 +211,9 @@ def worker(argv: list[str]) -> None:
             res[m].append(bare(args.block, j) if m == "bare" else monitored(args.block, j))
         sent += 3 * args.block
     lost = client.lost_reason
+    progress = "record" if client._record is not None else "socket"
     client.shutdown_workload_monitoring()
-    say({**res, "calls": calls, "events_sent": sent, "lost": lost})
+    say({**res, "calls": calls, "events_sent": sent, "lost": lost, "progress": progress})
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ from ft_monitor.exits import ExitWatch
 from ft_monitor.fdlimits import FdReserve, connections_that_fit, raise_fd_limit
 from ft_monitor.launcher_link import LauncherHandoff
 from ft_monitor.listener import ListenerError, bind_unix_listener, remove_socket_file
-from ft_monitor.policy import Hang, Reason, check, next_deadline
+from ft_monitor.policy import Hang, Reason, check, deadline_inputs, next_deadline
 from ft_monitor.procinfo import describe_wait_status, zombie_exit_status
 from ft_monitor.rank import Hold, RankResources
 from ft_monitor.section_stats import SectionStats
@@ -117,6 +117,9 @@ class MonitorDaemon:
         self._evictions = 0
         self._read_first = 0
         """How many times in a row a passed deadline waited for unread rank input."""
+        self._due: tuple[float | None, tuple[object, ...]] | None = None
+        """The next deadline as `_arm` last found it, and the session it found it for
+        (`deadline_inputs`): a record tick that changed nothing need not judge again."""
         self.reserve: FdReserve | None = None
         self._hangs_in_progress = 0
         self.inprocess_restarts = 0
@@ -309,6 +312,11 @@ class MonitorDaemon:
         rank = self.rank
         d = next_deadline(rank.session) if rank is not None else None
         at = None if d is None else d.at
+        self._due = None if rank is None else (at, deadline_inputs(rank.session))
+        self._arm_at(at)
+
+    def _arm_at(self, at: float | None) -> None:
+        rank = self.rank
         tick = record_watch.tick(rank) if rank is not None else None
         if tick is not None:
             at = self.clock.now() + tick if at is None else min(at, self.clock.now() + tick)
@@ -324,6 +332,10 @@ class MonitorDaemon:
         s = rank.session
         record_watch.sync(self, rank)  # the rank's latest progress in its record, before judging
         now = self.clock.now()
+        due = self._due
+        if due is not None and (due[0] is None or now < due[0]) and due[1] == deadline_inputs(s):
+            self._arm_at(due[0])  # a record tick that found nothing new: read again at the next one
+            return
         hang = check(s, now)
         if hang is None:
             self._read_first = 0

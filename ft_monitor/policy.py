@@ -109,6 +109,12 @@ def deadlines(s: Session) -> list[Deadline]:
     return out
 
 
+def deadline_inputs(s: Session) -> tuple[object, ...]:
+    """What `deadlines` depends on, besides constants: equal before and after a change
+    means the deadlines did not change (every progress event counts in ``events``)."""
+    return (s.events, s.phase, s.timeouts_since, s.timeouts, s.startup_since, s.restart_deadline)
+
+
 def next_deadline(s: Session) -> Deadline | None:
     """The earliest deadline, or None when nothing is being timed."""
     ds = deadlines(s)

@@ -48,7 +48,7 @@ _logged: set[str] = set()
 class RankRecord:
     """One rank's record as the daemon holds it: where it is read from, what was applied."""
 
-    __slots__ = ("source", "sync", "_key", "reads", "torn_reads")
+    __slots__ = ("source", "sync", "_key", "reads", "torn_reads", "_tick")
 
     def __init__(self, source: RecordSource, created_ns: int) -> None:
         self.source = source
@@ -56,6 +56,8 @@ class RankRecord:
         self._key: tuple[bytes, Phase, int] | None = None
         self.reads = 0
         self.torn_reads = 0
+        self._tick: tuple[object, float | None, float | None] | None = None
+        """(timeouts, startup timeout) -> the tick, computed once per change of timeouts."""
 
     def apply(self, session: Session, now: float) -> Applied | None:
         """Read the record and apply what is new to ``session``; None when nothing changed
@@ -159,7 +161,11 @@ def tick(rank: RankResources) -> float | None:
     if rank.record is None or rank.session.phase is not Phase.ACTIVE:
         return None
     s = rank.session
-    return tick_for(s.timeouts, s.startup_timeout if s.startup_since is not None else None)
+    startup = s.startup_timeout if s.startup_since is not None else None
+    cached = rank.record._tick
+    if cached is None or cached[0] is not s.timeouts or cached[1] != startup:
+        cached = rank.record._tick = (s.timeouts, startup, tick_for(s.timeouts, startup))
+    return cached[2]
 
 
 # -- the rank's messages about it ----------------------------------------------------------

@@ -23,14 +23,16 @@ EXPECTED_IDS = {
     "daemon.ready", "daemon.rss_ready", "daemon.no_torch", "daemon.rss_after_events", "daemon.rss_growth",
     "stalled.call", "stalled.not_blocked",
     "ingest.one", "ingest.one.no_loss", "ingest.pairs", "ingest.pairs.no_loss",
-    "detect.heartbeat.default", "detect.section.default", "detect.out_of_section.default",
-    "detect.heartbeat.no_dump", "detect.section.no_dump", "detect.out_of_section.no_dump",
+    *(f"detect.{p}.{k}.{v}" for p in ("record", "socket") for k in ("heartbeat", "section", "out_of_section")
+      for v in ("default", "no_dump", "daemon")),
+    "idle.record.tick25ms", "idle.record.tick1ms", "idle.socket",
     "restart.total", "restart.total_minus_first_step", "restart.detection", "restart.dump_wait",
     "restart.notify", "restart.to_stop", "restart.stop", "restart.rendezvous", "restart.worker_start",
     "restart.first_step",
     "inprocess.total", "inprocess.process_total", "inprocess.speedup", "inprocess.same_pids",
     *(f"inprocess.{k}" for k in ("notify", "abort", "interrupt", "finalize", "barrier", "reinit", "first_step")),
-    *(f"step.{v}.{k}" for v in ("b2b", "gap") for k in ("bare", "client", "calls", "noise", "overhead")),
+    *(f"step.{p}.{v}.{k}" for p in ("record", "socket") for v in ("b2b", "gap")
+      for k in ("bare", "client", "calls", "noise", "overhead")),
 }
 CLIENT_KEYS = {"heartbeat.b2b", "section.b2b", "unmonitored.b2b", "heartbeat.paced", "section.paced",
                "unmonitored.paced", "ping.b2b", "set_timeouts.b2b", "ping.paced"}
@@ -54,12 +56,13 @@ def test_smoke_run_writes_the_expected_json(tmp_path: Path) -> None:
         assert f["met"] in (True, False, None)
     ids = {f["id"] for f in figures}
     assert EXPECTED_IDS <= ids, EXPECTED_IDS - ids
-    client = {i.split(".", 2)[2] for i in ids if i.startswith("client.")}
-    assert CLIENT_KEYS <= client, CLIENT_KEYS - client
+    for progress in ("record", "socket"):
+        client = {i.split(".", 3)[3] for i in ids if i.startswith(f"client.{progress}.")}
+        assert CLIENT_KEYS <= client, (progress, CLIENT_KEYS - client)
     by_id = {f["id"]: f for f in figures}
     restart = by_id["restart.total"]  # one real ft-launcher run with a hang and a restart
     assert restart["n"] == 1 and restart["details"]["launcher_line_matches_json"] == [True], restart
-    assert all(by_id[f"step.{v}.overhead"]["n"] >= 1 for v in ("b2b", "gap"))
+    assert all(by_id[f"step.{p}.{v}.overhead"]["n"] >= 1 for p in ("record", "socket") for v in ("b2b", "gap"))
     assert by_id["inprocess.total"]["n"] == 1 and by_id["inprocess.same_pids"]["met"] is True
     measured = [f for f in figures if f["n"]]
     assert all(f["median"] is not None and f["min"] <= f["median"] <= f["max"] for f in measured)

@@ -5,12 +5,14 @@
     ft-monitor status --all DIR [--json] [--watch [SECONDS]] [--count N]
     ft-monitor report RUN_DIR [-o FILE]
 
-`serve` checks its arguments and config (pydantic) in a helper process
-(`python -m ft_monitor.cli --check-serve ...`) while it imports the daemon, and
-runs the daemon from the validated result, a `settings.ServeSpec` passed as one
-JSON line: the daemon never loads pydantic or yaml, which keeps it small and
-quick to start. ft-launcher writes the same `ServeSpec` to a file for each of
-its daemons (`--run-checked FILE`).
+`serve` reads its arguments and config with the parsers of ft_monitor.config_text
+(no pydantic) and, when every value is good and nothing calls for a warning, runs the
+daemon from that at once. Otherwise it checks them with the pydantic model in a helper
+process (`python -m ft_monitor.cli --check-serve ...`) while it imports the daemon,
+which says exactly what is wrong, or runs the daemon from the validated result, a
+`settings.ServeSpec` passed as one JSON line: the daemon never loads pydantic, which
+keeps it small and quick to start. ft-launcher writes the same `ServeSpec` to a file
+for each of its daemons (`--run-checked FILE`).
 
 Exit codes: 0 success; 1 runtime failure (socket in use, daemon unreachable);
 2 bad usage or configuration (one line naming the field, the value and the rule).
@@ -64,7 +66,7 @@ def _new_loop_factory(name: str) -> Callable[[], Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ft_monitor.config import add_config_flags
+    from ft_monitor.config_text import add_config_flags
 
     parser = argparse.ArgumentParser(prog="ft-monitor", description="Per-rank hang monitor for PyTorch training.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -220,6 +222,9 @@ def _timeouts_in_order(settings: Settings) -> bool:
 
 
 def _serve(argv: list[str]) -> int:
+    code = _quick_serve(argv)
+    if code is not None:
+        return code
     import subprocess
 
     checker = subprocess.Popen([sys.executable, "-m", "ft_monitor.cli", CHECK_SERVE, *argv],
@@ -232,6 +237,35 @@ def _serve(argv: list[str]) -> int:
         sys.stdout.write(out)  # --help lands here
         return checker.returncode
     return _run_checked_text(out[len(SETTINGS_MARKER):])
+
+
+def _quick_serve(argv: list[str]) -> int | None:
+    """Serve at once from the settings the text-form parsers make (no pydantic, no helper
+    process): when every value parses, no field is unknown or unused here, and the timeouts
+    are in order. None: the helper's pydantic check decides (and says what is wrong)."""
+    from ft_monitor import timeout_order
+    from ft_monitor.config_text import cli_overrides, quick_settings
+    from ft_monitor.settings import ServeSpec, SettingsError
+
+    try:
+        args = build_parser().parse_args(["serve", *argv])  # a usage error (or --help) ends here, as in the helper
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else EXIT_USAGE
+    command = list(args.cmd)
+    if command and command[0] == "--":
+        command = command[1:]
+    settings = quick_settings(args.config, os.environ, cli_overrides(args))
+    if settings is None:
+        return None
+    if settings.timeout_check != "off" and timeout_order.inversions(settings, timeout_order.facts(settings,
+                                                                                                  os.environ)):
+        return None  # the helper logs each inversion (or refuses, strict)
+    try:
+        spec = ServeSpec(settings, args.socket, loop=args.loop, cmd=tuple(command), log_file=args.log_file,
+                         launcher_socket=args.launcher_socket)
+    except SettingsError:
+        return None
+    return _run_checked(spec)
 
 
 def _run_checked_file(path: str) -> int:

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import logging
+import os
 import re
 import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +24,8 @@ from ft_monitor.config import (
     load_config,
     parse_signal,
 )
+from ft_monitor.settings import Settings
+from tests.procs import ROOT
 
 NO_ENV: dict[str, str] = {}
 TIMEOUT_RULE = r"must be a number of seconds > 0, or null to disable"
@@ -508,3 +513,54 @@ def test_section_caps_are_checked_at_start() -> None:
     big = {f"{i:03d}" + "n" * 240: 1.0 for i in range(200)}  # within both caps, too big for a frame
     with pytest.raises(ConfigError, match=r"^invalid settings: the timeouts map takes \d+ bytes encoded; at most "):
         load_config(environ=NO_ENV, cli={"rank_section_timeouts": big})
+
+
+# -- `serve` starts without pydantic when it can ---------------------------------------------
+def _quick(argv: list[str], env: dict[str, str] | None = None) -> tuple[int | None, str]:
+    """cli._quick_serve in a fresh interpreter, with the daemon replaced by printing its spec."""
+    code = ("import sys\nfrom ft_monitor import cli\ncli._run_checked = lambda spec: print(spec.to_json()) or 0\n"
+            f"rc = cli._quick_serve({argv!r})\nprint('RC', rc, 'pydantic' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT,
+                         env={k: v for k, v in {**os.environ, **(env or {})}.items() if not k.startswith("FT_")
+                              or k in (env or {})})
+    assert out.returncode == 0, out.stderr
+    *spec, last = out.stdout.strip().splitlines()
+    _, rc, pydantic = last.split()
+    assert pydantic == "False", "the quick start imported pydantic"
+    return (None if rc == "None" else int(rc)), "\n".join(spec)
+
+
+def test_serve_starts_from_the_text_parsers_when_every_value_is_good(tmp_path: Path) -> None:
+    cfg = tmp_path / "ft.yaml"
+    cfg.write_text("fault_tolerance:\n  rank_heartbeat_timeout: 30\n  rank_section_timeouts: {step: 10}\n")
+    rc, spec = _quick(["--socket", "/run/x/r.sock", "--config", str(cfg), "--ft-safety-factor", "2",
+                       "--", "python", "t.py"], env={"FT_STACK_DUMP_SIGNAL": "usr1"})
+    assert rc == 0
+    from ft_monitor.settings import ServeSpec
+
+    got = ServeSpec.from_json(spec)
+    want = Settings.from_config(load_config(cfg, {"FT_STACK_DUMP_SIGNAL": "usr1"}, {"safety_factor": "2"}))
+    assert got.settings == want and got.cmd == ("python", "t.py") and got.socket == "/run/x/r.sock"
+
+
+@pytest.mark.parametrize("argv", [
+    ["--ft-rank-heartbeat-timeout", "-1"],  # a bad value: the pydantic check says which, where from
+    ["--ft-workload-check-interval", "5"],  # a reference field that means nothing here: warned about
+    ["--ft-rank-section-timeouts", "step:30", "--ft-process-group-timeout", "10"],  # an inversion: warned
+])
+def test_serve_takes_the_pydantic_way_when_something_needs_saying(argv: list[str]) -> None:
+    rc, _ = _quick(["--socket", "/run/x/r.sock", *argv])
+    assert rc is None
+
+
+def test_the_text_parsers_agree_with_the_pydantic_model_on_every_table_value() -> None:
+    from ft_monitor.config_text import PARSERS, quick_settings
+    from tests.test_hostile_input import BAD
+    from tests.test_settings import NON_DEFAULT
+
+    assert set(PARSERS) == set(FaultToleranceConfig.model_fields)
+    quick = quick_settings(None, {}, NON_DEFAULT)
+    assert quick is not None and quick == Settings.from_config(load_config(environ={}, cli=NON_DEFAULT))
+    for field, values in BAD.items():
+        for value in values:
+            assert quick_settings(None, {}, {field: value}) is None, (field, value)

@@ -37,7 +37,6 @@ rank's session alive nor speak for it.
 from __future__ import annotations
 
 import functools
-import logging
 import os
 import signal
 import threading
@@ -46,16 +45,13 @@ import weakref
 from collections.abc import Callable
 from dataclasses import replace
 from enum import Enum
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from ft_client import env, record, wire
-from ft_client.control import ControlLink
 from ft_client.errors import MonitorBrokenError, MonitorClosedError, RankMonitorClientError
-from ft_client.inprocess import events
 from ft_client.parent_death import die_with_parent
 from ft_client.session_info import SessionInfo, SessionInfoError
 from ft_client.stackdump import StackDumper
-from ft_client.state_dict import from_state_dict, overlay_learned, to_state_dict
 from ft_client.sync import max_across_ranks
 from ft_client.timeouts import (
     STEP_SECTION,
@@ -79,7 +75,24 @@ from ft_client.timeouts_calc import (
 from ft_client.transport import Transport, TransportBrokenError, TransportError, connect
 from ft_client.workload import WorkloadAction, WorkloadControlRequest
 
-log = logging.getLogger("ft_client")
+if TYPE_CHECKING:  # loaded when first used: with in-process restarts only (import time)
+    import logging
+
+    from ft_client.control import ControlLink
+    from ft_client.inprocess import events
+
+
+class _Log:
+    """The "ft_client" logger, looked up when a first line is logged: importing logging costs
+    a bare interpreter about 3 ms, and the client logs only when something is wrong."""
+
+    def __getattr__(self, name: str) -> Any:
+        import logging
+
+        return getattr(logging.getLogger("ft_client"), name)
+
+
+log = cast("logging.Logger", _Log())
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -163,6 +176,8 @@ class RankMonitorClient:
         self._state = ConnState.NOT_INITIALIZED
         self._transport: Transport | None = None
         self._lost_reason: str | None = None
+        self._lost_cause: TransportError | None = None
+        """What broke the connection (the cause of MonitorBrokenError raised while LOST)."""
         self._request_timeout = CONNECT_TIMEOUT
         self._reconnector: threading.Thread | None = None
         self._stop_reconnecting = threading.Event()
@@ -246,8 +261,12 @@ class RankMonitorClient:
             )
             self._calc.start(self._clock())
             if self._to_load is not None:  # load_state_dict() came first: push at the handshake
+                from ft_client.state_dict import overlay_learned
+
                 loaded, self._to_load = self._to_load, None
                 self.set_timeouts(overlay_learned(self._timeouts, loaded))
+            from ft_client.inprocess import events
+
             events.add_restart_listener(self._restart_hook)
             _die_with_launcher()
 
@@ -315,7 +334,11 @@ class RankMonitorClient:
         t.wait_hangup()
         with self._lock:
             if self._transport is t and self._state is ConnState.CONNECTED and not t.closed:
-                self._lost(TransportBrokenError("monitor closed the connection"), raising=False)
+                e = TransportBrokenError("monitor closed the connection")
+                if self._raise_on_lost:
+                    self._mark_lost(str(e), e)  # the next call raises MonitorBrokenError from it
+                else:
+                    self._lost(e, raising=False)
 
     def _open_control(self, info: SessionInfo) -> None:
         """With ``on_hang: inprocess``, open the control connection the monitor pushes ABORT on."""
@@ -324,6 +347,8 @@ class RankMonitorClient:
             self._control = None
         if info.on_hang != "inprocess":
             return
+        from ft_client.control import ControlLink
+
         try:
             self._control = ControlLink(self._path, self.rank, self._request_timeout)
         except (TransportError, OSError) as e:
@@ -358,7 +383,7 @@ class RankMonitorClient:
         if restart is True:
             return True
         self._restart = None
-        if isinstance(restart, events.Restart):
+        if restart is not None and restart is not False:  # an events.Restart
             restart.progress()
             if t is not None:
                 f = restart.fault
@@ -392,6 +417,8 @@ class RankMonitorClient:
                 try:
                     configured = self._adopt(transport, hello, asked)  # re-sends opens the monitor must know about
                     if mine.learned:
+                        from ft_client.state_dict import overlay_learned
+
                         self.set_timeouts(overlay_learned(configured, mine))
                     if self._transport is not None:
                         self._event(self._transport, wire.encode(wire.Iteration(self._iteration)))
@@ -466,6 +493,8 @@ class RankMonitorClient:
             if self._control is not None:
                 self._control.close()
                 self._control = None
+            from ft_client.inprocess import events
+
             events.remove_restart_listener(self._restart_hook)
             self._restart = None
 
@@ -784,6 +813,8 @@ class RankMonitorClient:
     def state_dict(self) -> dict[str, Any]:
         """Learned timeouts and the observations behind them: plain JSON data, the same
         on every rank after a calculate_and_set_* call. Put it in the checkpoint."""
+        from ft_client.state_dict import to_state_dict
+
         with self._lock:
             # every listed section appears (null until observed), so the layout is known
             # from the config alone: torch.distributed.checkpoint loads into this layout
@@ -795,6 +826,8 @@ class RankMonitorClient:
         """Put learned timeouts from a checkpoint in force (before or after
         init_workload_monitoring()). Accepts this client's format and the
         ``{"current_timeouts": ...}`` dict of nvidia-resiliency-ext."""
+        from ft_client.state_dict import from_state_dict, overlay_learned  # checkpoints only: loaded when used
+
         try:
             loaded = from_state_dict(state_dict)
         except ValueError as e:
@@ -883,7 +916,11 @@ class RankMonitorClient:
     def _not_connected_error(self) -> RankMonitorClientError:
         """Lost: the monitor broke the connection; otherwise it was closed on this side."""
         why = self._why_not_connected()
-        return MonitorBrokenError(why) if self._state is ConnState.LOST else MonitorClosedError(why)
+        if self._state is not ConnState.LOST:
+            return MonitorClosedError(why)
+        error = MonitorBrokenError(why)
+        error.__cause__ = self._lost_cause  # as `raise ... from cause` would
+        return error
 
     def _not_connected(self) -> Transport | None:
         """No transport. Before init (or after shutdown, or when configured to raise): an
@@ -900,8 +937,9 @@ class RankMonitorClient:
             return None
         raise self._not_connected_error()
 
-    def _mark_lost(self, reason: str) -> None:
+    def _mark_lost(self, reason: str, cause: TransportError | None = None) -> None:
         self._record = None  # the next monitor hands over a record of its own
+        self._lost_cause = cause
         if self._transport is not None:
             self._transport.close()
         self._transport = None
@@ -913,7 +951,7 @@ class RankMonitorClient:
     def _lost(self, e: TransportError, raising: bool = True) -> None:
         """The monitor went away: warn once and keep training, or raise if configured."""
         reason = str(e)
-        self._mark_lost(reason)
+        self._mark_lost(reason, e)
         if self._raise_on_lost and raising:
             raise MonitorBrokenError(f"rank {self.rank}: {reason}") from e
         log.warning("rank %d: %s; training continues without hang detection until the monitor is back",

@@ -12,10 +12,8 @@ stack dump file), the daemon and the launcher; stdlib only.
 from __future__ import annotations
 
 import errno
-import json
 import os
 import stat
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +98,9 @@ def write_json_atomic(path: str | os.PathLike[str], data: Any, *, indent: int | 
     and a rename: a reader sees the old file or the new one, never half of one, and a
     symlink planted at ``path`` is replaced, not followed. No temporary file is left
     behind on failure."""
+    import json  # here, not at the top: the training process imports this module for its stack dump
+    import tempfile
+
     target = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
     try:

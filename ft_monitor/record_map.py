@@ -13,7 +13,7 @@ progress goes through the socket.
 
 `RecordMap.read` is the seqlock's reader: three copies in a row (the sequence
 words are taken from the first and the third, the data from the second; see
-ft_client.record). Everything else about a read is pure (record.decode,
+ft_client.record). Everything else about a read is pure (record_read.decode,
 record_sync.RecordSync).
 """
 
@@ -50,7 +50,7 @@ class RecordMap:
     def read(self, words: int) -> tuple[bytes, bytes, bytes]:
         mm = self._mm
         if mm is None:
-            raise ValueError("the record's mapping is closed")
+            raise RecordUnavailable("the record's mapping is closed")
         n = 8 * words
         before = mm[:n]
         data = mm[:n]
@@ -86,13 +86,16 @@ def create_record(created_ns: int) -> tuple[int, RecordMap]:
     try:
         os.ftruncate(fd, record.SIZE)
         header = record.initial_header(created_ns)
-        if os.pwrite(fd, header, 0) != len(header):
-            raise OSError(0, "short write of the header")
+        written = os.pwrite(fd, header, 0)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
         mm = mmap.mmap(fd, record.SIZE, mmap.MAP_SHARED, mmap.PROT_READ)
     except OSError as e:
         os.close(fd)
         raise RecordUnavailable(f"cannot prepare the record: {e.strerror or e}") from e
+    if written != len(header):
+        mm.close()
+        os.close(fd)
+        raise RecordUnavailable(f"cannot prepare the record: {written} of its {len(header)} header bytes written")
     if hasattr(mmap, "MADV_DONTFORK"):
         try:
             mm.madvise(mmap.MADV_DONTFORK)  # a command the monitor starts (serve -- CMD) does not inherit it

@@ -26,7 +26,8 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from ft_client import record, wire
-from ft_client.record import RecordError, decode, words_for
+from ft_client.record import RecordError, words_for
+from ft_client.record_read import decode
 from ft_client.session_info import RecordInfo, SessionInfo
 from ft_monitor.record_map import RecordSource, RecordUnavailable, create_record
 from ft_monitor.record_sync import Applied, RecordSync, tick_for

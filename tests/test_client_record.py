@@ -11,17 +11,18 @@ from typing import Any
 
 import pytest
 
-from ft_client import RankMonitorClient, record, wire
+from ft_client import RankMonitorClient, wire
 from ft_client.client import ConnState
 from ft_client.inprocess import events
-from ft_client.record import decode, words_for
+from ft_client.record import words_for
+from ft_client.record_read import RecordView, decode
 from ft_client.transport import Transport
 from ft_monitor import record_watch
 from tests.procs import wait_until
 from tests.test_client_states import QUIET, ThreadDaemon
 
 
-def stored(c: RankMonitorClient, slots: int = 2) -> record.RecordView:
+def stored(c: RankMonitorClient, slots: int = 2) -> RecordView:
     assert c._record is not None
     b = bytes(c._record.words[: words_for(slots)].cast("B"))
     return decode(b, b, b, slots)

@@ -20,8 +20,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ft_client import record
-from ft_client.record import RecordError, RecordWriter, SlotState, decode, words_for
+from ft_client.record import RecordError, RecordWriter, words_for
 from ft_client.record_open import open_record
+from ft_client.record_read import Heartbeats, RecordView, SlotState, decode
 from ft_client.session_info import RecordInfo
 from ft_monitor.record_map import RecordMap, create_record
 
@@ -35,7 +36,7 @@ def fresh() -> tuple[bytearray, RecordWriter]:
     return buf, RecordWriter(memoryview(buf).cast("q"), buf)
 
 
-def read(buf: bytes | bytearray, slots: int = SLOTS_READ) -> record.RecordView:
+def read(buf: bytes | bytearray, slots: int = SLOTS_READ) -> RecordView:
     b = bytes(buf)
     return decode(b, b, b, slots)
 
@@ -45,7 +46,7 @@ def test_a_new_record_reads_empty() -> None:
     buf, _ = fresh()
     v = read(buf)
     assert (v.created_ns, v.epoch_ns, v.iteration) == (CREATED, 0, -1)
-    assert v.heartbeats == record.Heartbeats(0, 0) and v.slots == (SlotState(0, 0, 0),) * SLOTS_READ
+    assert v.heartbeats == Heartbeats(0, 0) and v.slots == (SlotState(0, 0, 0),) * SLOTS_READ
     assert not v.torn
 
 
@@ -59,7 +60,7 @@ def test_what_the_writer_stores_reads_back() -> None:
     w.open(0, CREATED + 31)
     w.iteration(42)
     v = read(buf)
-    assert v.heartbeats == record.Heartbeats(2, CREATED + 9) and v.iteration == 42
+    assert v.heartbeats == Heartbeats(2, CREATED + 9) and v.iteration == 42
     assert v.slots[1] == SlotState(3, CREATED + 30, CREATED + 20) and v.slots[1].opens == 2
     assert v.slots[1].closes == 1 and v.slots[1].open_since(0) == CREATED + 30
     assert v.slots[0].open_since(CREATED + 32) is None  # opened before the epoch: void
@@ -259,7 +260,7 @@ def _hammer(writer: RecordWriter, stop_at: float) -> None:
                 (w.open if n % 2 else w.close)(slot, base + n * 1000 + slot)
 
 
-def _consistent(view: record.RecordView) -> tuple[int, int]:
+def _consistent(view: RecordView) -> tuple[int, int]:
     stable = torn = 0
     hb = view.heartbeats
     if hb is None:

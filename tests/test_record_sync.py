@@ -15,7 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ft_client import record
-from ft_client.record import RecordError, RecordView, RecordWriter, decode
+from ft_client.record import RecordError, RecordWriter
+from ft_client.record_read import RecordView, decode
 from ft_client.timeouts import Timeouts
 from ft_monitor.policy import Reason, check, deadlines
 from ft_monitor.record_sync import MAX_TICK, MIN_TICK, RecordSync, tick_for

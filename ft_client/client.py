@@ -321,17 +321,17 @@ class RankMonitorClient:
             except (record.RecordError, OSError) as e:
                 problem = str(e)
             else:
-                threading.Thread(target=self._watch, args=(transport,), name="ft-client-watch", daemon=True).start()
+                threading.Thread(target=_watch_hangup, args=(weakref.ref(self), transport), name="ft-client-watch",
+                                 daemon=True).start()
                 return
         log.warning("rank %d: cannot use the monitor's progress record (%s); reporting progress through the socket",
                     self.rank, problem)
         self._event(transport, wire.encode(wire.RecordDeclined(problem)))
 
-    def _watch(self, t: Transport) -> None:
-        """With a progress record the training thread may never touch the socket: this thread
-        notices the monitor going away (and starts reconnecting, or makes the next progress
-        call raise with ``on_monitor_lost: raise``)."""
-        t.wait_hangup()
+    def _monitor_hung_up(self, t: Transport) -> None:
+        """The monitor closed ``t`` (seen by the watcher thread: with a progress record the
+        training thread may never touch the socket): reconnect, or make the next progress
+        call raise with ``on_monitor_lost: raise``."""
         with self._lock:
             if self._transport is t and self._state is ConnState.CONNECTED and not t.closed:
                 e = TransportBrokenError("monitor closed the connection")
@@ -976,6 +976,14 @@ class _RestartHook:
         client = self._client()
         if client is not None:
             client._entering(restart)
+
+
+def _watch_hangup(client: weakref.ref[RankMonitorClient], t: Transport) -> None:
+    """The watcher thread of one connection with a record (holding the client weakly)."""
+    t.wait_hangup()
+    c = client()
+    if c is not None:
+        c._monitor_hung_up(t)
 
 
 def _hello_info() -> dict[str, Any]:

@@ -307,6 +307,11 @@ def _check_name(name: str) -> None:
         raise ProtocolError(problem)
 
 
+def _named(name: str) -> str:
+    _check_name(name)
+    return name
+
+
 def encode(msg: Message) -> bytes:
     """Return the complete frame (length prefix + body) for ``msg``."""
     t = type(msg)
@@ -342,7 +347,7 @@ _ENCODERS: dict[type, Any] = {
     Restarting: lambda m: [MsgType.RESTARTING, m.iteration],
     Reentered: lambda m: [MsgType.REENTERED, m.iteration, m.reason, m.fault_rank, m.source, m.times],
     WorkerStarted: lambda m: [MsgType.WORKER_STARTED, m.pid, m.rank, m.error_file],
-    SectionSlot: lambda m: [MsgType.SECTION_SLOT, m.name, m.slot],
+    SectionSlot: lambda m: [MsgType.SECTION_SLOT, _named(m.name), m.slot],
     RecordDeclined: lambda m: [MsgType.RECORD_DECLINED, m.reason],
 }
 

@@ -117,12 +117,18 @@ class RecordSync:
         RecordError for what a correct writer cannot have stored."""
         self._check(view, round(now * 1e9))
         out = Applied()
-        if view.iteration >= 0 and view.iteration != self._iteration:
+        if session.phase is Phase.ACTIVE:
+            self._apply_progress(session, view, out)
+        # the iteration after the steps it counts (the session's iteration_base is the first
+        # report less the steps closed before it), and not from a read that missed a slot
+        if view.iteration >= 0 and view.iteration != self._iteration and not any(
+                view.slots[slot] is None for slot in self.names if slot < len(view.slots)):
             self._iteration = view.iteration
             session.set_iteration(view.iteration)
             out.iteration = view.iteration
-        if session.phase is not Phase.ACTIVE:
-            return out
+        return out
+
+    def _apply_progress(self, session: Session, view: RecordView, out: Applied) -> None:
         floor = view.epoch_ns
         events: list[tuple[int, int, int, int, bool]] = []
         hb = view.heartbeats
@@ -137,7 +143,6 @@ class RecordSync:
         events.sort()
         for at, kind, slot, count, timed in events:
             self._replay(session, at, kind, slot, count, timed, out)
-        return out
 
     def _slot_events(self, session: Session, slot: int, name: str, st: SlotState, floor: int,
                      events: list[tuple[int, int, int, int, bool]]) -> None:

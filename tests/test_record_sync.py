@@ -276,3 +276,28 @@ def test_a_record_scribbled_over_is_applied_or_refused_never_anything_else(scrib
         r.apply(s, T0 + 3)
     except RecordError:
         pass
+
+
+def test_the_iteration_is_taken_after_the_steps_it_counts() -> None:
+    """The first report of a session sets iteration_base (= report - steps closed before it):
+    a step and the iteration it completed, read together, give the iteration it started from."""
+    r, s = Rank(), session()
+    r.open("step", T0 + 1)
+    r.close("step", T0 + 2)
+    r.w.iteration(11)  # resumed from a checkpoint at 10: the first step makes it 11
+    r.apply(s, T0 + 3)
+    assert s.iteration == 11 and s.steps_closed == 1 and s.iteration_base == 10
+
+
+def test_an_iteration_read_with_a_torn_slot_waits_for_the_next_read() -> None:
+    r, s = Rank(), session()
+    r.open("step", T0 + 1)
+    r.apply(s, T0 + 1.5)
+    before = bytes(r.buf)
+    r.close("step", T0 + 2)
+    r.w.iteration(11)
+    view = decode(before, bytes(r.buf), bytes(r.buf), len(NAMES))  # the step's slot torn
+    assert view.slots[0] is None
+    assert r.sync.apply(s, view, T0 + 3).iteration is None and s.iteration is None
+    r.apply(s, T0 + 3.1)
+    assert s.iteration == 11 and s.iteration_base == 10

@@ -106,10 +106,10 @@ ITERATION_REPORT_INTERVAL = 0.2
 _UNSENT = -1
 """`_open` route of a section the monitor was not told about."""
 _SOCKET = -2
-"""`_open` route of a section reported over the socket; a route >= 0 is a record slot."""
+"""`_open` route of a section reported over the socket; a route >= 0 is a record slot (as the
+index of its SEQ word, `record.slot_word`)."""
 _now_ns = time.monotonic_ns
 _HB_SEQ, _HB_AT, _ITERATION = record.W_HB_SEQ, record.W_HB_AT, record.W_ITERATION
-_SLOT_BASE, _SLOT_WORDS = record.SLOT_BASE, record.SLOT_WORDS
 _OPENED_AT, _CLOSED_AT = record.OPENED_AT, record.CLOSED_AT
 
 
@@ -189,7 +189,8 @@ class RankMonitorClient:
         self._record: record.RecordWriter | None = None
         """The progress record, while connected to a monitor that handed one over."""
         self._slots: dict[str, int] = {}
-        """Section -> its slot in the current record (registered with SECTION_SLOT)."""
+        """Section -> its slot in the current record (registered with SECTION_SLOT), as the
+        index of the slot's SEQ word (`record.slot_word`): what the hot path stores at."""
         self._open_frames: dict[str, bytes] = {}
         self._close_frames: dict[str, bytes] = {}
         self._sync_sections = False
@@ -544,12 +545,11 @@ class RankMonitorClient:
                 slot = self._slots.get(name)
                 if slot is not None:  # the fast path: a registered section
                     self._open[name] = slot
-                    w, seqs = rec.words, rec.seqs  # RecordWriter.open, inlined: this runs at every call
-                    i = _SLOT_BASE + _SLOT_WORDS * slot
+                    w, seqs = rec.words, rec.seqs  # RecordWriter.open_word, inlined: this runs at every call
                     seq = seqs[slot] + 1
-                    w[i] = seq
-                    w[i + _OPENED_AT] = now
-                    w[i] = seqs[slot] = seq + 1
+                    w[slot] = seq
+                    w[slot + _OPENED_AT] = now
+                    w[slot] = seqs[slot] = seq + 1
                     if self._sync_sections:
                         self._confirm()
                     return
@@ -569,7 +569,7 @@ class RankMonitorClient:
                     slot = self._register_slot(name)
                 if slot is not None and self._record is rec:
                     self._open[name] = slot
-                    rec.open(slot, _now_ns())
+                    rec.open_word(slot, _now_ns())
                     if self._sync_sections:
                         self._confirm()
                     return
@@ -595,13 +595,12 @@ class RankMonitorClient:
                 now_ns = _now_ns()
                 self._calc.on_section_close(name, now_ns * 1e-9 if self._mono else self._clock())
                 w = rec.words
-                if route >= 0:  # RecordWriter.close, inlined: this runs at every call
+                if route >= 0:  # RecordWriter.close_word, inlined: this runs at every call
                     seqs = rec.seqs
-                    i = _SLOT_BASE + _SLOT_WORDS * route
                     seq = seqs[route] + 1
-                    w[i] = seq
-                    w[i + _CLOSED_AT] = now_ns
-                    w[i] = seqs[route] = seq + 1
+                    w[route] = seq
+                    w[route + _CLOSED_AT] = now_ns
+                    w[route] = seqs[route] = seq + 1
                 if name == STEP_SECTION:
                     self._iteration += 1
                     w[_ITERATION] = self._iteration
@@ -621,7 +620,7 @@ class RankMonitorClient:
             rec = self._record
             if rec is not None:  # REENTERED was just sent
                 if route >= 0:
-                    rec.close(route, _now_ns())
+                    rec.close_word(route, _now_ns())
                 if step:
                     rec.words[record.W_ITERATION] = self._iteration
                 if route == _SOCKET:
@@ -661,7 +660,7 @@ class RankMonitorClient:
                 now = _now_ns()
                 for route in routes:
                     if route >= 0:
-                        rec.close(route, now)
+                        rec.close_word(route, now)
                 if _SOCKET not in routes:
                     if self._sync_sections:
                         self._confirm()
@@ -671,7 +670,8 @@ class RankMonitorClient:
 
     def _register_slot(self, name: str) -> int | None:
         """Give a monitored section a slot of the record and tell the monitor (once per
-        record); None when every slot is taken (the section reports through the socket)."""
+        record); its SEQ word, or None when every slot is taken (the section reports
+        through the socket)."""
         t = self._transport
         if len(self._slots) >= record.SLOTS or t is None:
             return None
@@ -683,8 +683,8 @@ class RankMonitorClient:
         self._event(t, frame)
         if self._record is None:  # the monitor went away meanwhile
             return None
-        self._slots[name] = slot
-        return slot
+        word = self._slots[name] = record.slot_word(slot)
+        return word
 
     def section(self, name: str) -> _Section:
         """``with client.section("step"): ...`` or ``@client.section("step")``."""
@@ -747,7 +747,7 @@ class RankMonitorClient:
                 slot = self._register_slot(name)
             if rec is not None and slot is not None and self._record is rec:
                 self._open[name] = slot
-                rec.open(slot, _now_ns())
+                rec.open_word(slot, _now_ns())
             else:
                 self._open[name] = _SOCKET
                 self._event(t, wire.section_open_frame(name))

@@ -99,8 +99,9 @@ class RecordError(FtError, ValueError):
 class RecordWriter:
     """The rank's side: plain stores into the mapping (``words``: the record cast to
     signed 64-bit items), three per event. One writer at a time: the client calls these
-    under its lock (and inlines heartbeat, open and close on its hot path: keep them in
-    step). The sequence words are shadowed here, so the hot path only stores."""
+    under its lock (and inlines heartbeat, open and close on its hot path, keyed by the
+    slot's SEQ word, `slot_word`: keep them in step). The sequence words are shadowed in
+    ``seqs`` (indexed by word), so the hot path only stores."""
 
     __slots__ = ("words", "_keep", "hb_seq", "seqs")
 
@@ -110,7 +111,8 @@ class RecordWriter:
         """What must outlive the stores (the mmap behind ``words``); never closed
         explicitly: a progress call in another thread may still hold ``words``."""
         self.hb_seq: int = words[W_HB_SEQ]
-        self.seqs: list[int] = [words[slot_word(k)] for k in range(SLOTS)]
+        self.seqs: list[int] = list(words[:WORDS])
+        """The SEQ words' values, at their own index (the other entries are unused)."""
 
     def heartbeat(self, now_ns: int) -> None:
         w = self.words
@@ -121,21 +123,26 @@ class RecordWriter:
 
     def open(self, slot: int, now_ns: int) -> None:
         """Open ``slot`` (closed: the client opens only what it has not open)."""
-        w = self.words
-        i = SLOT_BASE + SLOT_WORDS * slot
-        seq = self.seqs[slot] + 1
-        w[i] = seq
-        w[i + OPENED_AT] = now_ns
-        w[i] = self.seqs[slot] = seq + 1
+        self.open_word(slot_word(slot), now_ns)
 
     def close(self, slot: int, now_ns: int) -> None:
         """Close ``slot`` (open)."""
+        self.close_word(slot_word(slot), now_ns)
+
+    def open_word(self, i: int, now_ns: int) -> None:
+        """`open` of the slot whose SEQ word is ``i``."""
         w = self.words
-        i = SLOT_BASE + SLOT_WORDS * slot
-        seq = self.seqs[slot] + 1
+        seq = self.seqs[i] + 1
+        w[i] = seq
+        w[i + OPENED_AT] = now_ns
+        w[i] = self.seqs[i] = seq + 1
+
+    def close_word(self, i: int, now_ns: int) -> None:
+        w = self.words
+        seq = self.seqs[i] + 1
         w[i] = seq
         w[i + CLOSED_AT] = now_ns
-        w[i] = self.seqs[slot] = seq + 1
+        w[i] = self.seqs[i] = seq + 1
 
     def iteration(self, iteration: int) -> None:
         self.words[W_ITERATION] = iteration
@@ -143,10 +150,10 @@ class RecordWriter:
     def reset(self, now_ns: int) -> None:
         """A new epoch (in-process restart): close what is open at ``now_ns``, then void
         everything stamped before it."""
-        for slot, seq in enumerate(self.seqs):
-            if seq & 2:  # an odd number of writes: open
+        for slot in range(SLOTS):
+            if self.is_open(slot):
                 self.close(slot, now_ns)
         self.words[W_EPOCH] = now_ns
 
     def is_open(self, slot: int) -> bool:
-        return bool(self.seqs[slot] & 2)
+        return bool(self.seqs[slot_word(slot)] & 2)  # an odd number of writes

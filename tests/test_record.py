@@ -256,7 +256,7 @@ def _hammer(writer: RecordWriter, stop_at: float) -> None:
             k = w.hb_seq // 2 + 1
             w.heartbeat(base + k * 1000)
             for slot in range(SLOTS_READ):
-                n = w.seqs[slot] // 2 + 1  # this write's number: odd opens, even closes
+                n = w.seqs[record.slot_word(slot)] // 2 + 1  # this write's number: odd opens, even closes
                 (w.open if n % 2 else w.close)(slot, base + n * 1000 + slot)
 
 

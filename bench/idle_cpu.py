@@ -19,12 +19,12 @@ Target (the 25 ms tick): below 1% of one core.
 from __future__ import annotations
 
 import argparse
-import glob
 import os
 import sys
 import time
 
 from bench.harness import Daemon, Figure, Mode, Worker, cleanup, private_dir, say
+from bench.startup import cpu_ns
 
 TARGET_PCT = 1.0
 CONFIGS: dict[str, tuple[str, ...]] = {
@@ -35,18 +35,6 @@ CONFIGS: dict[str, tuple[str, ...]] = {
 }
 LABELS = {"record.tick25ms": "progress record, tick 25 ms", "record.tick1ms": "progress record, tick 1 ms",
           "socket": "socket only, no tick"}
-
-
-def cpu_ns(pid: int) -> int:
-    """CPU time of every thread of ``pid`` so far, in nanoseconds."""
-    total = 0
-    for path in glob.glob(f"/proc/{pid}/task/*/schedstat"):
-        try:
-            with open(path) as f:
-                total += int(f.read().split()[0])
-        except (OSError, ValueError, IndexError):
-            pass
-    return total
 
 
 def run(mode: Mode, loop: str) -> list[Figure]:

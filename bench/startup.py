@@ -11,6 +11,8 @@ for torch.
 
 from __future__ import annotations
 
+import glob
+
 from bench.harness import Daemon, Figure, Mode, cleanup, maps_mention, private_dir, private_kb, read_kb
 
 DAEMON_FLAGS = ("--ft-rank-heartbeat-timeout", "600", "--ft-rank-section-timeouts", "step:600")
@@ -18,9 +20,22 @@ READY_TARGET_MS = 200.0
 RSS_TARGET_MB = 30.0
 
 
+def cpu_ns(pid: int) -> int:
+    """CPU time of every thread of ``pid`` so far, in nanoseconds."""
+    total = 0
+    for path in glob.glob(f"/proc/{pid}/task/*/schedstat"):
+        try:
+            with open(path) as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            pass
+    return total
+
+
 def run(mode: Mode, loop: str) -> list[Figure]:
     runs = mode.pick(15, 7, 2)
     ready_ms: list[float] = []
+    cpu_ms: list[float] = []
     rss_mb: list[float] = []
     uss_mb: list[float] = []
     anon_mb: list[float] = []
@@ -33,6 +48,7 @@ def run(mode: Mode, loop: str) -> list[Figure]:
                 daemon.wait_ready()
                 assert daemon.ready_after is not None
                 ready_ms.append(daemon.ready_after * 1000)
+                cpu_ms.append(cpu_ns(daemon.pid) / 1e6)
                 rss_mb.append(daemon.rss_kb() / 1024)
                 anon_mb.append(read_kb(daemon.pid, "RssAnon") / 1024)
                 uss = private_kb(daemon.pid)
@@ -47,6 +63,9 @@ def run(mode: Mode, loop: str) -> list[Figure]:
     return [
         Figure(id="daemon.ready", what="daemon start to ready", unit="ms", samples=ready_ms,
                target=f"<= {READY_TARGET_MS:g} ms", limit=READY_TARGET_MS, loop=loop, details={"how": how}),
+        Figure(id="daemon.ready_cpu", what="daemon CPU time to ready", unit="ms", samples=cpu_ms, loop=loop,
+               details={"how": "the daemon process's CPU time at its first PONG (/proc/PID/task/*/schedstat): "
+                               "what load on the machine does not inflate"}),
         Figure(id="daemon.rss_ready", what="daemon RSS at ready", unit="MB", samples=rss_mb,
                target=f"<= {RSS_TARGET_MB:g} MB", limit=RSS_TARGET_MB, loop=loop,
                details={"how": "VmRSS from /proc/PID/status at ready", "torch_mapped": torch_mapped,

@@ -19,8 +19,8 @@ FIGURE_KEYS = {"id", "what", "loop", "unit", "n", "median", "p99", "min", "max",
                "met", "details"}
 MACHINE_KEYS = {"cpu_model", "cores", "python", "torch", "loop", "loops", "uvloop", "msgpack", "kernel"}
 EXPECTED_IDS = {
-    "import.ft_client", "import.client", "import.heavy",
-    "daemon.ready", "daemon.rss_ready", "daemon.no_torch", "daemon.rss_after_events", "daemon.rss_growth",
+    "import.ft_client", "import.client", "import.client_cpu", "import.heavy",
+    "daemon.ready", "daemon.ready_cpu", "daemon.rss_ready", "daemon.no_torch", "daemon.rss_after_events", "daemon.rss_growth",
     "stalled.call", "stalled.not_blocked",
     "ingest.one", "ingest.one.no_loss", "ingest.pairs", "ingest.pairs.no_loss",
     *(f"detect.{p}.{k}.{v}" for p in ("record", "socket") for k in ("heartbeat", "section", "out_of_section")

@@ -10,8 +10,9 @@ clock, and its times would mean nothing to the monitor). Anything else raises
 RecordError with the reason; the client then reports through the socket.
 
 The mapping is shared with the monitor only: the descriptor is closed once
-mapped, and MADV_DONTFORK keeps it out of forked children (data-loader workers
-cannot write the rank's progress).
+mapped (Python's mmap keeps a close-on-exec duplicate: no program the rank executes
+inherits it), and MADV_DONTFORK keeps the mapping out of forked children (data-loader
+workers cannot write the rank's progress).
 """
 
 from __future__ import annotations

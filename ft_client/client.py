@@ -160,6 +160,8 @@ class RankMonitorClient:
         self._safety_factor = DEFAULT_SAFETY_FACTOR
         self._min_learned = 0.0
         self._to_load: Timeouts | None = None  # learned values loaded before init
+        self._loaded: Timeouts | None = None  # what the last load_state_dict() loaded
+        self._num_warmup_iters: int | None = None
         self._iteration = 0  # completed `step` sections, across runs (kept in state_dict)
         self._iteration_sent_at = -ITERATION_REPORT_INTERVAL
         self._path = ""
@@ -186,9 +188,19 @@ class RankMonitorClient:
         """Why the monitor connection was lost (while LOST), else None."""
         return self._lost_reason if self._state is ConnState.LOST else None
 
-    def init_workload_monitoring(self, socket_path: str | None = None) -> None:
-        """Connect to the rank's monitor, receive its config, arm the stack dump."""
+    def init_workload_monitoring(self, num_warmup_iters: int | None = None, *,
+                                 socket_path: str | None = None) -> None:
+        """Connect to the rank's monitor, receive its config, arm the stack dump.
+
+        ``num_warmup_iters``: the first steps timed with the `warmup` section's timeout (as
+        nvidia-resiliency-ext's argument); None: the monitor's ``num_warmup_iterations``."""
+        if num_warmup_iters is not None and (isinstance(num_warmup_iters, bool) or not isinstance(
+                num_warmup_iters, int) or not 0 <= num_warmup_iters <= env.MAX_RANK):
+            raise RankMonitorClientError(
+                f"num_warmup_iters = {num_warmup_iters!r:.60}: must be a whole number >= 0 or None (a socket path "
+                "goes in socket_path= or RankMonitorClient(socket_path))")
         with self._lock:
+            self._num_warmup_iters = num_warmup_iters
             if self._state is ConnState.FORKED_CHILD:
                 raise MonitorClosedError("this process is a fork of the rank; its client stays with the rank")
             if self._state in (ConnState.CONNECTED, ConnState.LOST):
@@ -200,7 +212,8 @@ class RankMonitorClient:
                     "set it) or pass socket_path="
                 )
             try:
-                transport, hello = connect(path, CONNECT_TIMEOUT, wire.Role.RANK, self.rank, _hello_info())
+                transport, hello = connect(path, CONNECT_TIMEOUT, wire.Role.RANK, self.rank,
+                                           _hello_info(self._num_warmup_iters))
             except FileNotFoundError as e:
                 raise RankMonitorClientError(
                     f"no monitor listens at {path} (from {self._path_origin(socket_path)}): the socket file does not "
@@ -307,7 +320,7 @@ class RankMonitorClient:
             interval = min(interval * 2, RECONNECT_MAX_INTERVAL)
             try:
                 transport, hello = connect(self._path, self._request_timeout, wire.Role.RANK, self.rank,
-                                           _hello_info())
+                                           _hello_info(self._num_warmup_iters))
             except (TransportError, OSError):
                 continue
             with self._lock:
@@ -404,7 +417,8 @@ class RankMonitorClient:
             if t is not None:
                 self._event(t, wire.HEARTBEAT_FRAME)
 
-    def start_section(self, name: str) -> None:
+    def start_section(self, section: str) -> None:
+        name = section
         with self._lock:
             if name in self._open:
                 raise RankMonitorClientError(f"section {name!r} is already open; end_section({name!r}) first")
@@ -421,7 +435,8 @@ class RankMonitorClient:
                     frame = self._open_frames[name] = self._section_frame(name, wire.section_open_frame)
                 self._event(t, frame)  # type: ignore[arg-type]
 
-    def end_section(self, name: str) -> None:
+    def end_section(self, section: str) -> None:
+        name = section
         with self._lock:
             sent = self._open.pop(name, None)
             if sent is None:
@@ -467,6 +482,17 @@ class RankMonitorClient:
     @property
     def section_timeouts(self) -> SectionTimeouts:
         return self._timeouts.sections
+
+    @property
+    def loaded_hb_timeouts(self) -> HeartbeatTimeouts | None:
+        """The heartbeat timeouts the last `load_state_dict()` read (None before one); in
+        force once there is a monitor (`hb_timeouts`)."""
+        return None if self._loaded is None else self._loaded.hb
+
+    @property
+    def loaded_section_timeouts(self) -> SectionTimeouts | None:
+        """As `loaded_hb_timeouts`, for the section timeouts."""
+        return None if self._loaded is None else self._loaded.sections
 
     @property
     def iteration(self) -> int:
@@ -579,15 +605,16 @@ class RankMonitorClient:
             observed = replace(self._observed, sections={**listed, **self._observed.sections})
             return to_state_dict(self._timeouts, observed, self._safety_factor, self._iteration)
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Put learned timeouts from a checkpoint in force (before or after
         init_workload_monitoring()). Accepts this client's format and the
         ``{"current_timeouts": ...}`` dict of nvidia-resiliency-ext."""
         try:
-            loaded = from_state_dict(state_dict)
+            loaded = from_state_dict(state)
         except ValueError as e:
             raise RankMonitorClientError(f"cannot load the ft state_dict: {e}") from e
         with self._lock:
+            self._loaded = loaded.timeouts
             self._observed = loaded.observations
             self._iteration = loaded.iteration
             if self._transport is None:
@@ -600,17 +627,17 @@ class RankMonitorClient:
 
     # -- workload control ------------------------------------------------------
     def send_workload_control_request(
-        self, request: WorkloadControlRequest | WorkloadAction | str, description: str = ""
+        self, req: WorkloadControlRequest | WorkloadAction | str, description: str = ""
     ) -> None:
         """Ask ft-launcher to act now: Continue, ExcludeThisNode or ShutdownWorkload.
 
         Goes straight to the launcher ($FT_LAUNCHER_IPC_SOCKET), request/reply;
         returns once the launcher has accepted it.
         """
-        if isinstance(request, WorkloadControlRequest):
-            action, description = request.action, request.description or description
+        if isinstance(req, WorkloadControlRequest):
+            action, description = req.action, req.description or description
         else:
-            action = WorkloadAction.parse(request)
+            action = WorkloadAction.parse(req)
         path = os.environ.get(env.LAUNCHER_SOCKET)
         if not path:
             raise RankMonitorClientError(
@@ -713,9 +740,12 @@ class _RestartHook:
             client._entering(restart)
 
 
-def _hello_info() -> dict[str, Any]:
-    return {"pid": os.getpid(), "local_rank": os.environ.get(env.LOCAL_RANK),
-            "restart": os.environ.get(env.RESTART_COUNT), "error_file": os.environ.get(env.ERROR_FILE)}
+def _hello_info(num_warmup_iters: int | None = None) -> dict[str, Any]:
+    info: dict[str, Any] = {"pid": os.getpid(), "local_rank": os.environ.get(env.LOCAL_RANK),
+                            "restart": os.environ.get(env.RESTART_COUNT), "error_file": os.environ.get(env.ERROR_FILE)}
+    if num_warmup_iters is not None:
+        info["num_warmup_iters"] = num_warmup_iters
+    return info
 
 
 def _die_with_launcher() -> None:

@@ -70,7 +70,7 @@ from ft_monitor.launcher.progress import ProgressTracker
 from ft_monitor.launcher.rootcause import read_stack, write_error_file
 from ft_monitor.launcher.store_auth import SECRET_ENV, HangRecord, ShutdownRequest, StoreChannel, StoreMessageError
 from ft_monitor.notices import HangNotice
-from ft_monitor.procinfo import parent_pid
+from ft_monitor.procinfo import descends_from
 from ft_monitor.server_log import printable
 from ft_monitor.settings import Settings
 from ft_monitor.startup import dump_spec
@@ -151,14 +151,7 @@ class FtRuntime:
 
     def is_worker(self, pid: int) -> bool:
         """A current worker, or a process it started (a workload request may come from either)."""
-        for _ in range(16):
-            if pid in self.worker_pids:
-                return True
-            parent = parent_pid(pid)
-            if parent is None or parent <= 1:
-                return False
-            pid = parent
-        return False
+        return descends_from(pid, self.worker_pids)
 
     def worker_env(self, local_rank: int) -> dict[str, str]:
         out = {

@@ -739,6 +739,13 @@ class _RestartHook:
         if client is not None:
             client._entering(restart)
 
+    def busy(self) -> bool:
+        """The client's main connection is mid-frame or mid-request (an interrupt raised
+        then would cut a frame in two or leave a reply unread)."""
+        client = self._client()
+        t = client._transport if client is not None else None
+        return t is not None and t.io_busy()
+
 
 def _hello_info(num_warmup_iters: int | None = None) -> dict[str, Any]:
     info: dict[str, Any] = {"pid": os.getpid(), "local_rank": os.environ.get(env.LOCAL_RANK),

@@ -166,3 +166,61 @@ def test_the_client_reports_a_restart_and_nothing_while_the_rank_unwinds(tmp_pat
     finally:
         c.shutdown_workload_monitoring()
         d.stop()
+
+
+# -- the interrupt ---------------------------------------------------------------------------
+
+
+class _Listener:
+    def __init__(self) -> None:
+        self.is_busy = False
+
+    def aborting(self, iteration: int) -> None:
+        pass
+
+    def entering(self, restart: events.Restart) -> None:
+        pass
+
+    def busy(self) -> bool:
+        return self.is_busy
+
+
+def test_the_interrupt_waits_while_the_client_is_mid_frame_or_in_atomic() -> None:
+    from ft_client.inprocess.wrapper import RestartInterrupt, _on_interrupt, _Run
+
+    run = _Run(RestartStore(HashStore(), 1, prefix="t/"), 0, 1)
+    run.interruptible = True
+    _on_interrupt(run, 0, None)  # no fault seen yet: nothing
+    run.fault_seen.set()
+    listener = _Listener()
+    events.add_restart_listener(listener)
+    try:
+        listener.is_busy = True
+        _on_interrupt(run, 0, None)  # the monitor thread sends it again in interrupt_interval
+        listener.is_busy = False
+        run.atomic_depth = 1
+        _on_interrupt(run, 0, None)
+        assert run.interrupt_pending  # raised when atomic() ends
+        run.atomic_depth = 0
+        with pytest.raises(RestartInterrupt):
+            _on_interrupt(run, 0, None)
+    finally:
+        events.remove_restart_listener(listener)
+
+
+def test_the_client_is_busy_while_its_connection_is_mid_send(tmp_path: Path) -> None:
+    sock = tmp_path / "s" / "m.sock"
+    d = ThreadDaemon(sock, **QUIET)
+    c = RankMonitorClient(str(sock))
+    try:
+        c.init_workload_monitoring()
+        hook = c._restart_hook
+        assert not hook.busy()
+        t = c._transport
+        assert t is not None
+        with t._lock:  # what a send or a request holds
+            assert hook.busy()
+        assert not hook.busy()
+    finally:
+        c.shutdown_workload_monitoring()
+        d.stop()

@@ -550,8 +550,10 @@ def _collect() -> None:
 
 
 def _on_interrupt(run: _Run, signum: int, frame: Any) -> None:
-    """The interrupt signal's handler (main thread): leave the function unless inside atomic()."""
-    if not run.interruptible or not run.fault_seen.is_set():
+    """The interrupt signal's handler (main thread): leave the function unless inside atomic(),
+    or while the monitor client is mid-frame or mid-request (the monitor thread sends the
+    signal again every interrupt_interval)."""
+    if not run.interruptible or not run.fault_seen.is_set() or events.busy():
         return
     if run.atomic_depth > 0:
         run.interrupt_pending = True

@@ -224,3 +224,19 @@ def test_the_client_is_busy_while_its_connection_is_mid_send(tmp_path: Path) -> 
     finally:
         c.shutdown_workload_monitoring()
         d.stop()
+
+
+def test_a_fault_that_cannot_reach_the_store_is_still_this_ranks_fault() -> None:
+    from ft_client.inprocess.wrapper import _Run
+
+    class Gone:
+        def compare_set(self, *args: object) -> bytes:
+            raise RuntimeError("Connection reset by peer")
+
+        def clone(self) -> object:
+            raise RuntimeError("Connection reset by peer")
+
+    run = _Run(RestartStore(Gone(), 2, prefix="t/"), 1, 2)
+    assert run.report("rank 1: ValueError: x", 1, "exception")
+    assert run.fault is not None and run.fault.source == "store" and "unreachable" in run.fault.reason
+    assert run.wake.is_set()

@@ -240,3 +240,27 @@ def test_a_fault_that_cannot_reach_the_store_is_still_this_ranks_fault() -> None
     assert run.report("rank 1: ValueError: x", 1, "exception")
     assert run.fault is not None and run.fault.source == "store" and "unreachable" in run.fault.reason
     assert run.wake.is_set()
+
+
+def test_the_reference_wrappers_options_are_taken_ignored_or_refused_with_the_reason() -> None:
+    from datetime import timedelta
+
+    from ft_client.inprocess import CallWrapper, InProcessError, Wrapper
+
+    w = Wrapper(soft_timeout=timedelta(seconds=60), hard_timeout=timedelta(seconds=90),
+                monitor_thread_interval=timedelta(seconds=1), heartbeat_timeout=timedelta(seconds=30),
+                monitor_process_logfile="/tmp/m-{rank}.log", rank_assignment=None)
+    assert (w.soft_timeout, w.hard_timeout, w.monitor_thread_interval) == (60.0, 90.0, 1.0)
+    with pytest.raises(InProcessError, match="rank_assignment are not supported: ranks keep their rank"):
+        Wrapper(rank_assignment=object())
+    with pytest.raises(TypeError, match="unexpected keyword argument.*bogus"):
+        Wrapper(bogus=1)
+    with pytest.raises(InProcessError, match="hard_timeout = 10 s must be above soft_timeout = 60 s"):
+        Wrapper(hard_timeout=10)
+    with pytest.raises(InProcessError, match=r"barrier_timeout = -1: must be a positive number of seconds"):
+        Wrapper(barrier_timeout=-1)
+
+    def by_annotation(x: int, state: CallWrapper | None = None) -> None: ...
+    def by_keyword(x: int, call: object = None) -> None: ...
+    assert w._call_wrapper_param(by_annotation) == "state" and w._call_wrapper_param(by_keyword) == "call"
+    assert Wrapper(enabled=False)(by_keyword) is by_keyword

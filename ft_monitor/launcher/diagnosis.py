@@ -254,6 +254,10 @@ def _ranks(rs: Iterable[int]) -> str:
     return f"rank {rs[0]}" if len(rs) == 1 else "ranks " + ",".join(map(str, rs))
 
 
+def _wait(rs: list[int]) -> str:
+    return f"{_ranks(rs)} {'waits' if len(rs) == 1 else 'wait'}"
+
+
 def group_views(evidence: Iterable[RankEvidence]) -> list[GroupView]:
     """Per process group, which ranks wait in which collective and which never entered it."""
     traces: dict[int, FrDigest] = {e.rank: e.fr for e in evidence if e.fr is not None and e.fr.recording}
@@ -298,7 +302,7 @@ def verdict(hung: HungRank, evidence: list[RankEvidence], groups: list[GroupView
         where = _where(by_rank, first)
         op = g.op or "collective"
         line = (f"{_ranks(behind)} never entered {op} #{g.seq} on {g.name()}" + (f" ({where})" if where else "")
-                + f"; {_ranks(g.waiting)} wait in {op} #{g.seq}")
+                + f"; {_wait(g.waiting)} in {op} #{g.seq}")
         untraced = sorted(r for r in by_rank if r not in g.ranks and r not in behind)
         if untraced:
             line += f"; no Flight Recorder trace from {_ranks(untraced)}"
@@ -315,7 +319,7 @@ def verdict(hung: HungRank, evidence: list[RankEvidence], groups: list[GroupView
         op = g.op or "collective"
         why = _why_no_trace(by_rank.get(suspects[0]))
         line = (f"{_ranks(suspects)} did not reach {op} #{g.seq} on {g.name()} (no Flight Recorder trace: {why}"
-                + (f"; {where}" if where else "") + f"); {_ranks(g.waiting)} wait in {op} #{g.seq}")
+                + (f"; {where}" if where else "") + f"); {_wait(g.waiting)} in {op} #{g.seq}")
         return Verdict(line, "flight_recorder+stacks", suspects, g.waiting, g.pg, g.op, g.seq, where)
     with_stack = {r: e.main_thread() for r, e in by_rank.items() if e.stack}
     waiting = sorted(r for r, t in with_stack.items() if stacks.in_collective(t))
@@ -325,8 +329,9 @@ def verdict(hung: HungRank, evidence: list[RankEvidence], groups: list[GroupView
         where = _where(by_rank, outside[0])
         call = stacks.collective_call(with_stack[waiting[0]]) or "torch.distributed"
         wait_where = _where(by_rank, waiting[0])
-        line = (f"{_ranks(outside)} not in a collective" + (f" ({where})" if where else "")
-                + f"; {_ranks(waiting)} wait in {call}" + (f" ({wait_where})" if wait_where else ""))
+        line = (f"{_ranks(outside)} {'is' if len(outside) == 1 else 'are'} not in a collective"
+                + (f" ({where})" if where else "") + f"; {_wait(waiting)} in {call}"
+                + (f" ({wait_where})" if wait_where else ""))
         return Verdict(line, "stacks", outside, waiting, where=where, op=call)
     where = _where(by_rank, hung.rank)
     line = f"rank {hung.rank} hung: {hung.message}" + (f" ({where})" if where else "")

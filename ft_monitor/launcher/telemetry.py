@@ -157,6 +157,12 @@ class Telemetry:
                                        step_median_s=sum(medians) / len(medians) if medians else None))
         self._publish()
 
+    def diagnosis(self, row: Mapping[str, Any]) -> None:
+        """A roll call's diagnosis.json was written (agent._roll_call's row)."""
+        self.events.emit("diagnosis", self.clock(), attempt=int(row["attempt"]), rank=int(row["rank"]),
+                         action=str(row["action"]), path=str(row["diagnosis"]), verdict=str(row["verdict"]),
+                         basis=str(row["basis"]), behind=list(row["behind"]), roll_call_s=float(row["roll_call_s"]))
+
     def hang_timing(self, timing: Any) -> None:
         """The agent's RestartTiming for the hang just reported: the restart to follow."""
         self.pending = _PendingRestart(timing, "hang", self.attempt + 1, len(self.incidents) - 1)

@@ -15,7 +15,9 @@ py-spy stops the rank while it reads it (ptrace), for up to the time left of the
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
+import sys
 from typing import Protocol
 
 MAX_OUTPUT = 256 * 1024
@@ -32,7 +34,8 @@ class PySpy:
         self.executable = executable
 
     def find(self) -> str | None:
-        return self.executable or shutil.which("py-spy")
+        """The one given, else py-spy on PATH, else beside this interpreter (a virtualenv's bin)."""
+        return self.executable or shutil.which("py-spy") or shutil.which("py-spy", path=os.path.dirname(sys.executable))
 
     async def dump(self, pid: int, timeout: float) -> tuple[str | None, str | None]:
         exe = self.find()

@@ -45,6 +45,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("ft_monitor.server")
 
 MAX_TIMEOUT = 600.0
+FR_NOTE = "Flight Recorder:"
+"""How the notes about the Flight Recorder trace start (the launcher picks them out)."""
 
 
 class RankSnapshots:
@@ -141,7 +143,7 @@ class RankSnapshots:
         """Push FR_DUMP (after the stack dump: see the module docstring) and wait for the file."""
         s = rank.session
         if rank.control is None:
-            notes.append("no Flight Recorder trace: the rank has no control connection (a client older than "
+            notes.append(f"{FR_NOTE} the rank has no control connection (a client older than "
                          "flight_recorder_entries, or it could not open one)")
             return None
         out = rank.session_dir / f"rank{s.rank}-pid{s.pid}-fr{req.incident}.json"
@@ -150,7 +152,7 @@ class RankSnapshots:
         except FileNotFoundError:
             pass
         except OSError as e:
-            notes.append(f"no Flight Recorder trace: cannot clear {out}: {e.strerror or e}")
+            notes.append(f"{FR_NOTE} cannot clear {out}: {e.strerror or e}")
             return None
         rank.control.send(wire.FrDump(str(out)))
         ops = self.d.executor.ops
@@ -162,6 +164,6 @@ class RankSnapshots:
             await ops.sleep(_POLL)
         if ops.file_size(out) > 0:
             return str(out)
-        notes.append("no Flight Recorder trace in time: the rank's control thread did not run (does its main "
+        notes.append(f"{FR_NOTE} not written in time (the rank's control thread did not run: does its main "
                      "thread hold the GIL?)")
         return None

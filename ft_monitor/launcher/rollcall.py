@@ -48,6 +48,7 @@ from ft_monitor.launcher.diagnosis import (
     diagnose,
 )
 from ft_monitor.launcher.store_auth import RollCallAnswer, RollCallRequest, StoreChannel, StoreMessageError
+from ft_monitor.rank_snapshot import FR_NOTE
 from ft_monitor.snapshot import MonitorSnapshot, SnapshotError
 
 log = logging.getLogger("ft_monitor.launcher")
@@ -86,8 +87,8 @@ def _fr_evidence(snap: MonitorSnapshot, asked: bool) -> tuple[Any, str | None]:
     if snap.flight_recorder is None:
         if not asked:
             return None, "Flight Recorder off (flight_recorder_entries is 0)"
-        why = next((n for n in snap.notes if "Flight Recorder" in n), "no trace written")
-        return None, why
+        why = next((n for n in snap.notes if n.startswith(FR_NOTE)), "no trace written")
+        return None, why.removeprefix(FR_NOTE).strip()
     try:
         text = read_bounded(snap.flight_recorder, MAX_FR_BYTES + 1)
         if len(text) > MAX_FR_BYTES:

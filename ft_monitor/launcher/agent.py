@@ -377,6 +377,8 @@ class FtLocalElasticAgent(_lea.LocalElasticAgent):
         roll_call_timeout; a failure never stops the kill."""
         try:
             if decision.victim_of is not None:
+                if self.rollcall.answered_recently():
+                    return decision
                 self.rollcall.answer_pending(self._ranks(wg), store=wg.store, channel=channel,
                                              group_rank=wg.group_rank or 0,
                                              wait=self.ft.config.roll_call_timeout + ATTRIBUTION_WINDOW)

@@ -176,6 +176,8 @@ class RollCaller:
     """Roll calls started here (the incident number, single node)."""
     answered: int = 0
     """The last other node's roll call this node answered (per rendezvous round)."""
+    answered_at: float | None = None
+    """When (``clock``) this node last answered another node's roll call."""
     last_started: float | None = None
     """Wall clock of this node's last roll call (on_hang: dump groups later notices with it)."""
     _polled: float = field(default=-1e18)
@@ -277,6 +279,7 @@ class RollCaller:
     def new_round(self) -> None:
         """A new rendezvous round: its store keys start afresh."""
         self.answered = 0
+        self.answered_at = None
         self.incidents = 0
 
     def answer_pending(self, ranks: list[Rank], *, store: Any, channel: StoreChannel | None, group_rank: int,
@@ -314,9 +317,15 @@ class RollCaller:
         except Exception:  # noqa: BLE001 - the store host may be gone
             return None
 
+    def answered_recently(self) -> bool:
+        """This node's ranks were dumped for another node's roll call within the last bound
+        (a victim's own notice that arrives after it needs no second answer)."""
+        return self.answered_at is not None and self.clock() - self.answered_at < self.timeout + 2 * POLL_INTERVAL
+
     def _answer(self, request: RollCallRequest, ranks: list[Rank], store: Any, channel: StoreChannel,
                 group_rank: int) -> None:
         self.answered = request.incident
+        self.answered_at = self.clock()
         budget = max(0.2, request.budget_s - 2 * POLL_INTERVAL - MARGIN)
         log.warning("ft-launcher: roll call %d from %s (rank %d hung): dumping this node's %d rank(s)",
                     request.incident, request.host, request.hung_rank, len(ranks))

@@ -22,21 +22,27 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ft_client.errors import FtError
+
 ERROR_KEY = "ft_error"
 """Set in the file written instead of a trace, with the reason."""
 
 
+class NoFlightRecorderError(FtError, RuntimeError):
+    """This process has no Flight Recorder trace to write (no torch, no c10d, an old torch)."""
+
+
 def trace_bytes() -> bytes:
-    """torch's Flight Recorder JSON for this process; raises RuntimeError when there is none."""
+    """torch's Flight Recorder JSON for this process; raises NoFlightRecorderError when there is none."""
     if "torch" not in sys.modules:
-        raise RuntimeError("torch is not imported in this process")
+        raise NoFlightRecorderError("torch is not imported in this process")
     try:
         from torch._C import _distributed_c10d as c10d
     except ImportError as e:
-        raise RuntimeError(f"torch.distributed is not available: {e}") from e
+        raise NoFlightRecorderError(f"torch.distributed is not available: {e}") from e
     dump = getattr(c10d, "_dump_fr_trace_json", None)
     if dump is None:
-        raise RuntimeError("this torch has no _dump_fr_trace_json")
+        raise NoFlightRecorderError("this torch has no _dump_fr_trace_json")
     out = dump()
     return out if isinstance(out, bytes) else str(out).encode()
 

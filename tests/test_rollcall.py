@@ -108,3 +108,32 @@ def test_a_monitors_answer_is_read_into_evidence(tmp_path: Path) -> None:
     assert evidence_from(me, "a", None, "its monitor did not answer", True).status == NO_ANSWER
     gone = Rank(2, 2, 2**22 + 12345)  # no such process
     assert evidence_from(gone, "a", None, "x", True).status == NOT_RUNNING
+
+
+def test_the_rank_writes_its_trace_or_why_there_is_none(tmp_path: Path) -> None:
+    import socket
+    import subprocess
+    import sys
+
+    from ft_monitor.fr_digest import digest
+    from tests.procs import ROOT
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with_torch = tmp_path / "fr.json"
+    code = ("import sys, torch, torch.distributed as dist\n"
+            f"dist.init_process_group('gloo', init_method='tcp://127.0.0.1:{port}', rank=0, world_size=1)\n"
+            "dist.all_reduce(torch.ones(2)); dist.barrier()\n"
+            "from ft_client.flight_recorder import write_trace\n"
+            f"print(write_trace({str(with_torch)!r}))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                         env={**os.environ, "TORCH_FR_BUFFER_SIZE": "16"})
+    assert out.returncode == 0 and out.stdout.strip() == "None", out.stderr
+    d = digest(json.loads(with_torch.read_text()))
+    assert d.recording and d.groups["0"].last_enqueued == 2 and d.groups["0"].last_op == "barrier"
+    without = tmp_path / "none.json"
+    code = f"from ft_client.flight_recorder import write_trace; print(write_trace({str(without)!r}))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.stdout.strip() == "torch is not imported in this process", out.stderr
+    assert json.loads(without.read_text()) == {"ft_error": "torch is not imported in this process"}

@@ -29,6 +29,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ft_client.errors import FtError
 from ft_monitor import stacks
 from ft_monitor.fr_digest import FrDigest
 
@@ -47,8 +48,8 @@ NOT_CONNECTED = "not connected"
 STATUSES = (ANSWERED, NO_ANSWER, NOT_RUNNING, NOT_CONNECTED)
 
 
-class EvidenceError(ValueError):
-    pass
+class EvidenceError(FtError, ValueError):
+    """Another node's evidence for a rank that does not follow the rules (it is ignored)."""
 
 
 def _opt_int(d: Mapping[str, Any], key: str) -> int | None:

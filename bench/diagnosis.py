@@ -48,22 +48,26 @@ print(statistics.median(out))
 """
 
 
-def launcher_argv(d: Path, nproc: int) -> list[str]:
+def launcher_argv(d: Path, nproc: int, quick: bool = False) -> list[str]:
+    """The demo's run; ``quick`` (smoke): a fixed 1 s step timeout and a hang at step 3, so
+    the run takes seconds (the figures then mean nothing)."""
     exe = Path(PY).parent / "ft-launcher"
     head = [str(exe)] if exe.exists() else [PY, "-m", "ft_monitor.launcher.main"]
+    short = ["--ft-rank-section-timeouts", "step:1"] if quick else []
     return [*head, "--standalone", "--nproc-per-node", str(nproc), "--max-restarts", "0",
-            "--log-dir", str(d / "logs"), "--ft-cfg-path", str(ROOT / "examples" / "ft.yaml"),
+            "--log-dir", str(d / "logs"), "--ft-cfg-path", str(ROOT / "examples" / "ft.yaml"), *short,
             "--ft-flight-recorder-entries", "2000", "--ft-roll-call-timeout", str(ROLL_CALL_TIMEOUT),
             "--ft-summary-json", str(d / "summary.json"), str(ROOT / "examples" / "train_ddp.py"),
-            "--ckpt-dir", str(d / "ckpt"), "--hang", "rank=1,step=12,attempt=0"]
+            "--ckpt-dir", str(d / "ckpt"), "--hang", f"rank=1,step={3 if quick else 12},attempt=0",
+            *(["--ckpt-every", "100", "--step-time", "0.01"] if quick else [])]
 
 
-def one(nproc: int, i: int) -> dict[str, Any]:
+def one(nproc: int, i: int, quick: bool = False) -> dict[str, Any]:
     d = private_dir()
     try:
         out_path = d / "launcher.out"
         with open(out_path, "w") as out:
-            subprocess.run(launcher_argv(d, nproc), stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
+            subprocess.run(launcher_argv(d, nproc, quick), stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
                            env=clean_env(), timeout=300)
         summary_path = d / "summary.json"
         if not summary_path.exists():
@@ -102,7 +106,7 @@ def fr_cost(n: int) -> dict[str, float]:
 def run(mode: Mode) -> list[Figure]:
     figures: list[Figure] = []
     for nproc in mode.pick((2, 8), (2, 8), (2,)):
-        samples = [one(nproc, i) for i in range(mode.pick(3, 1, 1))]
+        samples = [one(nproc, i, mode.name == "smoke") for i in range(mode.pick(3, 1, 1))]
         for key, what, unit_note in (
             ("verdict_to_written", "verdict -> diagnosis.json written", ""),
             ("roll_call", "roll call (the delay it adds to the kill)", ""),
@@ -118,7 +122,7 @@ def run(mode: Mode) -> list[Figure]:
                               unit="", value=all(s["answered"] == s["ranks"] == nproc for s in samples),
                               target="yes", met=all(s["answered"] == s["ranks"] == nproc and s["behind"] == [1]
                                                     for s in samples)))
-    cost = fr_cost(mode.pick(3000, 2000, 300))
+    cost = fr_cost(mode.pick(3000, 2000, 100))
     figures.append(Figure(id="fr.overhead", what="Flight Recorder cost per all_reduce (gloo, 1 rank, 2000 entries)",
                           unit="us", samples=[cost["2000"] - cost["0"]],
                           details={"off_us": cost["0"], "on_us": cost["2000"]}))

@@ -107,6 +107,8 @@ class Telemetry:
         self.metrics_url: str | None = None
         self.textfile: str | None = None
         self.write_textfile: Callable[[], None] | None = None
+        self.finished_at: float | None = None
+        """When `finish` recorded the job's end."""
 
     # -- the agent tells ---------------------------------------------------------
     def launcher_started(self, metrics_url: str | None, textfile: str | None) -> None:
@@ -242,7 +244,7 @@ class Telemetry:
             self.write_textfile()
 
     def finish(self, exit_code: int, outcome: str) -> None:
-        now = self.clock()
+        now = self.finished_at = self.clock()
         statuses = self._poll(now)
         self._stats(now, statuses)
         gp = self._goodput(now)
@@ -440,8 +442,9 @@ class Telemetry:
             goodput=self._goodput(now))
 
     def summary(self) -> dict[str, Any]:
-        """For the launcher's summary JSON."""
-        gp = self._goodput(self.clock())
+        """For the launcher's summary JSON: goodput as of the job's end (job_end), not counting
+        the launcher's own teardown after it (the /metrics server's stop alone waits up to 0.5 s)."""
+        gp = self._goodput(self.finished_at if self.finished_at is not None else self.clock())
         return {"events": None if self.events.path is None else str(self.events.path),
                 "metrics_url": self.metrics_url, "metrics_textfile": self.textfile,
                 "goodput": gp.ratio, "productive_s": gp.productive_s, "wall_s": gp.wall_s, "lost_s": gp.lost_s,

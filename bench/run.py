@@ -32,7 +32,17 @@ if __name__ == "__main__":
         os.execv(str(VENV_PY), [str(VENV_PY), *sys.argv])  # the project's interpreter, wherever we were started
     sys.path.insert(0, str(ROOT))
 
-from bench import client_cost, detection, import_time, ingest, restart, stalled, startup, step_overhead  # noqa: E402
+from bench import (  # noqa: E402
+    client_cost,
+    detection,
+    diagnosis,
+    import_time,
+    ingest,
+    restart,
+    stalled,
+    startup,
+    step_overhead,
+)
 from bench.harness import Figure, Mode, resolve_loop  # noqa: E402
 
 # name -> (runs once per loop?, runner)
@@ -45,6 +55,7 @@ BENCHMARKS: dict[str, tuple[bool, Callable[..., list[Figure]]]] = {
     "detection": (False, detection.run),
     "restart": (False, lambda mode, loop: restart.run(mode)),  # the launcher's daemons pick their own loop
     "step_overhead": (False, step_overhead.run),
+    "diagnosis": (False, lambda mode, loop: diagnosis.run(mode)),  # the launcher's daemons pick their own loop
 }
 
 

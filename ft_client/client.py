@@ -264,11 +264,12 @@ class RankMonitorClient:
         return configured
 
     def _open_control(self, info: SessionInfo) -> None:
-        """With ``on_hang: inprocess``, open the control connection the monitor pushes ABORT on."""
+        """With ``on_hang: inprocess``, open the control connection the monitor pushes ABORT on;
+        with the Flight Recorder on, the one it asks for the trace on in a roll call."""
         if self._control is not None:
             self._control.close()
             self._control = None
-        if info.on_hang != "inprocess":
+        if info.on_hang != "inprocess" and not info.flight_recorder:
             return
         try:
             self._control = ControlLink(self._path, self.rank, self._request_timeout)

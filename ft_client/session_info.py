@@ -34,10 +34,14 @@ class SessionInfo:
     skip_section_response: bool
     on_monitor_lost: str
     on_hang: str
-    """"kill", or "inprocess": the client opens a control connection for ABORT pushes."""
+    """"kill", "dump", or "inprocess": the client opens a control connection for ABORT pushes."""
     client_request_timeout: float
     safety_factor: float
     min_learned_timeout: float
+    flight_recorder: bool = False
+    """The monitor may ask for the rank's Flight Recorder trace in a roll call (FR_DUMP on the
+    control connection, which the client then opens whatever on_hang is). Absent from the
+    map of a monitor that predates it: False."""
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -54,6 +58,7 @@ class SessionInfo:
             "client_request_timeout": self.client_request_timeout,
             "safety_factor": self.safety_factor,
             "min_learned_timeout": self.min_learned_timeout,
+            "flight_recorder": self.flight_recorder,
         }
 
     @classmethod
@@ -74,8 +79,11 @@ class SessionInfo:
         if lost not in ("warn", "raise"):
             raise SessionInfoError(f"session info on_monitor_lost = {lost!r:.60}: must be 'warn' or 'raise'")
         on_hang = data.get("on_hang")
-        if on_hang not in ("kill", "inprocess"):
-            raise SessionInfoError(f"session info on_hang = {on_hang!r:.60}: must be 'kill' or 'inprocess'")
+        if on_hang not in ("kill", "inprocess", "dump"):
+            raise SessionInfoError(f"session info on_hang = {on_hang!r:.60}: must be 'kill', 'inprocess' or 'dump'")
+        flight_recorder = data.get("flight_recorder", False)
+        if not isinstance(flight_recorder, bool):
+            raise SessionInfoError(f"session info flight_recorder = {flight_recorder!r:.60}: must be true or false")
         skip = data.get("skip_section_response")
         if not isinstance(skip, bool):
             raise SessionInfoError(f"session info skip_section_response = {skip!r:.60}: must be true or false")
@@ -93,6 +101,7 @@ class SessionInfo:
             client_request_timeout=_positive(data, "client_request_timeout"),
             safety_factor=_positive(data, "safety_factor"),
             min_learned_timeout=_positive(data, "min_learned_timeout", zero_ok=True),
+            flight_recorder=flight_recorder,
         )
 
 

@@ -120,6 +120,9 @@ class FaultToleranceConfig(BaseModel):
     process_group_timeout: float | None = None
     scheduler_grace_time: float | None = None
     timeout_check: str = "warn"
+    flight_recorder_entries: int = 0
+    roll_call_timeout: float = 5.0
+    native_stacks: bool = False
 
     # -- rules -----------------------------------------------------------------
     @field_validator(
@@ -175,7 +178,8 @@ class FaultToleranceConfig(BaseModel):
     def _request_timeout(cls, v: Any) -> Any:
         return rules.request_timeout(_number_words(v))
 
-    @field_validator("handshake_timeout", "observer_idle_timeout", "inprocess_restart_timeout", mode="before")
+    @field_validator("handshake_timeout", "observer_idle_timeout", "inprocess_restart_timeout", "roll_call_timeout",
+                     mode="before")
     @classmethod
     def _handshake(cls, v: Any) -> Any:
         return rules.positive_seconds(_number_words(v))
@@ -192,7 +196,12 @@ class FaultToleranceConfig(BaseModel):
             raise ValueError(problem)
         return self
 
-    @field_validator("skip_section_response", mode="before")
+    @field_validator("flight_recorder_entries", mode="before")
+    @classmethod
+    def _fr_entries(cls, v: Any) -> Any:
+        return rules.flight_recorder_entries(_number_words(v))
+
+    @field_validator("skip_section_response", "native_stacks", mode="before")
     @classmethod
     def _bool(cls, v: Any) -> Any:
         if isinstance(v, int) and not isinstance(v, bool) and v in (0, 1):

@@ -62,6 +62,8 @@ def dispatch(d: MonitorDaemon, conn: Connection, msg: wire.Message) -> None:
         raise wire.ProtocolError("second HELLO on one connection")
     elif t is wire.WorkerStarted and conn.role == wire.Role.LAUNCHER:
         worker_started(d, conn, msg)  # type: ignore[arg-type]
+    elif t is wire.DumpRequest and conn.role == wire.Role.LAUNCHER:
+        d.snapshots.answer(conn, msg)  # type: ignore[arg-type]  # the roll call: rank_snapshot.py
     elif conn.role == wire.Role.OBSERVER:
         log.warning("closing observer connection from pid %d: %s is not allowed for an observer",
                     conn.pid, t.__name__)
@@ -141,6 +143,7 @@ def hello(d: MonitorDaemon, conn: Connection, msg: wire.Hello) -> None:
         stack_dump_path=str(rank.dump_path()), skip_section_response=cfg.skip_section_response,
         on_monitor_lost=cfg.on_monitor_lost, on_hang=cfg.on_hang, client_request_timeout=cfg.client_request_timeout,
         safety_factor=cfg.safety_factor, min_learned_timeout=cfg.min_learned_timeout,
+        flight_recorder=cfg.flight_recorder_entries > 0,
     )
     conn.send(wire.HelloOk(wire.PROTOCOL_VERSION, info.to_wire()))
     log.info("rank %d pid %d connected (session %d)", msg.rank, conn.pid, d.sessions_started)

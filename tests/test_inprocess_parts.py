@@ -123,6 +123,15 @@ def test_a_row_is_complete_when_every_local_rank_is_back() -> None:
     assert summary["kind"] == "inprocess" and summary["iteration"] == 1 and summary["ranks_back"] == [0, 1]
 
 
+def test_the_row_names_the_earliest_onset_whatever_order_the_notices_come_in() -> None:
+    for order in ((1, 0), (0, 1)):
+        ledger = InprocessLedger()
+        notices = {1: _notice(rank=1, onset_time=97.0), 0: _notice(rank=0, pid=4241, onset_time=97.06)}
+        for r in order:  # rank 0 waited in the all-reduce for rank 1 and timed out 60 ms later
+            row = ledger.on_notice(notices[r], attempt=0)
+        assert (row.rank, row.pid) == (1, 4242), order
+
+
 def test_a_restart_without_a_notice_is_recorded_from_the_ranks() -> None:
     ledger = InprocessLedger()
     back = _back(1, 50.0, reason="rank 0: ValueError: bad batch", source="exception", fault_rank=0)

@@ -109,6 +109,8 @@ class Telemetry:
         self.metrics_url: str | None = None
         self.textfile: str | None = None
         self.write_textfile: Callable[[], None] | None = None
+        self.finished_at: float | None = None
+        """When `finish` recorded the job's end."""
 
     # -- the agent tells ---------------------------------------------------------
     def launcher_started(self, metrics_url: str | None, textfile: str | None) -> None:
@@ -161,6 +163,12 @@ class Telemetry:
         self.incidents.append(Incident(rank=int(summary["rank"]), onset=float(summary.get("onset_time") or now),
                                        iteration_before=max(before) if before else None,
                                        step_median_s=sum(medians) / len(medians) if medians else None))
+
+    def diagnosis(self, row: Mapping[str, Any]) -> None:
+        """A roll call's diagnosis.json was written (agent._roll_call's row)."""
+        self.events.emit("diagnosis", self.clock(), attempt=int(row["attempt"]), rank=int(row["rank"]),
+                         action=str(row["action"]), path=str(row["diagnosis"]), verdict=str(row["verdict"]),
+                         basis=str(row["basis"]), behind=list(row["behind"]), roll_call_s=float(row["roll_call_s"]))
 
     def hang_timing(self, timing: Any) -> None:
         """The agent's RestartTiming for the hang just reported: the restart to follow."""
@@ -254,7 +262,7 @@ class Telemetry:
             self.write_textfile()
 
     def finish(self, exit_code: int, outcome: str) -> None:
-        now = self.clock()
+        now = self.finished_at = self.clock()
         statuses = self._poll(now)
         self._stats(now, statuses)
         gp = self._goodput(now)
@@ -452,8 +460,9 @@ class Telemetry:
             goodput=self._goodput(now))
 
     def summary(self) -> dict[str, Any]:
-        """For the launcher's summary JSON."""
-        gp = self._goodput(self.clock())
+        """For the launcher's summary JSON: goodput as of the job's end (job_end), not counting
+        the launcher's own teardown after it (the /metrics server's stop alone waits up to 0.5 s)."""
+        gp = self._goodput(self.finished_at if self.finished_at is not None else self.clock())
         return {"events": None if self.events.path is None else str(self.events.path),
                 "metrics_url": self.metrics_url, "metrics_textfile": self.textfile,
                 "goodput": gp.ratio, "productive_s": gp.productive_s, "wall_s": gp.wall_s, "lost_s": gp.lost_s,

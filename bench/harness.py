@@ -257,5 +257,18 @@ def hear() -> Any:
     return json.loads(line) if line else None
 
 
+def launcher_run(argv: list[str], d: Path, what: str) -> tuple[dict[str, Any], str]:
+    """Run ft-launcher (``argv``, writing its --ft-summary-json in ``d``) to its end: its
+    summary and output; an error with the output's end when it fails."""
+    out_path = d / "launcher.out"
+    with open(out_path, "w") as out:
+        proc = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=clean_env(), timeout=180)
+    text = out_path.read_text()
+    summary_path = d / "summary.json"
+    if proc.returncode != 0 or not summary_path.exists():
+        raise RuntimeError(f"{what}: ft-launcher exited with {proc.returncode}:\n{text[-4000:]}")
+    return json.loads(summary_path.read_text()), text
+
+
 def cleanup(directory: Path) -> None:
     shutil.rmtree(directory, ignore_errors=True)

@@ -19,14 +19,12 @@ monitor's verdict to every rank's first progress after re-entry. Target (DESIGN.
 
 from __future__ import annotations
 
-import json
 import re
 import statistics
-import subprocess
 from pathlib import Path
 from typing import Any
 
-from bench.harness import PY, ROOT, Figure, clean_env, cleanup, private_dir, summarize
+from bench.harness import PY, ROOT, Figure, cleanup, launcher_run, private_dir, summarize
 from ft_client.inprocess.timeline import PHASES
 
 TARGET_S = 0.5
@@ -55,15 +53,7 @@ def launcher_argv(d: Path) -> list[str]:
 def one(i: int) -> dict[str, Any]:
     d = private_dir()
     try:
-        out_path = d / "launcher.out"
-        with open(out_path, "w") as out:
-            proc = subprocess.run(launcher_argv(d), stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
-                                  env=clean_env(), timeout=180)
-        text = out_path.read_text()
-        summary_path = d / "summary.json"
-        if proc.returncode != 0 or not summary_path.exists():
-            raise RuntimeError(f"in-process run {i}: ft-launcher exited with {proc.returncode}:\n{text[-4000:]}")
-        return sample(json.loads(summary_path.read_text()), text, i)
+        return sample(*launcher_run(launcher_argv(d), d, f"in-process run {i}"), i)
     finally:
         cleanup(d)
 

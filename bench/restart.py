@@ -34,14 +34,12 @@ auto``, whatever bench/run.py's --loop says.
 from __future__ import annotations
 
 import datetime
-import json
 import re
-import subprocess
 from pathlib import Path
 from typing import Any
 
 from bench import inprocess_restart
-from bench.harness import PY, ROOT, Figure, Mode, clean_env, cleanup, private_dir, resolve_loop, summarize
+from bench.harness import PY, ROOT, Figure, Mode, cleanup, launcher_run, private_dir, resolve_loop, summarize
 
 TARGET_S = 3.0
 KEYS = ("notify", "to_stop", "stop", "rendezvous", "worker_start", "first_step", "total")
@@ -86,16 +84,7 @@ def run(mode: Mode) -> list[Figure]:
 def _one(i: int) -> dict[str, Any]:
     d = private_dir()
     try:
-        out_path = d / "launcher.out"
-        with open(out_path, "w") as out:
-            proc = subprocess.run(launcher_argv(d), stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
-                                  env=clean_env(), timeout=180)
-        text = out_path.read_text()
-        summary_path = d / "summary.json"
-        if proc.returncode != 0 or not summary_path.exists():
-            raise RuntimeError(f"restart run {i}: ft-launcher exited with {proc.returncode}:\n{text[-4000:]}")
-        summary = json.loads(summary_path.read_text())
-        return _sample(summary, text, i)
+        return _sample(*launcher_run(launcher_argv(d), d, f"restart run {i}"), i)
     finally:
         cleanup(d)
 

@@ -35,6 +35,7 @@ if __name__ == "__main__":
 from bench import (  # noqa: E402
     client_cost,
     detection,
+    diagnosis,
     idle_cpu,
     import_time,
     ingest,
@@ -56,6 +57,7 @@ BENCHMARKS: dict[str, tuple[bool, Callable[..., list[Figure]]]] = {
     "restart": (False, lambda mode, loop: restart.run(mode)),  # the launcher's daemons pick their own loop
     "step_overhead": (False, step_overhead.run),
     "idle_cpu": (False, idle_cpu.run),
+    "diagnosis": (False, lambda mode, loop: diagnosis.run(mode)),  # the launcher's daemons pick their own loop
 }
 
 

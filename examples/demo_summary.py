@@ -32,7 +32,7 @@ def pids(summary: dict[str, Any]) -> list[str]:
 
 
 def describe(summary: dict[str, Any]) -> None:
-    if not summary["hangs"] and not summary.get("inprocess_restarts"):
+    if not summary["hangs"] and not summary.get("inprocess_restarts") and not summary.get("diagnoses"):
         print("no hang was detected")
     for hang, restart in zip(summary["hangs"], summary["restarts"]):
         late_ms = (hang["elapsed_s"] - hang["timeout_s"]) * 1000
@@ -42,10 +42,18 @@ def describe(summary: dict[str, Any]) -> None:
             print(f"where       : {innermost_frame(Path(hang['stack_dump']).read_text())}")
             print(f"stack dump  : {hang['stack_dump']}")
         print(f"caught      : {late_ms:.1f} ms after the {hang['timeout_s']:.1f} s timeout expired")
+        if hang.get("verdict"):
+            print(f"verdict     : {hang['verdict']}")
+            print(f"diagnosis   : {hang['diagnosis']}")
         if restart.get("total") is not None:
             parts = ", ".join(f"{k} {v:.2f}s" for k, v in restart.items() if k != "total" and v is not None)
             print(f"restart     : all ranks back in their step loop {restart['total']:.2f} s after detection ({parts})")
         print(f"root cause  : {hang['error_file']}")
+    for row in summary.get("diagnoses", []):
+        if row.get("action") == "dump":
+            print(f"diagnosed   : rank {row['rank']} in attempt {row['attempt']}, left running (on_hang: dump)")
+            print(f"verdict     : {row['verdict']}")
+            print(f"diagnosis   : {row['diagnosis']}")
     for row in summary.get("inprocess_restarts", []):
         print(f"fault       : rank {row['rank']} (pid {row['pid']}) in attempt {row['attempt']}: {row['message']}")
         report = json.loads(Path(row["report"]).read_text()) if row.get("report") else {}
@@ -82,6 +90,11 @@ def restart_seconds(summary: dict[str, Any]) -> float | None:
     for restart in summary["restarts"]:
         if restart.get("total") is not None:
             return float(restart["total"])
+    for row in summary.get("diagnoses", []):
+        if row.get("action") == "dump":
+            print(f"diagnosed   : rank {row['rank']} in attempt {row['attempt']}, left running (on_hang: dump)")
+            print(f"verdict     : {row['verdict']}")
+            print(f"diagnosis   : {row['diagnosis']}")
     for row in summary.get("inprocess_restarts", []):
         if (row.get("phases") or {}).get("total") is not None:
             return float(row["phases"]["total"])

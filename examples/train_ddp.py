@@ -145,8 +145,7 @@ def train(args: argparse.Namespace, client: RankMonitorClient, memory: dict[int,
         model.module.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["opt"])
         start = ckpt["step"]
-        if not client.is_initialized:
-            client.load_state_dict(ckpt.get("ft", {}))  # learned timeouts from the last run
+        client.load_state_dict(ckpt.get("ft", {}))  # learned timeouts and the iteration count, as of the checkpoint
         print(f"[rank {rank}] {where}: resumed at step {start} (pid {os.getpid()}, from "
               f"{'memory' if in_memory else 'disk'})", flush=True)
     if not client.is_initialized:

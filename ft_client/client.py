@@ -201,6 +201,8 @@ class RankMonitorClient:
         self._safety_factor = DEFAULT_SAFETY_FACTOR
         self._min_learned = 0.0
         self._to_load: Timeouts | None = None  # learned values loaded before init
+        self._loaded: Timeouts | None = None  # what the last load_state_dict() loaded
+        self._num_warmup_iters: int | None = None
         self._iteration = 0  # completed `step` sections, across runs (kept in state_dict)
         self._iteration_sent_at = -ITERATION_REPORT_INTERVAL
         self._path = ""
@@ -227,9 +229,19 @@ class RankMonitorClient:
         """Why the monitor connection was lost (while LOST), else None."""
         return self._lost_reason if self._state is ConnState.LOST else None
 
-    def init_workload_monitoring(self, socket_path: str | None = None) -> None:
-        """Connect to the rank's monitor, receive its config, arm the stack dump."""
+    def init_workload_monitoring(self, num_warmup_iters: int | None = None, *,
+                                 socket_path: str | None = None) -> None:
+        """Connect to the rank's monitor, receive its config, arm the stack dump.
+
+        ``num_warmup_iters``: the first steps timed with the `warmup` section's timeout (as
+        nvidia-resiliency-ext's argument); None: the monitor's ``num_warmup_iterations``."""
+        if num_warmup_iters is not None and (isinstance(num_warmup_iters, bool) or not isinstance(
+                num_warmup_iters, int) or not 0 <= num_warmup_iters <= env.MAX_RANK):
+            raise RankMonitorClientError(
+                f"num_warmup_iters = {num_warmup_iters!r:.60}: must be a whole number >= 0 or None (a socket path "
+                "goes in socket_path= or RankMonitorClient(socket_path))")
         with self._lock:
+            self._num_warmup_iters = num_warmup_iters
             if self._state is ConnState.FORKED_CHILD:
                 raise MonitorClosedError("this process is a fork of the rank; its client stays with the rank")
             if self._state in (ConnState.CONNECTED, ConnState.LOST):
@@ -242,8 +254,8 @@ class RankMonitorClient:
                 )
             asked = _now_ns()
             try:
-                transport, hello = connect(path, CONNECT_TIMEOUT, wire.Role.RANK, self.rank, _hello_info(),
-                                           take_fd=True)
+                transport, hello = connect(path, CONNECT_TIMEOUT, wire.Role.RANK, self.rank,
+                                           _hello_info(self._num_warmup_iters), take_fd=True)
             except FileNotFoundError as e:
                 raise RankMonitorClientError(
                     f"no monitor listens at {path} (from {self._path_origin(socket_path)}): the socket file does not "
@@ -342,11 +354,12 @@ class RankMonitorClient:
                     self._lost(e, raising=False)
 
     def _open_control(self, info: SessionInfo) -> None:
-        """With ``on_hang: inprocess``, open the control connection the monitor pushes ABORT on."""
+        """With ``on_hang: inprocess``, open the control connection the monitor pushes ABORT on;
+        with the Flight Recorder on, the one it asks for the trace on in a roll call."""
         if self._control is not None:
             self._control.close()
             self._control = None
-        if info.on_hang != "inprocess":
+        if info.on_hang != "inprocess" and not info.flight_recorder:
             return
         from ft_client.control import ControlLink
 
@@ -403,7 +416,7 @@ class RankMonitorClient:
             asked = _now_ns()
             try:
                 transport, hello = connect(self._path, self._request_timeout, wire.Role.RANK, self.rank,
-                                           _hello_info(), take_fd=True)
+                                           _hello_info(self._num_warmup_iters), take_fd=True)
             except (TransportError, OSError):
                 continue
             with self._lock:
@@ -532,7 +545,8 @@ class RankMonitorClient:
         finally:
             lock.release()
 
-    def start_section(self, name: str) -> None:
+    def start_section(self, section: str) -> None:
+        name = section
         lock = self._lock
         lock.acquire()
         try:
@@ -583,7 +597,8 @@ class RankMonitorClient:
         finally:
             lock.release()
 
-    def end_section(self, name: str) -> None:
+    def end_section(self, section: str) -> None:
+        name = section
         lock = self._lock
         lock.acquire()
         try:
@@ -698,6 +713,17 @@ class RankMonitorClient:
     @property
     def section_timeouts(self) -> SectionTimeouts:
         return self._timeouts.sections
+
+    @property
+    def loaded_hb_timeouts(self) -> HeartbeatTimeouts | None:
+        """The heartbeat timeouts the last `load_state_dict()` read (None before one); in
+        force once there is a monitor (`hb_timeouts`)."""
+        return None if self._loaded is None else self._loaded.hb
+
+    @property
+    def loaded_section_timeouts(self) -> SectionTimeouts | None:
+        """As `loaded_hb_timeouts`, for the section timeouts."""
+        return None if self._loaded is None else self._loaded.sections
 
     @property
     def iteration(self) -> int:
@@ -822,17 +848,18 @@ class RankMonitorClient:
             observed = replace(self._observed, sections={**listed, **self._observed.sections})
             return to_state_dict(self._timeouts, observed, self._safety_factor, self._iteration)
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Put learned timeouts from a checkpoint in force (before or after
         init_workload_monitoring()). Accepts this client's format and the
         ``{"current_timeouts": ...}`` dict of nvidia-resiliency-ext."""
         from ft_client.state_dict import from_state_dict, overlay_learned  # checkpoints only: loaded when used
 
         try:
-            loaded = from_state_dict(state_dict)
+            loaded = from_state_dict(state)
         except ValueError as e:
             raise RankMonitorClientError(f"cannot load the ft state_dict: {e}") from e
         with self._lock:
+            self._loaded = loaded.timeouts
             self._observed = loaded.observations
             self._iteration = loaded.iteration
             if self._transport is None:
@@ -845,17 +872,17 @@ class RankMonitorClient:
 
     # -- workload control ------------------------------------------------------
     def send_workload_control_request(
-        self, request: WorkloadControlRequest | WorkloadAction | str, description: str = ""
+        self, req: WorkloadControlRequest | WorkloadAction | str, description: str = ""
     ) -> None:
         """Ask ft-launcher to act now: Continue, ExcludeThisNode or ShutdownWorkload.
 
         Goes straight to the launcher ($FT_LAUNCHER_IPC_SOCKET), request/reply;
         returns once the launcher has accepted it.
         """
-        if isinstance(request, WorkloadControlRequest):
-            action, description = request.action, request.description or description
+        if isinstance(req, WorkloadControlRequest):
+            action, description = req.action, req.description or description
         else:
-            action = WorkloadAction.parse(request)
+            action = WorkloadAction.parse(req)
         path = os.environ.get(env.LAUNCHER_SOCKET)
         if not path:
             raise RankMonitorClientError(
@@ -977,6 +1004,12 @@ class _RestartHook:
         if client is not None:
             client._entering(restart)
 
+    def busy(self) -> bool:
+        """The client's main connection is mid-frame or mid-request (an interrupt raised
+        then would cut a frame in two or leave a reply unread)."""
+        client = self._client()
+        t = client._transport if client is not None else None
+        return t is not None and t.io_busy()
 
 def _watch_hangup(client: weakref.ref[RankMonitorClient], t: Transport) -> None:
     """The watcher thread of one connection with a record (holding the client weakly)."""
@@ -986,9 +1019,11 @@ def _watch_hangup(client: weakref.ref[RankMonitorClient], t: Transport) -> None:
         c._monitor_hung_up(t)
 
 
-def _hello_info() -> dict[str, Any]:
-    info = {"pid": os.getpid(), "local_rank": os.environ.get(env.LOCAL_RANK),
-            "restart": os.environ.get(env.RESTART_COUNT), "error_file": os.environ.get(env.ERROR_FILE)}
+def _hello_info(num_warmup_iters: int | None = None) -> dict[str, Any]:
+    info: dict[str, Any] = {"pid": os.getpid(), "local_rank": os.environ.get(env.LOCAL_RANK),
+                            "restart": os.environ.get(env.RESTART_COUNT), "error_file": os.environ.get(env.ERROR_FILE)}
+    if num_warmup_iters is not None:
+        info["num_warmup_iters"] = num_warmup_iters
     if _RECORD_PROBLEM is None:
         info["record"] = record.VERSION  # this client can write a progress record of this layout
     return info

@@ -1,10 +1,12 @@
-"""The rank's control connection: where its monitor pushes ABORT (in-process restart).
+"""The rank's control connection: where its monitor pushes ABORT (in-process restart)
+and FR_DUMP (the roll call of a hang: write the Flight Recorder trace).
 
 Opened beside the rank's main connection when the monitor's config says
-``on_hang: inprocess``. A daemon thread blocks on it (the training thread never
-reads it) and hands each ABORT to the in-process `Wrapper` running in this
-process through `ft_client.inprocess.events`; the Wrapper spreads the fault to
-every rank through the torch.distributed store. Nothing here imports torch.
+``on_hang: inprocess`` or turns the Flight Recorder on (``flight_recorder_entries``).
+A daemon thread blocks on it (the training thread never reads it) and hands each ABORT
+to the in-process `Wrapper` running in this process through `ft_client.inprocess.events`;
+the Wrapper spreads the fault to every rank through the torch.distributed store. An
+FR_DUMP is answered by writing the trace (flight_recorder.py). Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from ft_client import wire
+from ft_client import flight_recorder, wire
 from ft_client.inprocess import events
 from ft_client.transport import Transport, TransportError, connect
 
@@ -39,6 +41,14 @@ class ControlLink:
                 if not events.report_fault(fault):
                     log.error("rank %d: no ft_client.inprocess.Wrapper runs in this process to restart it; the "
                               "monitor stops the rank after inprocess_restart_timeout", self.rank)
+            elif isinstance(msg, wire.FrDump):
+                try:
+                    why = flight_recorder.write_trace(msg.path)
+                except OSError as e:
+                    log.warning("rank %d: cannot write the Flight Recorder trace to %s: %s", self.rank, msg.path, e)
+                else:
+                    if why is not None:
+                        log.info("rank %d: no Flight Recorder trace to write: %s", self.rank, why)
             else:
                 log.warning("rank %d: unexpected %s on the control connection; ignored", self.rank,
                             type(msg).__name__)

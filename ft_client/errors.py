@@ -20,8 +20,10 @@ builtin base that callers caught before (``ValueError`` for bad values,
     ├── TimeoutsError, StateDictError   a timeouts map, a request to learn timeouts (safety factor,
     │                                   sections) or a checkpointed state is invalid
     ├── UnsafeFileError                 a path others could tamper with
+    ├── NoFlightRecorderError           this process has no Flight Recorder trace to write
     └── ft_monitor's: ConfigError, SettingsError, UsageError, ListenerError, SessionError,
-        NoticeError, StatusError, ReportError, SecretError, StoreMessageError, MonitorStartError
+        NoticeError, StatusError, ReportError, SecretError, StoreMessageError, MonitorStartError,
+        SnapshotError, EvidenceError
 
 Closed and broken are types (as trio's ClosedResourceError and
 BrokenResourceError are), not fields; the cause is kept (``raise ... from e``).

@@ -93,6 +93,25 @@ def read_bounded(path: str | os.PathLike[str], limit: int) -> str:
         os.close(fd)
 
 
+def read_span(path: str | os.PathLike[str], start: int, end: int, limit: int) -> str:
+    """Bytes [start, end) of a regular file of ours, as text; at most the last ``limit`` of them."""
+    fd = _open(path, os.O_RDONLY)
+    try:
+        start = max(start, end - limit, 0)
+        os.lseek(fd, start, os.SEEK_SET)
+        chunks = []
+        left = max(0, end - start)
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 16))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks).decode("utf-8", "replace")
+    finally:
+        os.close(fd)
+
+
 def write_json_atomic(path: str | os.PathLike[str], data: Any, *, indent: int | None = 2) -> None:
     """Write ``data`` as JSON to ``path`` through a temporary file in the same directory
     and a rename: a reader sees the old file or the new one, never half of one, and a

@@ -55,13 +55,17 @@ class SessionInfo:
     skip_section_response: bool
     on_monitor_lost: str
     on_hang: str
-    """"kill", or "inprocess": the client opens a control connection for ABORT pushes."""
+    """"kill", "dump", or "inprocess": the client opens a control connection for ABORT pushes."""
     client_request_timeout: float
     safety_factor: float
     min_learned_timeout: float
     record: RecordInfo | None = None
     """The progress record passed with this HELLO_OK (SCM_RIGHTS), or None: progress goes
     through the socket. A monitor that predates the record sends no key (None)."""
+    flight_recorder: bool = False
+    """The monitor may ask for the rank's Flight Recorder trace in a roll call (FR_DUMP on the
+    control connection, which the client then opens whatever on_hang is). Absent from the
+    map of a monitor that predates it: False."""
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -79,6 +83,7 @@ class SessionInfo:
             "safety_factor": self.safety_factor,
             "min_learned_timeout": self.min_learned_timeout,
             "record": None if self.record is None else self.record.to_wire(),
+            "flight_recorder": self.flight_recorder,
         }
 
     @classmethod
@@ -99,8 +104,11 @@ class SessionInfo:
         if lost not in ("warn", "raise"):
             raise SessionInfoError(f"session info on_monitor_lost = {lost!r:.60}: must be 'warn' or 'raise'")
         on_hang = data.get("on_hang")
-        if on_hang not in ("kill", "inprocess"):
-            raise SessionInfoError(f"session info on_hang = {on_hang!r:.60}: must be 'kill' or 'inprocess'")
+        if on_hang not in ("kill", "inprocess", "dump"):
+            raise SessionInfoError(f"session info on_hang = {on_hang!r:.60}: must be 'kill', 'inprocess' or 'dump'")
+        flight_recorder = data.get("flight_recorder", False)
+        if not isinstance(flight_recorder, bool):
+            raise SessionInfoError(f"session info flight_recorder = {flight_recorder!r:.60}: must be true or false")
         skip = data.get("skip_section_response")
         if not isinstance(skip, bool):
             raise SessionInfoError(f"session info skip_section_response = {skip!r:.60}: must be true or false")
@@ -119,6 +127,7 @@ class SessionInfo:
             safety_factor=_positive(data, "safety_factor"),
             min_learned_timeout=_positive(data, "min_learned_timeout", zero_ok=True),
             record=RecordInfo.from_wire(data.get("record")),
+            flight_recorder=flight_recorder,
         )
 
 

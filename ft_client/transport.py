@@ -161,6 +161,11 @@ class Transport:
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
 
     # -- events ----------------------------------------------------------------
+    def io_busy(self) -> bool:
+        """A send or a request is under way (another thread's, or the caller's own when a
+        signal handler asks)."""
+        return self._lock.locked()
+
     def send_event(self, frame: bytes) -> None:
         """Queue-free fast path: one non-blocking send. Never blocks the caller."""
         with self._lock:

@@ -33,6 +33,10 @@ msgpack. The body is an array whose first element is the message type tag::
     WORKER_STARTED [22, pid, rank, error_file]         request  -> ACK | ERROR   (launcher -> monitor)
     SECTION_SLOT   [23, name, slot]                    fire-and-forget (this section reports in record slot N)
     RECORD_DECLINED [24, reason]                       fire-and-forget (the rank cannot use its progress record)
+    DUMP_REQUEST   [25, incident, timeout, flight_recorder]
+                                                       request  -> DUMP_REPLY | ERROR (launcher -> monitor: roll call)
+    DUMP_REPLY     [26, snapshot]                      reply
+    FR_DUMP        [27, path]                          push (monitor -> rank, control connection)
 
 Nothing here unpickles or evaluates anything: msgpack with ``raw=False`` and
 ``strict_map_key=True`` yields only None, bool, int, float, str, bytes, list, dict.
@@ -87,6 +91,9 @@ class MsgType(IntEnum):
     WORKER_STARTED = 22
     SECTION_SLOT = 23
     RECORD_DECLINED = 24
+    DUMP_REQUEST = 25
+    DUMP_REPLY = 26
+    FR_DUMP = 27
 
 
 class Role:
@@ -95,8 +102,8 @@ class Role:
     RANK = "rank"  # the training process; one at a time per daemon
     OBSERVER = "observer"  # `ft-monitor status` and tools: STATUS/PING only
     MONITOR = "monitor"  # a monitor daemon talking to the launcher (HANG_NOTICE)
-    CONTROL = "control"  # the rank's second connection: the monitor pushes ABORT there
-    LAUNCHER = "launcher"  # the launcher that started the monitor: WORKER_STARTED
+    CONTROL = "control"  # the rank's second connection: the monitor pushes ABORT and FR_DUMP there
+    LAUNCHER = "launcher"  # the launcher that started the monitor: WORKER_STARTED, DUMP_REQUEST
 
 
 class ErrorCode:
@@ -274,11 +281,37 @@ class RecordDeclined:
     reason: str
 
 
+@dataclass(frozen=True, slots=True)
+class DumpRequest:
+    """Launcher -> monitor: the roll call of a hang (docs/hang-handling.md): dump the rank's
+    stack, then (``flight_recorder``) have it write its Flight Recorder trace; answer within
+    ``timeout`` seconds with DUMP_REPLY."""
+
+    incident: int
+    timeout: float
+    flight_recorder: bool
+
+
+@dataclass(frozen=True, slots=True)
+class DumpReply:
+    """Monitor -> launcher: what was taken (`ft_monitor.snapshot.MonitorSnapshot`)."""
+
+    snapshot: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class FrDump:
+    """Monitor -> rank (control connection): write your Flight Recorder trace to ``path``."""
+
+    path: str
+
+
 Message = (
     Hello | HelloOk | Error | Heartbeat | SectionOpen | SectionClose | SectionCloseAll
     | UpdateConfig | ConfigOk | Status | StatusReply | Ping | Pong | Goodbye | Iteration
     | Control | HangNotice | Ack | Abort | Restarting | Reentered | WorkerStarted
     | SectionSlot | RecordDeclined
+    | DumpRequest | DumpReply | FrDump
 )
 
 # Singletons for the messages without fields: decoding them allocates nothing.
@@ -349,6 +382,9 @@ _ENCODERS: dict[type, Any] = {
     WorkerStarted: lambda m: [MsgType.WORKER_STARTED, m.pid, m.rank, m.error_file],
     SectionSlot: lambda m: [MsgType.SECTION_SLOT, _named(m.name), m.slot],
     RecordDeclined: lambda m: [MsgType.RECORD_DECLINED, m.reason],
+    DumpRequest: lambda m: [MsgType.DUMP_REQUEST, m.incident, m.timeout, m.flight_recorder],
+    DumpReply: lambda m: [MsgType.DUMP_REPLY, m.snapshot],
+    FrDump: lambda m: [MsgType.FR_DUMP, m.path],
 }
 
 HEARTBEAT_FRAME = _frame([MsgType.HEARTBEAT])
@@ -403,6 +439,18 @@ def _times(v: object) -> dict[str, float]:
     return out
 
 
+def _seconds(v: object, what: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+        raise ProtocolError(f"{what} must be a finite number of seconds >= 0, got {v!r:.40}")
+    return float(v)
+
+
+def _bool(v: object, what: str) -> bool:
+    if not isinstance(v, bool):
+        raise ProtocolError(f"{what} must be true or false, got {type(v).__name__}")
+    return v
+
+
 def _opt_str(v: object, what: str) -> str | None:
     return None if v is None else _str(v, what)
 
@@ -443,6 +491,10 @@ _DECODERS: dict[int, tuple[int, Any]] = {
                                                         _opt_str(f[2], "error_file"))),
     MsgType.SECTION_SLOT: (2, lambda f: SectionSlot(_name(f[0]), _int(f[1], "slot"))),
     MsgType.RECORD_DECLINED: (1, lambda f: RecordDeclined(_str(f[0], "reason"))),
+    MsgType.DUMP_REQUEST: (3, lambda f: DumpRequest(_int(f[0], "incident"), _seconds(f[1], "timeout"),
+                                                    _bool(f[2], "flight_recorder"))),
+    MsgType.DUMP_REPLY: (1, lambda f: DumpReply(_dict(f[0], "snapshot"))),
+    MsgType.FR_DUMP: (1, lambda f: FrDump(_str(f[0], "path"))),
 }
 
 

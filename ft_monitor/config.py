@@ -104,6 +104,9 @@ class FaultToleranceConfig(BaseModel):
     scheduler_grace_time: float | None = None
     timeout_check: str = "warn"
     progress_record: bool = True
+    flight_recorder_entries: int = 0
+    roll_call_timeout: float = 5.0
+    native_stacks: bool = False
 
     # -- rules -----------------------------------------------------------------
     @field_validator("*", mode="before")

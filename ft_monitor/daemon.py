@@ -45,6 +45,7 @@ from ft_monitor.listener import ListenerError, bind_unix_listener, remove_socket
 from ft_monitor.policy import Hang, Reason, check, deadline_inputs, next_deadline
 from ft_monitor.procinfo import describe_wait_status, zombie_exit_status
 from ft_monitor.rank import Hold, RankResources
+from ft_monitor.rank_snapshot import RankSnapshots
 from ft_monitor.section_stats import SectionStats
 from ft_monitor.server_log import printable
 from ft_monitor.settings import Settings
@@ -130,6 +131,10 @@ class MonitorDaemon:
         """The worker started for this rank that has not connected yet (startup_timeout)."""
         self.launcher_pid: int | None = os.getppid() if launcher_socket else None
         """The launcher that started this daemon: the only process that may announce workers."""
+        self.snapshots = RankSnapshots(self)
+        """The rank's part in a roll call (DUMP_REQUEST from the launcher)."""
+        self._diagnosed: tuple[int, str, str | None, float] | None = None
+        """With ``on_hang: dump``: the hang (pid, reason, section, onset) last diagnosed and left running."""
 
     # -- lifecycle -------------------------------------------------------------
     async def startup(self) -> None:
@@ -350,8 +355,24 @@ class MonitorDaemon:
         self._read_first = 0
         if self._restart_inprocess(rank, hang):
             return
+        if self.config.on_hang == "dump" and hang.reason not in (Reason.INPROCESS_RESTART, Reason.STARTUP):
+            self._dump_and_keep_running(rank, hang)
+            return
         s.mark_hung()
         case = HangCase(hang, rank.process, rank.report_path(), rank.dump_path(), error_file=rank.error_file)
+        self.hangs.append(HangSummary(hang.rank, hang.pid, hang.describe(), str(case.report_path)))
+        self.spawn(self._handle_hang(case), rank.hold())
+
+    def _dump_and_keep_running(self, rank: RankResources, hang: Hang) -> None:
+        """``on_hang: dump``: report, dump and tell the launcher (it diagnoses the job), once per
+        hang; the session stays active, and the same passed deadline is not acted on again (nor
+        re-armed: the rank's next input re-arms it) until the rank makes progress past it."""
+        key = (hang.pid, hang.reason.value, hang.section, hang.onset)
+        if self._diagnosed == key:
+            return
+        self._diagnosed = key
+        case = HangCase(hang, rank.process, rank.report_path(f"-dump{len(self.hangs) + 1}"), rank.dump_path(),
+                        error_file=rank.error_file, action="dump")
         self.hangs.append(HangSummary(hang.rank, hang.pid, hang.describe(), str(case.report_path)))
         self.spawn(self._handle_hang(case), rank.hold())
 

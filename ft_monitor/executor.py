@@ -16,6 +16,7 @@ it decides nothing about *whether* a rank hung (that is policy.py).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
@@ -50,7 +51,8 @@ class HangCase:
     error_file: str | None = None
     """The rank's torchelastic error file, passed on to the launcher."""
     action: str = "kill"
-    """"kill", or "inprocess" when the rank was asked to restart in its own process."""
+    """"kill"; "inprocess" when the rank was asked to restart in its own process; "dump"
+    (``on_hang: dump``) when it is diagnosed and left running."""
     restart_iteration: int | None = None
     """With action "inprocess": the Wrapper iteration the ranks restart as."""
     actions: list[str] = field(default_factory=list)
@@ -154,6 +156,10 @@ class HangExecutor:
         self.stack_dump_timeout = stack_dump_timeout
         self.termination_signal = termination_signal
         self.termination_grace_time = termination_grace_time
+        self.dump_lock = asyncio.Lock()
+        """Held while a stack dump of the rank is being taken (here, or in a roll call:
+        rank_snapshot.py), so nothing else is pushed to the rank while faulthandler reads
+        its threads' frames."""
 
     async def handle(self, case: HangCase) -> HangCase:
         h = case.hang
@@ -164,6 +170,9 @@ class HangExecutor:
         self.write_report(case)
         await self.dump_stack(case)
         self.write_report(case)
+        if case.action == "dump":
+            await self._keep_running(case)
+            return case
         if self.handoff is not None and await self._handed_off(case):
             return case
         await self.terminate(case)
@@ -192,6 +201,19 @@ class HangExecutor:
         log.error("rank %d: still running %.1fs after the launcher was told; terminating it here", rank, wait)
         case.actions.append(f"launcher did not stop the rank within {wait:.1f}s")
         return False
+
+    async def _keep_running(self, case: HangCase) -> None:
+        """``on_hang: dump``: tell the launcher (it diagnoses the job: the roll call) and leave the rank running."""
+        if self.handoff is not None:
+            try:
+                await self.handoff.notify(case)
+            except Exception:  # noqa: BLE001 - the launcher being gone changes nothing here
+                log.exception("rank %d: telling the launcher failed", case.hang.rank)
+        case.terminated_by = "not stopped (on_hang: dump)"
+        case.actions.append("left running (on_hang: dump)")
+        log.warning("rank %d: left running (on_hang: dump); it is diagnosed again if it hangs again after progress",
+                    case.hang.rank)
+        self.write_report(case)
 
     # -- (2) report ------------------------------------------------------------
     def report(self, case: HangCase) -> HangReport:
@@ -227,9 +249,10 @@ class HangExecutor:
 
     # -- (3) stack dump --------------------------------------------------------
     async def dump_stack(self, case: HangCase) -> None:
-        before = self.request_dump(case)
-        if before is not None:
-            await self.await_dump(case, before)
+        async with self.dump_lock:
+            before = self.request_dump(case)
+            if before is not None:
+                await self.await_dump(case, before)
 
     def request_dump(self, case: HangCase) -> int | None:
         """Send the dump signal (the rank's faulthandler writes at once, whatever its main
@@ -249,20 +272,7 @@ class HangExecutor:
         """Wait (at most stack_dump_timeout) until the dump file grew and stopped growing."""
         ops, path = self.ops, case.dump_path
         assert path is not None
-        deadline = self.clock.now() + self.stack_dump_timeout
-        last = before
-        stable = 0
-        while self.clock.now() < deadline:
-            await ops.sleep(_POLL)
-            size = ops.file_size(path)
-            if size > before:
-                stable = stable + 1 if size == last else 0
-                last = size
-                if stable >= 2:  # written and no longer growing
-                    break
-            if not ops.alive(case.process):
-                break
-        case.dump_captured = ops.file_size(path) > before
+        case.dump_captured = await wait_for_dump(ops, self.clock, path, before, self.stack_dump_timeout, case.process)
         if case.dump_captured:
             case.actions.append(f"stack dump written to {path}")
             log.warning("rank %d: stack dump written to %s", case.hang.rank, path)
@@ -317,3 +327,23 @@ class HangExecutor:
             case.terminated_by = term.name if exited_in_grace else "SIGKILL"
         else:
             case.terminated_by = stopped.by
+
+
+async def wait_for_dump(ops: ProcessOps, clock: Clock, path: Path, before: int, timeout: float,
+                        proc: ProcessHandle) -> bool:
+    """Wait (at most ``timeout``) until the dump file grew past ``before`` and stopped growing,
+    or the process is gone; True when it grew."""
+    deadline = clock.now() + timeout
+    last = before
+    stable = 0
+    while clock.now() < deadline:
+        await ops.sleep(_POLL)
+        size = ops.file_size(path)
+        if size > before:
+            stable = stable + 1 if size == last else 0
+            last = size
+            if stable >= 2:  # written and no longer growing
+                break
+        if not ops.alive(proc):
+            break
+    return ops.file_size(path) > before

@@ -34,6 +34,7 @@ log = logging.getLogger("ft_monitor.server")
 
 MAX_LOGGED_SESSION_ERRORS = 5
 MAX_REASON = 4096
+MAX_WARMUP_ITERS = 2**31 - 1
 
 
 def dispatch(d: MonitorDaemon, conn: Connection, msg: wire.Message) -> None:
@@ -62,6 +63,8 @@ def dispatch(d: MonitorDaemon, conn: Connection, msg: wire.Message) -> None:
         raise wire.ProtocolError("second HELLO on one connection")
     elif t is wire.WorkerStarted and conn.role == wire.Role.LAUNCHER:
         worker_started(d, conn, msg)  # type: ignore[arg-type]
+    elif t is wire.DumpRequest and conn.role == wire.Role.LAUNCHER:
+        d.snapshots.answer(conn, msg)  # type: ignore[arg-type]  # the roll call: rank_snapshot.py
     elif conn.role == wire.Role.OBSERVER:
         log.warning("closing observer connection from pid %d: %s is not allowed for an observer",
                     conn.pid, t.__name__)
@@ -125,8 +128,9 @@ def hello(d: MonitorDaemon, conn: Connection, msg: wire.Hello) -> None:
     conn.hello_done(msg.role)
     process = conn.take_process()
     assert process is not None
+    warmup = _num_warmup_iterations(d, msg)
     session = Session(rank=msg.rank, pid=conn.pid, started_at=d.clock.now(), timeouts=d.timeouts,
-                      num_warmup_iterations=d.config.num_warmup_iterations)
+                      num_warmup_iterations=warmup)
     d.startup_watch.connected(session)
     rank = RankResources(conn, session, process, report_dir=d.report_dir,
                          error_file=error_file_from_hello(msg.info.get("error_file")), exits=d.exits)
@@ -137,14 +141,28 @@ def hello(d: MonitorDaemon, conn: Connection, msg: wire.Hello) -> None:
     offered = record_watch.offer(d, msg.info)
     info = SessionInfo(
         rank=msg.rank, pid=conn.pid, session=d.sessions_started, timeouts=d.timeouts,
-        num_warmup_iterations=cfg.num_warmup_iterations, stack_dump_signal=int(cfg.stack_dump_signal),
+        num_warmup_iterations=warmup, stack_dump_signal=int(cfg.stack_dump_signal),
         stack_dump_path=str(rank.dump_path()), skip_section_response=cfg.skip_section_response,
         on_monitor_lost=cfg.on_monitor_lost, on_hang=cfg.on_hang, client_request_timeout=cfg.client_request_timeout,
         safety_factor=cfg.safety_factor, min_learned_timeout=cfg.min_learned_timeout,
         record=record_watch.INFO if offered is not None else None,
+        flight_recorder=cfg.flight_recorder_entries > 0,
     )
     record_watch.send_hello_ok(rank, info, offered)
     log.info("rank %d pid %d connected (session %d)", msg.rank, conn.pid, d.sessions_started)
+
+
+def _num_warmup_iterations(d: MonitorDaemon, msg: wire.Hello) -> int:
+    """The rank's own warm-up length (``init_workload_monitoring(num_warmup_iters=)``, as
+    nvidia-resiliency-ext's client sends it), else the monitor's setting."""
+    n = msg.info.get("num_warmup_iters")
+    if n is None:
+        return d.config.num_warmup_iterations
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_WARMUP_ITERS:
+        log.warning("rank %d: ignored num_warmup_iters = %.60r from its HELLO (a whole number 0..%d); using "
+                    "num_warmup_iterations = %d", msg.rank, n, MAX_WARMUP_ITERS, d.config.num_warmup_iterations)
+        return d.config.num_warmup_iterations
+    return n
 
 
 def control_hello(d: MonitorDaemon, conn: Connection) -> None:

@@ -53,6 +53,8 @@ async def notify_launcher(path: str, rank: int, notice: HangNotice, timeout: flo
     if isinstance(reply, wire.Ack):
         if notice.action == "inprocess":
             log.info("rank %d: launcher recorded the in-process restart", rank)
+        elif notice.action == "dump":
+            log.info("rank %d: launcher diagnoses the hang (on_hang: dump); the rank keeps running", rank)
         else:
             log.warning("rank %d: launcher acknowledged the hang and stops the worker group", rank)
         return True

@@ -67,7 +67,8 @@ class HangNotice:
     error_file: str | None
     action: str = "kill"
     """"kill": the launcher stops and restarts the worker group (ACK hands it over);
-    "inprocess": the ranks restart in their own processes, the launcher only records it."""
+    "inprocess": the ranks restart in their own processes, the launcher only records it;
+    "dump" (``on_hang: dump``): the launcher diagnoses the job (the roll call) and stops nothing."""
     restart_iteration: int | None = None
     """With "inprocess": the Wrapper iteration the ranks restart as (their REENTERED says it too)."""
 
@@ -82,8 +83,8 @@ class HangNotice:
         if unknown:
             raise NoticeError(f"hang notice has unknown field(s) {', '.join(unknown)}")
         action = data.get("action", "kill")
-        if action not in ("kill", "inprocess"):
-            raise NoticeError(f"hang notice action = {action!r:.60}: must be 'kill' or 'inprocess'")
+        if action not in ("kill", "inprocess", "dump"):
+            raise NoticeError(f"hang notice action = {action!r:.60}: must be 'kill', 'inprocess' or 'dump'")
         captured = data.get("stack_dump_captured")
         if not isinstance(captured, bool):
             raise NoticeError(f"hang notice stack_dump_captured = {captured!r:.60}: must be true or false")

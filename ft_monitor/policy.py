@@ -53,6 +53,8 @@ class Hang:
     open_sections: tuple[tuple[str, float], ...]
     """(name, seconds open) for every section open at detection."""
     iteration: int | None
+    """The iteration the rank was in (`iteration_now`): completed `step` sections, counted on
+    from its checkpoint, so the index of the step it hung in."""
     connected: bool = True
     """False for a worker that never connected to its monitor (a start-up hang)."""
 
@@ -140,5 +142,15 @@ def check(s: Session, now: float) -> Hang | None:
         timeout=first.timeout,
         last_heartbeat=s.last_heartbeat,
         open_sections=tuple((sec.name, now - sec.opened_at) for sec in s.open_sections.values()),
-        iteration=s.iteration,
+        iteration=iteration_now(s),
     )
+
+
+def iteration_now(s: Session) -> int | None:
+    """The iteration the rank is in: where its session started (its first ITERATION report
+    less the steps closed before it) plus the `step` sections the monitor saw it close since.
+    ITERATION reports are throttled (at most 5/s), so the last one can lag several steps;
+    the monitor's own count does not. The last report when the start is not known yet."""
+    if s.iteration_base is None:
+        return s.iteration
+    return s.iteration_base + s.steps_closed

@@ -18,6 +18,7 @@ import errno
 import os
 import select
 import signal
+from collections.abc import Collection
 
 from ft_client.errors import FtError
 from ft_client.peer import PeerCred, peer_credentials, peer_pidfd
@@ -315,10 +316,12 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def descends_from(pid: int, ancestor: int, max_depth: int = 16) -> bool:
-    """``pid`` is ``ancestor`` or one of its descendants (parent links in /proc, best effort)."""
+def descends_from(pid: int, ancestor: int | Collection[int], max_depth: int = 16) -> bool:
+    """``pid`` is ``ancestor`` (or one of several) or one of its descendants (parent links
+    in /proc, best effort)."""
+    ancestors = {ancestor} if isinstance(ancestor, int) else ancestor
     for _ in range(max_depth):
-        if pid == ancestor:
+        if pid in ancestors:
             return True
         parent = parent_pid(pid)
         if parent is None or parent <= 1:

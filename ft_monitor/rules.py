@@ -149,11 +149,25 @@ def on_monitor_lost(v: Any) -> str:
     return str(v)
 
 
+ON_HANG = ("kill", "inprocess", "dump")
+
+
 def on_hang(v: Any) -> str:
-    if v not in ("kill", "inprocess"):
-        raise ValueError("must be 'kill' (stop the rank; the launcher restarts the group) or 'inprocess' (restart "
-                         "in the same processes through ft_client.inprocess.Wrapper, kill as the fallback)")
+    if v not in ON_HANG:
+        raise ValueError("must be 'kill' (stop the rank; the launcher restarts the group), 'inprocess' (restart "
+                         "in the same processes through ft_client.inprocess.Wrapper, kill as the fallback) or 'dump' "
+                         "(diagnose and keep the job running)")
     return str(v)
+
+
+MAX_FR_ENTRIES = 1_000_000
+
+
+def flight_recorder_entries(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_FR_ENTRIES:
+        raise ValueError(f"must be a whole number from 0 (Flight Recorder off) to {MAX_FR_ENTRIES} (collectives "
+                         "each worker's Flight Recorder keeps: TORCH_FR_BUFFER_SIZE)")
+    return v
 
 
 def metrics_port(v: Any) -> int | None:

@@ -108,6 +108,9 @@ class Settings:
     scheduler_grace_time: float | None = _setting(None, rules.timeout)
     timeout_check: str = _setting("warn", rules.timeout_check)
     progress_record: bool = _setting(True, rules.boolean)
+    flight_recorder_entries: int = _setting(0, rules.flight_recorder_entries)
+    roll_call_timeout: float = _setting(5.0, rules.positive_seconds)
+    native_stacks: bool = _setting(False, rules.boolean)
 
     def __init__(self, data: Mapping[str, Any] | None = None, /, **values: Any) -> None:
         if data is not None and not isinstance(data, Mapping):

@@ -33,6 +33,7 @@ EXPECTED_IDS = {
     *(f"inprocess.{k}" for k in ("notify", "abort", "interrupt", "finalize", "barrier", "reinit", "first_step")),
     *(f"step.{p}.{v}.{k}" for p in ("record", "socket") for v in ("b2b", "gap")
       for k in ("bare", "client", "calls", "noise", "overhead")),
+    *(f"diagnosis.n2.{k}" for k in ("verdict_to_written", "roll_call", "dump_wait", "all_answered")), "fr.overhead",
 }
 CLIENT_KEYS = {"heartbeat.b2b", "section.b2b", "unmonitored.b2b", "heartbeat.paced", "section.paced",
                "unmonitored.paced", "ping.b2b", "set_timeouts.b2b", "ping.paced"}
@@ -64,6 +65,7 @@ def test_smoke_run_writes_the_expected_json(tmp_path: Path) -> None:
     assert restart["n"] == 1 and restart["details"]["launcher_line_matches_json"] == [True], restart
     assert all(by_id[f"step.{p}.{v}.overhead"]["n"] >= 1 for p in ("record", "socket") for v in ("b2b", "gap"))
     assert by_id["inprocess.total"]["n"] == 1 and by_id["inprocess.same_pids"]["met"] is True
+    assert by_id["diagnosis.n2.roll_call"]["n"] == 1 and by_id["diagnosis.n2.all_answered"]["met"] is True
     measured = [f for f in figures if f["n"]]
     assert all(f["median"] is not None and f["min"] <= f["median"] <= f["max"] for f in measured)
 

@@ -210,3 +210,20 @@ def test_a_forked_child_client_is_detached_and_sends_nothing(sock: Path, daemons
     st = d.status()
     assert st["connected"] and st["heartbeats"] == 1 and st["steps_started"] == 0, st
     os.close(parents_copy)
+
+
+def test_the_reference_clients_arguments_warmup_and_loaded_timeouts(sock: Path, daemons: list[ThreadDaemon]) -> None:
+    daemons.append(d := ThreadDaemon(sock, **QUIET))
+    c = RankMonitorClient(str(sock))
+    with pytest.raises(RankMonitorClientError, match="num_warmup_iters = '/run/ft.sock'"):
+        c.init_workload_monitoring("/run/ft.sock")  # type: ignore[arg-type]  # a path is no warm-up length
+    assert c.loaded_hb_timeouts is None and c.loaded_section_timeouts is None
+    c.load_state_dict(state={"current_timeouts": {"heartbeat": {"initial": 300.0, "subsequent": 60.0,
+                                                                "were_calculated": True}}})
+    assert c.loaded_hb_timeouts is not None and c.loaded_hb_timeouts.subsequent == 60.0
+    c.init_workload_monitoring(num_warmup_iters=3)
+    assert d.call(lambda: d.daemon.rank.session.num_warmup_iterations) == 3  # type: ignore[union-attr]
+    assert c.hb_timeouts.subsequent == 60.0
+    c.start_section(section="step")
+    c.end_section(section="step")
+    c.shutdown_workload_monitoring()

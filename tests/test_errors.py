@@ -124,7 +124,7 @@ def test_a_client_used_before_init_or_after_shutdown_raises_closed(workdir: Path
         c.set_timeouts(c.timeouts)
     d = Daemon(workdir).wait_ready()
     try:
-        c.init_workload_monitoring(str(d.socket))
+        c.init_workload_monitoring(socket_path=str(d.socket))
         c.shutdown_workload_monitoring()
         with pytest.raises(MonitorClosedError):
             c.send_heartbeat()

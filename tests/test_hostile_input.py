@@ -639,6 +639,9 @@ BAD: dict[str, list[str]] = {
     "scheduler_grace_time": ["-1", "x"],
     "timeout_check": ["loud", "1"],
     "progress_record": ["maybe", "2", "socket"],
+    "flight_recorder_entries": ["-1", "x", "1.5", "2000000"],
+    "roll_call_timeout": ["0", "-1", "x"],
+    "native_stacks": ["maybe", "2"],
 }
 _XFAIL_BAD: dict[tuple[str, str], str] = {}
 

@@ -123,6 +123,15 @@ def test_a_row_is_complete_when_every_local_rank_is_back() -> None:
     assert summary["kind"] == "inprocess" and summary["iteration"] == 1 and summary["ranks_back"] == [0, 1]
 
 
+def test_the_row_names_the_earliest_onset_whatever_order_the_notices_come_in() -> None:
+    for order in ((1, 0), (0, 1)):
+        ledger = InprocessLedger()
+        notices = {1: _notice(rank=1, onset_time=97.0), 0: _notice(rank=0, pid=4241, onset_time=97.06)}
+        for r in order:  # rank 0 waited in the all-reduce for rank 1 and timed out 60 ms later
+            row = ledger.on_notice(notices[r], attempt=0)
+        assert (row.rank, row.pid) == (1, 4242), order
+
+
 def test_a_restart_without_a_notice_is_recorded_from_the_ranks() -> None:
     ledger = InprocessLedger()
     back = _back(1, 50.0, reason="rank 0: ValueError: bad batch", source="exception", fault_rank=0)
@@ -166,3 +175,101 @@ def test_the_client_reports_a_restart_and_nothing_while_the_rank_unwinds(tmp_pat
     finally:
         c.shutdown_workload_monitoring()
         d.stop()
+
+
+# -- the interrupt ---------------------------------------------------------------------------
+
+
+class _Listener:
+    def __init__(self) -> None:
+        self.is_busy = False
+
+    def aborting(self, iteration: int) -> None:
+        pass
+
+    def entering(self, restart: events.Restart) -> None:
+        pass
+
+    def busy(self) -> bool:
+        return self.is_busy
+
+
+def test_the_interrupt_waits_while_the_client_is_mid_frame_or_in_atomic() -> None:
+    from ft_client.inprocess.wrapper import RestartInterrupt, _on_interrupt, _Run
+
+    run = _Run(RestartStore(HashStore(), 1, prefix="t/"), 0, 1)
+    run.interruptible = True
+    _on_interrupt(run, 0, None)  # no fault seen yet: nothing
+    run.fault_seen.set()
+    listener = _Listener()
+    events.add_restart_listener(listener)
+    try:
+        listener.is_busy = True
+        _on_interrupt(run, 0, None)  # the monitor thread sends it again in interrupt_interval
+        listener.is_busy = False
+        run.atomic_depth = 1
+        _on_interrupt(run, 0, None)
+        assert run.interrupt_pending  # raised when atomic() ends
+        run.atomic_depth = 0
+        with pytest.raises(RestartInterrupt):
+            _on_interrupt(run, 0, None)
+    finally:
+        events.remove_restart_listener(listener)
+
+
+def test_the_client_is_busy_while_its_connection_is_mid_send(tmp_path: Path) -> None:
+    sock = tmp_path / "s" / "m.sock"
+    d = ThreadDaemon(sock, **QUIET)
+    c = RankMonitorClient(str(sock))
+    try:
+        c.init_workload_monitoring()
+        hook = c._restart_hook
+        assert not hook.busy()
+        t = c._transport
+        assert t is not None
+        with t._lock:  # what a send or a request holds
+            assert hook.busy()
+        assert not hook.busy()
+    finally:
+        c.shutdown_workload_monitoring()
+        d.stop()
+
+
+def test_a_fault_that_cannot_reach_the_store_is_still_this_ranks_fault() -> None:
+    from ft_client.inprocess.wrapper import _Run
+
+    class Gone:
+        def compare_set(self, *args: object) -> bytes:
+            raise RuntimeError("Connection reset by peer")
+
+        def clone(self) -> object:
+            raise RuntimeError("Connection reset by peer")
+
+    run = _Run(RestartStore(Gone(), 2, prefix="t/"), 1, 2)
+    assert run.report("rank 1: ValueError: x", 1, "exception")
+    assert run.fault is not None and run.fault.source == "store" and "unreachable" in run.fault.reason
+    assert run.wake.is_set()
+
+
+def test_the_reference_wrappers_options_are_taken_ignored_or_refused_with_the_reason() -> None:
+    from datetime import timedelta
+
+    from ft_client.inprocess import CallWrapper, InProcessError, Wrapper
+
+    w = Wrapper(soft_timeout=timedelta(seconds=60), hard_timeout=timedelta(seconds=90),
+                monitor_thread_interval=timedelta(seconds=1), heartbeat_timeout=timedelta(seconds=30),
+                monitor_process_logfile="/tmp/m-{rank}.log", rank_assignment=None)
+    assert (w.soft_timeout, w.hard_timeout, w.monitor_thread_interval) == (60.0, 90.0, 1.0)
+    with pytest.raises(InProcessError, match="rank_assignment are not supported: ranks keep their rank"):
+        Wrapper(rank_assignment=object())
+    with pytest.raises(TypeError, match="unexpected keyword argument.*bogus"):
+        Wrapper(bogus=1)
+    with pytest.raises(InProcessError, match="hard_timeout = 10 s must be above soft_timeout = 60 s"):
+        Wrapper(hard_timeout=10)
+    with pytest.raises(InProcessError, match=r"barrier_timeout = -1: must be a positive number of seconds"):
+        Wrapper(barrier_timeout=-1)
+
+    def by_annotation(x: int, state: CallWrapper | None = None) -> None: ...
+    def by_keyword(x: int, call: object = None) -> None: ...
+    assert w._call_wrapper_param(by_annotation) == "state" and w._call_wrapper_param(by_keyword) == "call"
+    assert Wrapper(enabled=False)(by_keyword) is by_keyword

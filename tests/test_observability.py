@@ -299,19 +299,20 @@ def test_an_inprocess_restart_is_counted_with_its_own_phases(tmp_path: Path) -> 
     tel.attempt_started(0, "run", 0, {0: 0, 1: 1}, {0: 100, 1: 101}, str(tmp_path))
     notice = {"rank": 1, "pid": 101, "reason": "section", "section": "step", "message": "m", "elapsed_s": 2.0,
               "timeout_s": 2.0, "onset_time": 48.0, "detected_time": 50.0, "iteration": 12, "attempt": 0,
-              "report": "/r.json"}
+              "report": "/r.json", "restart_iteration": 1}
     tel.inprocess_hang(notice)
     phases = {"notify": 0.01, "abort": 0.02, "interrupt": 0.0, "finalize": 0.15, "barrier": 0.01, "reinit": 0.01,
               "first_step": 0.02, "total": 0.22}
     clock["t"] = 50.5
     tel.inprocess_restart({"kind": "inprocess", "attempt": 0, "iteration": 1, "rank": 1, "reason": "section",
-                           "message": "m", "report": "/r.json", "phases": phases})
+                           "message": "m", "report": "/r.json", "detected_time": 50.0, "phases": phases})
     tel.finish(0, "")
     tel.close(None)
     events = read_events(tmp_path / "events.jsonl")
     hang, restart = (e for e in events if e["kind"] in ("hang", "restart"))
     assert hang["action"] == "inprocess" and hang["rank"] == 1
     assert restart["mode"] == "inprocess" and restart["cause"] == "hang" and restart["phases"] == phases
+    assert restart["lost_s"] == pytest.approx(50.0 + 0.22 - 48.0)  # onset -> every rank stepping again
     snap = tel.snapshot
     assert snap.restarts == {"process": 0, "inprocess": 1} and snap.hangs == {("section", "step"): 1}
     assert snap.restart_phases["inprocess", "total"] == (0.22,) and ("process", "total") not in snap.restart_phases

@@ -34,6 +34,7 @@ NON_DEFAULT: dict[str, Any] = {
     "slow_rank_section": "data",
     "startup_timeout": "45", "startup_until": "First_Step", "process_group_timeout": 600, "scheduler_grace_time": 30,
     "timeout_check": "strict", "progress_record": "off",
+    "flight_recorder_entries": "2000", "roll_call_timeout": "2.5", "native_stacks": "yes",
 }
 
 
@@ -102,6 +103,11 @@ def test_settings_are_frozen_and_typed() -> None:
                                     "the dump signal must not stop the rank; choose another (default SIGUSR2)"),
         ({"stack_dump_signal": 11}, "invalid settings: stack_dump_signal = SIGSEGV is kept by faulthandler"),
         ({"skip_section_response": 1}, "invalid setting skip_section_response = 1: must be true or false"),
+        ({"on_hang": "stop"}, "invalid setting on_hang = 'stop': must be 'kill' (stop the rank; the launcher "
+                              "restarts the group), 'inprocess'"),
+        ({"flight_recorder_entries": -1}, "invalid setting flight_recorder_entries = -1: must be a whole number "
+                                          "from 0 (Flight Recorder off) to 1000000"),
+        ({"roll_call_timeout": 0}, "invalid setting roll_call_timeout = 0: must be a number of seconds > 0"),
         ({"on_monitor_lost": "ignore"}, "invalid setting on_monitor_lost = 'ignore': must be 'warn' (log once, keep "
                                         "training) or 'raise'"),
         ({"report_dir": "reports"}, "invalid setting report_dir = 'reports': must be an absolute directory path, "

@@ -46,6 +46,9 @@ ALL_MESSAGES: list[wire.Message] = [
     wire.SectionSlot("step", 0),
     wire.SectionSlot("data", 124),
     wire.RecordDeclined("the monitor's clock differs from this process's"),
+    wire.DumpRequest(3, 4.5, True),
+    wire.DumpReply({"connected": True, "rank": 1, "notes": []}),
+    wire.FrDump("/tmp/run/rank1-pid42-fr3.json"),
 ]
 
 
@@ -328,6 +331,11 @@ def test_wrong_field_count(obj: list[Any], pattern: str) -> None:
         ([15, 1.5], r"^iteration must be an integer, got float$"),
         ([16, None, "r"], r"^action must be a string, got NoneType$"),
         ([16, "a", 0], r"^reason must be a string, got int$"),
+        ([25, 1, -1.0, True], r"^timeout must be a finite number of seconds >= 0, got -1.0$"),
+        ([25, 1, float("nan"), True], r"^timeout must be a finite number of seconds >= 0, got nan$"),
+        ([25, 1, 2.0, 1], r"^flight_recorder must be true or false, got int$"),
+        ([26, []], r"^snapshot must be a map, got list$"),
+        ([27, None], r"^path must be a string, got NoneType$"),
     ],
 )
 def test_wrong_field_types(obj: list[Any], pattern: str) -> None:

@@ -59,6 +59,10 @@ class RestartListener(Protocol):
     def entering(self, restart: Restart) -> None:
         """The Wrapper calls the function again as ``restart.iteration``."""
 
+    def busy(self) -> bool:
+        """True while an exception raised now would leave the listener broken (the client
+        halfway through a frame or a request): the Wrapper's interrupt waits for the next try."""
+
 
 FaultHandler = Callable[[Fault], None]
 
@@ -105,6 +109,11 @@ def announce_aborting(iteration: int) -> None:
     """The Wrapper leaves the function to restart it as ``iteration``."""
     for listener in _each_listener():
         listener.aborting(iteration)
+
+
+def busy() -> bool:
+    """Some listener must not be interrupted right now (called from a signal handler)."""
+    return any(listener.busy() for listener in _each_listener())
 
 
 def announce_entering(restart: Restart) -> None:

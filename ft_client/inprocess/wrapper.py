@@ -214,7 +214,12 @@ class _Run:
         if ours is the one."""
         it = self.iteration if iteration is None else iteration
         record = FaultRecord(reason, rank, source, self.rank, time.time())
-        won, current = self.store.report(it, record)
+        try:
+            won, current = self.store.report(it, record)
+        except Exception as e:  # the store is gone (its host died): this rank still leaves the function
+            log.error("rank %d: cannot record a fault in the in-process restart store (%s): %s", self.rank, e, reason)
+            won, current = True, FaultRecord(f"{reason} (the in-process restart store is unreachable: {e})", rank,
+                                             "store", self.rank, record.time)
         if current is not None and it == self.iteration:
             self.note_fault(current)
         return won
@@ -387,8 +392,11 @@ class Wrapper:
                           run.rank, type(e).__name__, run.iteration + 1, exc_info=e)
             return _RESTART
         else:
-            run.store.complete(run.iteration)
-            outcome = self._wait_outcome(run)
+            try:
+                run.store.complete(run.iteration)
+                outcome = self._wait_outcome(run)
+            except Exception as e:
+                raise InProcessError(f"rank {run.rank}: the in-process restart store is unreachable: {e}") from e
             if outcome is True:
                 aborting.bury()  # past a store wait: their worker threads are idle
                 return result
@@ -550,8 +558,10 @@ def _collect() -> None:
 
 
 def _on_interrupt(run: _Run, signum: int, frame: Any) -> None:
-    """The interrupt signal's handler (main thread): leave the function unless inside atomic()."""
-    if not run.interruptible or not run.fault_seen.is_set():
+    """The interrupt signal's handler (main thread): leave the function unless inside atomic(),
+    or while the monitor client is mid-frame or mid-request (the monitor thread sends the
+    signal again every interrupt_interval)."""
+    if not run.interruptible or not run.fault_seen.is_set() or events.busy():
         return
     if run.atomic_depth > 0:
         run.interrupt_pending = True

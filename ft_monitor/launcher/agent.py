@@ -17,6 +17,11 @@ Overrides only what the monitors need, and calls torch for everything else:
   the group is provably still the worker's (`groups.WorkerGroups`);
 * `_rendezvous`: timed, for the restart breakdown.
 
+On a hang, before the group is stopped (or, with ``on_hang: dump``, instead), the node
+that owns the verdict takes the roll call of every rank of the job (rollcall.py) and
+writes ``diagnosis.json`` in the attempt's log directory (diagnosis.py, verdict line in
+the log and the summary); the other nodes answer its request from their monitor loop.
+
 Checked with torch 2.13 (the only minor pyproject.toml admits). It relies on these
 agent internals: `_start_workers`, `_monitor_workers`, `_stop_workers`, `_rendezvous`,
 `_remaining_restarts`, `_pcontext`, `start_processes(envs=...)` in
@@ -35,9 +40,11 @@ import logging
 import os
 import signal
 import socket
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from torch.distributed.elastic.agent.server import local_elastic_agent as _lea
@@ -59,18 +66,23 @@ from ft_monitor.launcher.decide import (
     WorkerRef,
     decide_attempt_end,
     decide_hang,
+    first_hang,
     iteration_high,
     read_hang_record,
+    same_incident,
     triage_hang,
+    with_diagnosis,
 )
+from ft_monitor.launcher.diagnosis import HungRank
 from ft_monitor.launcher.groups import WorkerGroups
 from ft_monitor.launcher.inprocess import InprocessLedger
 from ft_monitor.launcher.monitors import MonitorPool
 from ft_monitor.launcher.progress import ProgressTracker
+from ft_monitor.launcher.rollcall import Rank, RollCaller, diagnosis_path, write_diagnosis
 from ft_monitor.launcher.rootcause import read_stack, write_error_file
 from ft_monitor.launcher.store_auth import SECRET_ENV, HangRecord, ShutdownRequest, StoreChannel, StoreMessageError
 from ft_monitor.notices import HangNotice
-from ft_monitor.procinfo import parent_pid
+from ft_monitor.procinfo import descends_from
 from ft_monitor.server_log import printable
 from ft_monitor.settings import Settings
 from ft_monitor.startup import dump_spec
@@ -85,6 +97,8 @@ INPROCESS_POLL_INTERVAL = 1.0
 """Seconds between reads of the monitors' STATUS for ranks back from an in-process restart."""
 PIN_INTERVAL = 1.0
 """Seconds between pinning the processes in the workers' groups (their children)."""
+FR_BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"
+"""torch's Flight Recorder: entries each process keeps (0 or unset: off)."""
 ATTRIBUTION_WINDOW = 0.5
 """Seconds a launcher waits, on several nodes, for the other nodes' hang reports of the
 same rendezvous round: ranks waiting in a collective for a hung rank on another node
@@ -148,17 +162,12 @@ class FtRuntime:
     worker_pids: set[int] = field(default_factory=set)
     attempts: list[dict[str, Any]] = field(default_factory=list)
     """Each attempt's workers: ``{"attempt": n, "pids": {global rank: pid}}`` (summary JSON)."""
+    diagnoses: list[dict[str, Any]] = field(default_factory=list)
+    """Each roll call's diagnosis: attempt, hung rank, path of diagnosis.json, verdict line (summary JSON)."""
 
     def is_worker(self, pid: int) -> bool:
         """A current worker, or a process it started (a workload request may come from either)."""
-        for _ in range(16):
-            if pid in self.worker_pids:
-                return True
-            parent = parent_pid(pid)
-            if parent is None or parent <= 1:
-                return False
-            pid = parent
-        return False
+        return descends_from(pid, self.worker_pids)
 
     def worker_env(self, local_rank: int) -> dict[str, str]:
         out = {
@@ -171,6 +180,8 @@ class FtRuntime:
             out.update(startup_env(dump_spec(self.config, report_dir), os.environ))
         if self.config.process_group_timeout is not None:  # for ft_client.process_group_timeout()
             out[PROCESS_GROUP_TIMEOUT_ENV] = repr(self.config.process_group_timeout)
+        if self.config.flight_recorder_entries > 0 and FR_BUFFER_ENV not in os.environ:
+            out[FR_BUFFER_ENV] = str(self.config.flight_recorder_entries)  # torch's Flight Recorder, read at init
         return out
 
     def announce_workers(self, workers: list[tuple[int, int, int, str | None]]) -> None:
@@ -222,10 +233,13 @@ class FtLocalElasticAgent(_lea.LocalElasticAgent):
         self._bad_store_values: set[bytes] = set()
         self._no_secret_warned = False
         self._inprocess_checked = 0.0
+        self.rollcall = RollCaller(ft.monitors.socket, socket.gethostname(), ft.config.roll_call_timeout,
+                                   ft.config.flight_recorder_entries > 0)
 
     # -- start ---------------------------------------------------------------
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         super()._rendezvous(worker_group)
+        self.rollcall.new_round()
         if self.ft.restarts and self.ft.restarts[-1].rendezvous_done is None:
             self.ft.restarts[-1].rendezvous_done = time.time()
 
@@ -268,6 +282,7 @@ class FtLocalElasticAgent(_lea.LocalElasticAgent):
         result = self._check_shared_shutdown(worker_group)
         if result is not None:
             return result
+        self._answer_roll_calls(worker_group)
         watched: RunResult = super()._monitor_workers(worker_group)
         if watched.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
             self._attempt_ended()
@@ -278,6 +293,9 @@ class FtLocalElasticAgent(_lea.LocalElasticAgent):
             assert event.notice is not None
             if event.notice.action == "inprocess":
                 self._record_inprocess(event.notice)
+                return None
+            if event.notice.action == "dump":
+                self._on_dump(wg, event.notice)
                 return None
             return self._on_hang(wg, event.notice)
         assert event.action is not None
@@ -333,13 +351,107 @@ class FtLocalElasticAgent(_lea.LocalElasticAgent):
         channel = self._channel(wg)
         peer_values = self._exchange_hang_records(wg, channel, triage.record)
         worker = triage.worker
+        stack = read_stack(notice.stack_dump) if notice.stack_dump_captured else None
         decision = decide_hang(
-            notice, worker, triage.record, now=now, peer_values=peer_values, channel=channel,
-            stack=read_stack(notice.stack_dump) if notice.stack_dump_captured else None,
+            notice, worker, triage.record, now=now, peer_values=peer_values, channel=channel, stack=stack,
             error_file=self._error_file_of(worker.local_rank, worker.pid), attempt=self._attempt(),
             high=iteration_high(self.ft.monitors.statuses()), progress=self.ft.tracker.state,
             policy=self.ft.tracker.policy, remaining_restarts=self._remaining_restarts)
-        return self._carry_out(decision)
+        return self._carry_out(self._diagnose(wg, channel, notice, decision, stack))
+
+    # -- the roll call (rollcall.py) -------------------------------------------
+    def _ranks(self, wg: WorkerGroup) -> list[Rank]:
+        return [Rank(w.global_rank, w.local_rank, w.id) for w in wg.workers if w.id is not None]
+
+    def _diagnose(self, wg: WorkerGroup, channel: StoreChannel | None, notice: HangNotice,
+                  decision: HangDecision, stack: str | None) -> HangDecision:
+        """Before the group is stopped: the roll call, when this node owns the verdict; else
+        this node's answer to the owner's (its ranks are about to be stopped). Bounded by
+        roll_call_timeout; a failure never stops the kill."""
+        try:
+            if decision.victim_of is not None:
+                if self.rollcall.answered_recently():
+                    return decision
+                self.rollcall.answer_pending(self._ranks(wg), store=wg.store, channel=channel,
+                                             group_rank=wg.group_rank or 0,
+                                             wait=self.ft.config.roll_call_timeout + ATTRIBUTION_WINDOW)
+                return decision
+            found = self._roll_call(wg, channel, notice, decision.worker.local_rank)
+        except Exception:  # noqa: BLE001 - diagnosis is best effort; the group is stopped regardless
+            log.exception("ft-launcher: the roll call failed; stopping the group without a diagnosis")
+            return decision
+        return with_diagnosis(decision, notice, stack, *found)
+
+    def _roll_call(self, wg: WorkerGroup, channel: StoreChannel | None, notice: HangNotice,
+                   local_rank: int) -> tuple[str, str]:
+        """Every rank of the job dumped and compared: diagnosis.json written; (its path, the verdict line)."""
+        hung = HungRank(notice.rank, socket.gethostname(), notice.pid, notice.message, notice.reason, notice.section,
+                        notice.iteration, notice.detected_time, notice.report)
+        multi = (wg.group_world_size or 1) > 1
+        diagnosis = self.rollcall.run(
+            hung, self._ranks(wg), store=wg.store if multi else None, channel=channel if multi else None,
+            group_rank=wg.group_rank or 0, group_world_size=wg.group_world_size or 1,
+            world_size=wg.workers[0].world_size if wg.workers else None, attempt=self._attempt())
+        path = diagnosis_path(self._attempt_dir(local_rank))
+        write_diagnosis(diagnosis, path)
+        v, rc = diagnosis.verdict, diagnosis.roll_call
+        answered = sum(1 for e in diagnosis.evidence if e.status == "answered")
+        log.error("ft-launcher: verdict: %s", v.line)
+        log.warning("ft-launcher: diagnosis %s (roll call %d: %.2fs, %d rank(s) answered of %d, Flight Recorder %s)",
+                    path, rc.incident, rc.duration_s, answered, len(diagnosis.evidence) + len(diagnosis.missing_ranks),
+                    "on" if rc.flight_recorder else "off")
+        row = {"attempt": self._attempt(), "rank": notice.rank, "pid": notice.pid, "action": notice.action,
+               "diagnosis": str(path), "verdict": v.line, "basis": v.basis, "behind": v.behind,
+               "roll_call_s": round(rc.duration_s, 6), "detected_time": notice.detected_time,
+               "written_time": time.time()}
+        self.ft.diagnoses.append(row)
+        self._diagnosed(row)
+        return str(path), v.line
+
+    def _diagnosed(self, row: dict[str, Any]) -> None:
+        """A diagnosis was written (observed.py tells the telemetry)."""
+
+    def _attempt_dir(self, local_rank: int) -> Path:
+        """torch's ``<log_dir>/<run>/attempt_N`` (the parent of each worker's error file directory)."""
+        files = getattr(self._pcontext, "error_files", None) or {}
+        path = files.get(local_rank)
+        if isinstance(path, str) and path != os.devnull:
+            return Path(path).parent.parent
+        return Path(tempfile.mkdtemp(prefix="ft-diagnosis-"))
+
+    def _on_dump(self, wg: WorkerGroup, notice: HangNotice) -> None:
+        """``on_hang: dump``: the roll call and its diagnosis, once per incident; nothing is stopped."""
+        triage = triage_hang(notice, [WorkerRef(w.global_rank, w.local_rank, w.id) for w in wg.workers],
+                             socket.gethostname())
+        if triage.worker is None or triage.record is None:
+            _emit(triage.logs)
+            return
+        if same_incident(notice.onset_time, self.rollcall.last_started):
+            log.warning("ft-launcher: rank %d hung too (no progress since the last roll call): part of the incident "
+                        "already diagnosed", notice.rank)
+            return
+        _emit(triage.logs)
+        channel = self._channel(wg)
+        first, _ = first_hang(triage.record, channel, self._exchange_hang_records(wg, channel, triage.record))
+        if first.rank != triage.record.rank:
+            self.rollcall.last_started = time.time()
+            log.warning("ft-launcher: rank %d on %s hung first; the roll call is its node's", first.rank,
+                        printable(first.host))
+            return
+        try:
+            self._roll_call(wg, channel, notice, triage.worker.local_rank)
+        except Exception:  # noqa: BLE001 - the job keeps running whatever happens here
+            log.exception("ft-launcher: the roll call failed")
+
+    def _answer_roll_calls(self, wg: WorkerGroup) -> None:
+        """Another node's roll call: dump this node's ranks and store them (polled at most every 0.25 s)."""
+        if wg.store is None or (wg.group_world_size or 1) <= 1 or self.ft.job_secret is None:
+            return
+        try:
+            self.rollcall.answer_pending(self._ranks(wg), store=wg.store, channel=self._channel(wg),
+                                         group_rank=wg.group_rank or 0)
+        except Exception:  # noqa: BLE001 - answering is best effort
+            log.exception("ft-launcher: answering another node's roll call failed")
 
     def _carry_out(self, decision: HangDecision) -> RunResult:
         _emit(decision.logs)

@@ -160,6 +160,8 @@ class LauncherServer:
             self.events.put(LauncherEvent(EventKind.HANG, notice.rank, peer_pid, notice=notice))
             if notice.action == "inprocess":
                 return wire.Ack({"action": "recorded_inprocess_restart"})
+            if notice.action == "dump":
+                return wire.Ack({"action": "diagnose"})
             return wire.Ack({"action": "stop_and_restart_worker_group"})
         if isinstance(msg, wire.Control) and hello.role == wire.Role.RANK:
             if not self._is_worker(peer_pid):

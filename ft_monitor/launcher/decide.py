@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import signal
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ft_monitor.launcher import exit_codes
@@ -79,8 +79,10 @@ def triage_hang(notice: HangNotice, workers: Iterable[WorkerRef], host: str) -> 
     if worker is None:  # a worker of an attempt already stopped
         return HangTriage(None, None, (LogLine(logging.INFO, "ft-launcher: ignoring a hang notice for pid %d, "
                                                              "not a current worker", (notice.pid,)),))
-    line = LogLine(logging.ERROR, "ft-launcher: rank %d (local rank %d, pid %d) hung: %s; stopping the worker group",
-                   (worker.global_rank, worker.local_rank, worker.pid, printable(notice.message)))
+    then = "stopping the worker group" if notice.action != "dump" else \
+        "diagnosing it; the job keeps running (on_hang: dump)"
+    line = LogLine(logging.ERROR, "ft-launcher: rank %d (local rank %d, pid %d) hung: %s; %s",
+                   (worker.global_rank, worker.local_rank, worker.pid, printable(notice.message), then))
     return HangTriage(worker, HangRecord(worker.global_rank, notice.onset_time, notice.message, host), (line,))
 
 
@@ -200,3 +202,19 @@ def decide_hang(notice: HangNotice, worker: WorkerRef, mine: HangRecord, *, now:
         attempt=decide_attempt_end(high, progress, policy, remaining_restarts),
         ignored_records=ignored, logs=logs,
     )
+
+
+def with_diagnosis(decision: HangDecision, notice: HangNotice, stack: str | None, path: str,
+                   verdict: str) -> HangDecision:
+    """The decision once the roll call's diagnosis is written: error.json points at it and
+    the summary entry carries its path and verdict line."""
+    return replace(decision,
+                   error_data=hang_error_data(notice, stack, decision.victim_of, diagnosis=path, verdict=verdict),
+                   summary={**decision.summary, "diagnosis": path, "verdict": verdict})
+
+
+def same_incident(onset_time: float, last_roll_call: float | None) -> bool:
+    """With ``on_hang: dump`` (the job keeps running): a rank whose last progress is older than
+    the last roll call was already stuck when it was taken, so its hang is part of that incident
+    (no second roll call); one that made progress after it starts a new incident."""
+    return last_roll_call is not None and onset_time <= last_roll_call

@@ -51,6 +51,8 @@ SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
              "section": OPT_STR, "message": (str,), "elapsed_s": NUM, "timeout_s": NUM, "onset_time": NUM,
              "detected_time": NUM, "iteration": OPT_INT, "action": (str,), "report": OPT_STR,
              "stack_dump": OPT_STR, "error_file": OPT_STR, "victim_of": OPT_INT},
+    "diagnosis": {"attempt": (int,), "rank": (int,), "action": (str,), "path": (str,), "verdict": (str,),
+                  "basis": (str,), "behind": (list,), "roll_call_s": NUM},
     "kill": {"attempt": (int,), "cause": (str,), "signal": (str,), "grace_s": NUM, "began": NUM, "ended": NUM,
              "duration_s": NUM},
     "attempt_end": {"attempt": (int,), "state": (str,), "failures": (list,), "iteration": OPT_INT},

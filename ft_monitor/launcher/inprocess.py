@@ -39,6 +39,8 @@ class Row:
     """local rank -> its phase stamps."""
     phases: dict[str, float | None] | None = None
     """Set once every local rank is back."""
+    onset: float | None = None
+    """The onset of the hang notice the row names (the earliest one: see `on_notice`)."""
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": "inprocess", "attempt": self.attempt, "iteration": self.iteration, "rank": self.rank,
@@ -59,8 +61,14 @@ class InprocessLedger:
         return row
 
     def on_notice(self, notice: HangNotice, attempt: int) -> Row:
-        """A monitor's hang verdict started an in-process restart."""
+        """A monitor's hang verdict started an in-process restart. Ranks waiting in a collective
+        for the hung one may time out too before the restart reaches them, and their notices
+        can arrive later or earlier: the row names the earliest onset (the hung rank), as the
+        process restart's attribution does, whatever order the notices come in."""
         row = self._row(notice.restart_iteration or 0, attempt)
+        if row.onset is not None and row.onset <= notice.onset_time:
+            return row
+        row.onset = notice.onset_time
         row.rank, row.pid, row.reason, row.message = notice.rank, notice.pid, notice.reason, notice.message
         row.detected_time, row.report = notice.detected_time, notice.report
         return row

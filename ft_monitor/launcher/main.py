@@ -251,7 +251,8 @@ def _report_root_cause(e: Any) -> None:
 
 
 def _print_summary(ft: Any, code: int, observed: dict[str, Any] | None = None) -> None:
-    if not ft.hangs and ft.outcome is None and not ft.monitors.restarts and not ft.inprocess_restarts:
+    if not ft.hangs and ft.outcome is None and not ft.monitors.restarts and not ft.inprocess_restarts \
+            and not ft.diagnoses:
         return
     lines = ["", "ft-launcher summary:"]
     if observed is not None and observed.get("goodput") is not None:
@@ -275,12 +276,21 @@ def _print_summary(ft: Any, code: int, observed: dict[str, Any] | None = None) -
                      f"{hang['pid']}) hung: {hang['message']}; caught {delay * 1000:.1f} ms after its timeout")
         if hang.get("victim_of") is not None:
             lines.append(f"    it was waiting for rank {hang['victim_of']} (another node), which hung first")
+        if hang.get("verdict"):
+            lines.append(f"    verdict: {hang['verdict']}")
+            lines.append(f"    diagnosis: {hang['diagnosis']}")
         if hang.get("stack_dump_captured"):
             lines.append(f"    stack dump: {hang['stack_dump']}")
         lines.append(f"    error file: {hang['error_file']}")
         if b["total"] is not None:
             lines.append(f"    all ranks running again {b['total']:.2f} s after detection: "
                          + ", ".join(f"{k} {v:.3f}s" for k, v in b.items() if k != "total" and v is not None))
+    for row in ft.diagnoses:
+        if row["action"] == "dump":
+            lines.append(f"  attempt {row['attempt']}: rank {row['rank']} hung, diagnosed and left running "
+                         f"(on_hang: dump)")
+            lines.append(f"    verdict: {row['verdict']}")
+            lines.append(f"    diagnosis: {row['diagnosis']}")
     if ft.monitors.restarts:
         lines.append(f"  monitors restarted: {ft.monitors.restarts}")
     if ft.outcome is not None:
@@ -295,6 +305,7 @@ def _write_summary(ft: Any, code: int, path: str, observed: dict[str, Any] | Non
     try:
         write_json_atomic(path, {"exit_code": code, "hangs": ft.hangs, "restarts": [t.breakdown() for t in ft.restarts],
                                  "inprocess_restarts": ft.inprocess_restarts, "attempts": ft.attempts,
+                                 "diagnoses": ft.diagnoses,
                                  "monitor_restarts": ft.monitors.restarts, "outcome": ft.outcome_message,
                                  "observability": observed or {}})
     except OSError as e:

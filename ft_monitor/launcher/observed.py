@@ -79,6 +79,10 @@ class FtObservedAgent(FtLocalElasticAgent):
         self._tell(self.telemetry.hang_timing, self.ft.restarts[-1])
         return result
 
+    def _diagnosed(self, row: dict[str, Any]) -> None:
+        super()._diagnosed(row)
+        self._tell(self.telemetry.diagnosis, row)
+
     def _record_inprocess(self, notice: HangNotice) -> None:
         super()._record_inprocess(notice)
         self._tell(self.telemetry.inprocess_hang, {**notice.to_wire(), "attempt": self._attempt()})

@@ -20,11 +20,14 @@ from ft_monitor.notices import HangNotice
 MAX_STACK_CHARS = 64 * 1024
 
 
-def hang_error_data(notice: HangNotice, stack: str | None, victim_of: HangRecord | None = None) -> dict[str, Any]:
+def hang_error_data(notice: HangNotice, stack: str | None, victim_of: HangRecord | None = None, *,
+                    diagnosis: str | None = None, verdict: str | None = None) -> dict[str, Any]:
     """The error.json content (torchelastic's ErrorHandler format) for a hang notice.
 
     ``victim_of``: the hang another node reported earlier in the same round; this rank
     was most likely waiting for it in a collective, and the message says so first.
+    ``diagnosis``/``verdict``: the roll call's diagnosis.json and its verdict line: the
+    headline points at the file, the traceback starts with the verdict.
     """
     where = f"rank {notice.rank}, pid {notice.pid}"
     headline = f"RankHang: {notice.message} ({where})"
@@ -33,18 +36,20 @@ def hang_error_data(notice: HangNotice, stack: str | None, victim_of: HangRecord
                     f"({victim_of.message}); this rank was waiting for it: {notice.message} ({where})")
     if notice.stack_dump:
         headline += f"; stack dump: {notice.stack_dump}"
+    if diagnosis:
+        headline += f"; diagnosis: {diagnosis}"
     callstack = headline + "\n"
+    if verdict:
+        callstack += f"verdict: {verdict}\n"
     if stack:
         callstack += stack[-MAX_STACK_CHARS:]
     else:
         callstack += "(no stack dump was captured)"
     onset = notice.onset_time or notice.detected_time
-    return {
-        "message": {
-            "message": headline,
-            "extraInfo": {"py_callstack": callstack, "timestamp": str(int(onset))},
-        }
-    }
+    extra = {"py_callstack": callstack, "timestamp": str(int(onset))}
+    if diagnosis:
+        extra["ft_diagnosis"] = diagnosis
+    return {"message": {"message": headline, "extraInfo": extra}}
 
 
 def read_stack(path: str | None) -> str | None:

@@ -2,7 +2,8 @@
 
 torch's c10d TCPStore has no authentication: anyone who can reach its port can
 read and write any key. ft-launcher nodes use it to tell each other of a workload
-shutdown and of hangs (which node's rank hung first). So every such message is
+shutdown, of hangs (which node's rank hung first) and, in a hang's roll call, to ask
+for and send every rank's stacks and Flight Recorder digest. So every such message is
 signed with HMAC-SHA256 under a per-job secret that only the job's user can read,
 and bound to the store key and the rendezvous run id it was written for; a
 message that is unsigned, forged, malformed, or copied from another key or job is
@@ -169,7 +170,65 @@ class StepTimes:
         return cls(_text(body, "section"), out, _text(body, "host"))
 
 
-Message = ShutdownRequest | HangRecord | StepTimes
+@dataclass(frozen=True, slots=True)
+class RollCallRequest:
+    """The node that owns a hang's verdict asks every other node to dump its ranks (rollcall.py)."""
+
+    incident: int
+    hung_rank: int
+    host: str
+    group_rank: int
+    """The asking node's rank in the rendezvous (so it is not asked to answer itself)."""
+    budget_s: float
+    """Seconds the asking node waits for the answers, counted from its request."""
+
+    KIND = "roll_call"
+
+    def body(self) -> dict[str, Any]:
+        return {"incident": self.incident, "hung_rank": self.hung_rank, "host": self.host,
+                "group_rank": self.group_rank, "budget_s": self.budget_s}
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> RollCallRequest:
+        budget = body.get("budget_s")
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget <= 3600:
+            raise StoreMessageError("field budget_s must be a number of seconds > 0")
+        return cls(_rank(body, "incident"), _rank(body, "hung_rank"), _text(body, "host"),  # type: ignore[arg-type]
+                   _rank(body, "group_rank"), float(budget))  # type: ignore[arg-type]
+
+
+MAX_ROLL_CALL_RANKS = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class RollCallAnswer:
+    """One node's ranks, as its roll call found them (diagnosis.RankEvidence, in wire form:
+    checked again, field by field, by the node that reads it)."""
+
+    incident: int
+    host: str
+    group_rank: int
+    evidence: list[dict[str, Any]]
+
+    KIND = "roll_call_answer"
+    MAX_BYTES = 8 * 1024 * 1024
+    """Stacks travel in it (at most 32 KiB per rank, and native ones as much again)."""
+
+    def body(self) -> dict[str, Any]:
+        return {"incident": self.incident, "host": self.host, "group_rank": self.group_rank,
+                "evidence": self.evidence}
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> RollCallAnswer:
+        evidence = body.get("evidence")
+        if not isinstance(evidence, list) or len(evidence) > MAX_ROLL_CALL_RANKS \
+                or not all(isinstance(e, dict) for e in evidence):
+            raise StoreMessageError(f"field evidence must be a list of at most {MAX_ROLL_CALL_RANKS} maps")
+        return cls(_rank(body, "incident"), _text(body, "host"), _rank(body, "group_rank"),  # type: ignore[arg-type]
+                   evidence)
+
+
+Message = ShutdownRequest | HangRecord | StepTimes | RollCallRequest | RollCallAnswer
 
 
 class StoreChannel:
@@ -191,15 +250,22 @@ class StoreChannel:
     def decode(self, key: str, raw: bytes, kind: type[StepTimes]) -> StepTimes: ...
 
     @overload
+    def decode(self, key: str, raw: bytes, kind: type[RollCallRequest]) -> RollCallRequest: ...
+
+    @overload
+    def decode(self, key: str, raw: bytes, kind: type[RollCallAnswer]) -> RollCallAnswer: ...
+
+    @overload
     def decode(self, key: str, raw: bytes, kind: type[ShutdownRequest] | type[HangRecord]
                ) -> ShutdownRequest | HangRecord: ...
 
     def decode(self, key: str, raw: bytes, kind: type[ShutdownRequest] | type[HangRecord] | type[StepTimes]
-               ) -> Message:
+               | type[RollCallRequest] | type[RollCallAnswer]) -> Message:
         """The message stored at ``key``; raises StoreMessageError unless it is authentic,
         of the expected kind, written for this key and run, and well-formed."""
-        if len(raw) > MAX_MESSAGE_BYTES:
-            raise StoreMessageError(f"{len(raw)} bytes, more than {MAX_MESSAGE_BYTES}")
+        limit = getattr(kind, "MAX_BYTES", MAX_MESSAGE_BYTES)
+        if len(raw) > limit:
+            raise StoreMessageError(f"{len(raw)} bytes, more than {limit}")
         try:
             data = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:

@@ -89,6 +89,8 @@ class Telemetry:
         self.ranks: dict[int, _RankMemory] = {}
         self.hang_counts: dict[tuple[str, str], int] = {}
         self.restart_counts: dict[str, int] = {"process": 0, "inprocess": 0}
+        self._inprocess_incidents: dict[tuple[int, Any], int] = {}
+        """(attempt, Wrapper iteration) -> index in `incidents` of a hang recovered in place."""
         self.phases: dict[tuple[str, str], list[float]] = {}
         """(restart kind, phase) -> seconds, one per restart."""
         self.incidents: list[Incident] = []
@@ -107,6 +109,8 @@ class Telemetry:
         self.metrics_url: str | None = None
         self.textfile: str | None = None
         self.write_textfile: Callable[[], None] | None = None
+        self.finished_at: float | None = None
+        """When `finish` recorded the job's end."""
 
     # -- the agent tells ---------------------------------------------------------
     def launcher_started(self, metrics_url: str | None, textfile: str | None) -> None:
@@ -148,6 +152,10 @@ class Telemetry:
         self._hang_this_attempt = True
         self._count_hang(summary)
         self.events.emit("hang", now, **_hang_fields(summary, "kill"))
+        self._incident(summary, now)
+        self._publish()
+
+    def _incident(self, summary: Mapping[str, Any], now: float) -> None:
         statuses = self._poll(now)
         before = [mem.iteration for mem in self.ranks.values() if mem.iteration is not None]
         medians = [m for st in statuses.values() if st is not None
@@ -155,7 +163,12 @@ class Telemetry:
         self.incidents.append(Incident(rank=int(summary["rank"]), onset=float(summary.get("onset_time") or now),
                                        iteration_before=max(before) if before else None,
                                        step_median_s=sum(medians) / len(medians) if medians else None))
-        self._publish()
+
+    def diagnosis(self, row: Mapping[str, Any]) -> None:
+        """A roll call's diagnosis.json was written (agent._roll_call's row)."""
+        self.events.emit("diagnosis", self.clock(), attempt=int(row["attempt"]), rank=int(row["rank"]),
+                         action=str(row["action"]), path=str(row["diagnosis"]), verdict=str(row["verdict"]),
+                         basis=str(row["basis"]), behind=list(row["behind"]), roll_call_s=float(row["roll_call_s"]))
 
     def hang_timing(self, timing: Any) -> None:
         """The agent's RestartTiming for the hang just reported: the restart to follow."""
@@ -163,22 +176,35 @@ class Telemetry:
 
     def inprocess_hang(self, notice: Mapping[str, Any]) -> None:
         """A monitor's hang verdict the ranks recover from in their own processes."""
+        now = self.clock()
         self._count_hang(notice)
-        self.events.emit("hang", self.clock(), **_hang_fields(notice, "inprocess"))
+        self.events.emit("hang", now, **_hang_fields(notice, "inprocess"))
+        self._incident(notice, now)
+        self._inprocess_incidents[int(notice.get("attempt") or 0), notice.get("restart_iteration")] = \
+            len(self.incidents) - 1
         self._publish()
 
     def inprocess_restart(self, row: Mapping[str, Any]) -> None:
         """Every local rank is back in its training function, in the same process (restart
-        kind "inprocess"; the row of `InprocessLedger`, with its phases)."""
+        kind "inprocess"; the row of `InprocessLedger`, with its phases). The time lost to a
+        hang runs from its onset to the ranks' first progress; the work redone from the
+        restored state is not counted (the ranks report no iteration to resume from)."""
         now = self.clock()
         self.restart_counts["inprocess"] += 1
         phases = dict(row.get("phases") or {})
         for phase, value in phases.items():
             if value is not None:
                 self.phases.setdefault(("inprocess", phase), []).append(value)
+        lost = None
+        index = self._inprocess_incidents.pop((int(row.get("attempt") or 0), row.get("iteration")), None)
+        if index is not None and phases.get("total") is not None and row.get("detected_time") is not None:
+            inc = replace(self.incidents[index], running_again=float(row["detected_time"]) + float(phases["total"]))
+            self.incidents[index] = inc
+            lost = inc.lost_s
         cause = "hang" if row.get("report") else str(row.get("reason") or "fault")
         self.events.emit("restart", now, mode="inprocess", cause=cause, attempt=int(row.get("attempt") or 0),
-                         rank=row.get("rank"), phases=phases, lost_s=phases.get("total"), redone_iterations=None)
+                         rank=row.get("rank"), phases=phases, lost_s=lost if lost is not None else phases.get("total"),
+                         redone_iterations=None)
         self._publish()
 
     def workers_stopping(self) -> None:
@@ -236,7 +262,7 @@ class Telemetry:
             self.write_textfile()
 
     def finish(self, exit_code: int, outcome: str) -> None:
-        now = self.clock()
+        now = self.finished_at = self.clock()
         statuses = self._poll(now)
         self._stats(now, statuses)
         gp = self._goodput(now)
@@ -434,8 +460,9 @@ class Telemetry:
             goodput=self._goodput(now))
 
     def summary(self) -> dict[str, Any]:
-        """For the launcher's summary JSON."""
-        gp = self._goodput(self.clock())
+        """For the launcher's summary JSON: goodput as of the job's end (job_end), not counting
+        the launcher's own teardown after it (the /metrics server's stop alone waits up to 0.5 s)."""
+        gp = self._goodput(self.finished_at if self.finished_at is not None else self.clock())
         return {"events": None if self.events.path is None else str(self.events.path),
                 "metrics_url": self.metrics_url, "metrics_textfile": self.textfile,
                 "goodput": gp.ratio, "productive_s": gp.productive_s, "wall_s": gp.wall_s, "lost_s": gp.lost_s,

@@ -218,6 +218,26 @@ def main() -> None:
         sys.stdin.readline()
         client.start_section("step")
         hang_in_sleep()
+    elif s == "roll-call":  # under ft-launcher, by RANK: 0 hangs once --until-file appears, 1 exits, 2 idles
+        rank = int(os.environ.get("RANK", "0"))
+        if rank == 0:
+            wait_for_file(args.until_file)
+            client.start_section("step")
+            hang_in_sleep()
+        elif rank == 1:
+            client.shutdown_workload_monitoring()
+            say("rank 1 leaves")
+        else:
+            say(f"rank {rank} idles")
+            hang_in_sleep()
+    elif s == "stall":  # under ft-launcher: rank 0 stalls 2.5 s in a step, then both finish
+        if os.environ.get("RANK", "0") == "0":
+            with client.section("step"):
+                time.sleep(2.5)
+        else:
+            time.sleep(3.0)
+        client.shutdown_workload_monitoring()
+        say("finished")
     elif s == "wait-stdin":
         sys.stdin.readline()
         client.shutdown_workload_monitoring()

@@ -1,0 +1,353 @@
+"""The roll call of a hang: every rank of the job dumped, once per incident, within a bound.
+
+On the first hang verdict of an incident, the launcher of the node that owns it (the node
+of the rank that hung first, decide.first_hang) asks:
+
+* each of its own monitors, in parallel, for a snapshot of its rank (DUMP_REQUEST: the
+  stack dump, py-spy's native stacks with ``native_stacks``, then with
+  ``flight_recorder_entries`` the rank's Flight Recorder trace; rank_snapshot.py), and
+  reads the files they name;
+* every other node, through the rendezvous store (a signed `RollCallRequest`); each
+  other launcher does the same with its monitors and stores its ranks' evidence (a
+  signed `RollCallAnswer`: stacks and Flight Recorder digests, not the raw traces).
+
+Everything is bounded by ``roll_call_timeout``, counted from the verdict's arrival at
+the launcher: a monitor or node that has not answered by then is listed as such, and
+the kill goes on. `RollCaller` performs these effects; what they mean is diagnosis.py's
+(pure), and the agent (agent.py) decides when to call them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ft_client import wire
+from ft_client.flight_recorder import ERROR_KEY
+from ft_client.safefiles import read_bounded, read_span, write_json_atomic
+from ft_client.transport import TransportError, connect
+from ft_monitor.fr_digest import digest
+from ft_monitor.launcher.diagnosis import (
+    ANSWERED,
+    MAX_NATIVE_CHARS,
+    MAX_STACK_CHARS,
+    NO_ANSWER,
+    NOT_CONNECTED,
+    NOT_RUNNING,
+    Diagnosis,
+    EvidenceError,
+    HungRank,
+    RankEvidence,
+    RollCallFacts,
+    diagnose,
+)
+from ft_monitor.launcher.store_auth import RollCallAnswer, RollCallRequest, StoreChannel, StoreMessageError
+from ft_monitor.rank_snapshot import FR_NOTE
+from ft_monitor.snapshot import MonitorSnapshot, SnapshotError
+
+log = logging.getLogger("ft_monitor.launcher")
+
+REQUEST_KEY = "ft_launcher/roll_call/{}"
+ANSWER_KEY = "ft_launcher/roll_call/{}/{}"
+COUNT_KEY = "ft_launcher/roll_call_count"
+POLL_INTERVAL = 0.25
+"""Seconds between this node's looks for another node's roll call request (and for answers)."""
+MARGIN = 0.2
+"""Seconds of the bound kept for reading the monitors' files and storing the answer."""
+MAX_FR_BYTES = 64 * 1024 * 1024
+"""A Flight Recorder trace larger than this is not read (about 130,000 entries)."""
+DIAGNOSIS_FILE = "diagnosis.json"
+
+
+@dataclass(frozen=True)
+class Rank:
+    """One rank of this node's current attempt."""
+
+    global_rank: int
+    local_rank: int
+    pid: int
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def _fr_evidence(snap: MonitorSnapshot, asked: bool) -> tuple[Any, str | None]:
+    """(FrDigest or None, why there is none)."""
+    if snap.flight_recorder is None:
+        if not asked:
+            return None, "Flight Recorder off (flight_recorder_entries is 0)"
+        why = next((n for n in snap.notes if n.startswith(FR_NOTE)), "no trace written")
+        return None, why.removeprefix(FR_NOTE).strip()
+    try:
+        text = read_bounded(snap.flight_recorder, MAX_FR_BYTES + 1)
+        if len(text) > MAX_FR_BYTES:
+            return None, f"trace larger than {MAX_FR_BYTES} bytes: not read"
+        data = json.loads(text)
+    except (OSError, ValueError) as e:
+        return None, f"unreadable trace {snap.flight_recorder}: {e}"
+    if isinstance(data, dict) and ERROR_KEY in data:
+        return None, f"the rank wrote no trace: {str(data[ERROR_KEY])[:300]}"
+    fr = digest(data)
+    if not fr.recording:
+        return None, fr.problems[0] if fr.problems else "no entries"
+    return fr, None
+
+
+def evidence_from(rank: Rank, host: str, snap: MonitorSnapshot | None, why: str | None,
+                  flight_recorder: bool) -> RankEvidence:
+    """What one monitor's answer (or its silence) says of its rank, the files it names read."""
+    if snap is None:
+        status = NO_ANSWER if _running(rank.pid) else NOT_RUNNING
+        return RankEvidence(rank.global_rank, host, status, rank.local_rank, rank.pid,
+                            notes=[why or "no answer"] if status == NO_ANSWER else
+                            ["its process had exited before the roll call"])
+    if not snap.connected or snap.pid != rank.pid:
+        running = _running(rank.pid)
+        return RankEvidence(rank.global_rank, host, NOT_CONNECTED if running else NOT_RUNNING, rank.local_rank,
+                            rank.pid, notes=[*snap.notes, "the worker is running but not connected to its monitor"
+                                             if running else "its process had exited before the roll call"])
+    if not snap.alive:
+        return RankEvidence(rank.global_rank, host, NOT_RUNNING, rank.local_rank, rank.pid, snap.phase,
+                            snap.iteration, notes=list(snap.notes))
+    files: dict[str, str] = {}
+    stack = native = None
+    notes = list(snap.notes)
+    if snap.stack_captured and snap.stack_dump:
+        files["stack_dump"] = snap.stack_dump
+        try:
+            stack = read_span(snap.stack_dump, snap.stack_from, snap.stack_to, MAX_STACK_CHARS)
+        except OSError as e:
+            notes.append(f"cannot read the stack dump {snap.stack_dump}: {e}")
+    if snap.native_stack:
+        files["native_stack"] = snap.native_stack
+        try:
+            native = read_bounded(snap.native_stack, MAX_NATIVE_CHARS)
+        except OSError as e:
+            notes.append(f"cannot read the native stacks {snap.native_stack}: {e}")
+    fr, fr_note = _fr_evidence(snap, flight_recorder)
+    if snap.flight_recorder:
+        files["flight_recorder"] = snap.flight_recorder
+    return RankEvidence(rank.global_rank, host, ANSWERED, rank.local_rank, rank.pid, snap.phase, snap.iteration,
+                        stack, native, fr, fr_note, files, snap.took_s, notes)
+
+
+def ask_monitor(path: str, rank: Rank, incident: int, budget: float,
+                flight_recorder: bool) -> tuple[MonitorSnapshot | None, str | None]:
+    """One monitor's snapshot of its rank (DUMP_REQUEST), or why there is none."""
+    try:
+        t, _ = connect(path, budget + MARGIN, wire.Role.LAUNCHER, rank.global_rank)
+    except (TransportError, OSError) as e:
+        return None, f"its monitor did not answer: {e}"
+    try:
+        reply = t.request(wire.DumpRequest(incident, max(0.0, budget), flight_recorder))
+    except TransportError as e:
+        return None, f"its monitor did not answer within {budget + MARGIN:.1f}s: {e}"
+    finally:
+        t.close()
+    if not isinstance(reply, wire.DumpReply):
+        return None, f"its monitor refused: {reply}"
+    try:
+        return MonitorSnapshot.from_wire(reply.snapshot), None
+    except SnapshotError as e:
+        return None, f"its monitor answered nonsense: {e}"
+
+
+@dataclass
+class RollCaller:
+    socket_of: Callable[[int], Path]
+    """local rank -> its monitor's socket."""
+    host: str
+    timeout: float
+    """roll_call_timeout."""
+    flight_recorder: bool
+    clock: Callable[[], float] = time.monotonic
+    incidents: int = 0
+    """Roll calls started here (the incident number, single node)."""
+    answered: int = 0
+    """The last other node's roll call this node answered (per rendezvous round)."""
+    answered_at: float | None = None
+    """When (``clock``) this node last answered another node's roll call."""
+    last_started: float | None = None
+    """Wall clock of this node's last roll call (on_hang: dump groups later notices with it)."""
+    _polled: float = field(default=-1e18)
+
+    # -- this node's monitors ---------------------------------------------------------
+    def local(self, ranks: list[Rank], incident: int, budget: float) -> list[RankEvidence]:
+        """Ask every local monitor at once; whoever has not answered within ``budget`` is listed so."""
+        results: dict[int, tuple[MonitorSnapshot | None, str | None]] = {}
+        budget = max(0.0, budget - MARGIN)
+
+        def ask(r: Rank) -> None:
+            results[r.global_rank] = ask_monitor(str(self.socket_of(r.local_rank)), r, incident, budget,
+                                                 self.flight_recorder)
+
+        threads = [threading.Thread(target=ask, args=(r,), name=f"ft-roll-call-{r.local_rank}", daemon=True)
+                   for r in ranks]
+        for t in threads:
+            t.start()
+        end = self.clock() + budget + MARGIN
+        for t in threads:
+            t.join(max(0.0, end - self.clock()))
+        out = []
+        for r in ranks:
+            snap, why = results.get(r.global_rank, (None, f"its monitor did not answer within {budget + MARGIN:.1f}s"))
+            out.append(evidence_from(r, self.host, snap, why, self.flight_recorder))
+        return out
+
+    # -- the node that owns the verdict -----------------------------------------------
+    def run(self, hung: HungRank, ranks: list[Rank], *, store: Any, channel: StoreChannel | None, group_rank: int,
+            group_world_size: int, world_size: int | None, attempt: int | None) -> Diagnosis:
+        """The whole roll call: ask the other nodes, dump this node's ranks, collect, diagnose."""
+        started = time.time()
+        t0 = self.clock()
+        deadline = t0 + self.timeout
+        others = [g for g in range(group_world_size) if g != group_rank] \
+            if store is not None and channel is not None else []
+        incident = self._next_incident(store, channel, bool(others))
+        asked: list[str] = []
+        if others:
+            assert channel is not None
+            try:
+                key = REQUEST_KEY.format(incident)
+                store.set(key, channel.encode(key, RollCallRequest(incident, hung.rank, self.host, group_rank,
+                                                                   self.timeout)))
+                asked = [f"node {g}" for g in others]
+            except Exception as e:  # noqa: BLE001 - the store may be gone; this node's ranks still count
+                log.warning("ft-launcher: could not ask the other nodes for their ranks' stacks: %s", e)
+                others = []
+        evidence = self.local(ranks, incident, deadline - self.clock())
+        answered = [self.host]
+        if others:
+            remote, hosts = self._collect(store, channel, incident, others, deadline)
+            evidence += remote
+            answered += hosts
+        self.last_started = started
+        facts = RollCallFacts(incident, self.timeout, started, self.clock() - t0, self.flight_recorder,
+                              [self.host, *asked], answered)
+        return diagnose(hung, evidence, facts, world_size=world_size, attempt=attempt)
+
+    def _next_incident(self, store: Any, channel: StoreChannel | None, shared: bool) -> int:
+        self.incidents += 1
+        if shared:
+            try:
+                return int(store.add(COUNT_KEY, 1))
+            except Exception:  # noqa: BLE001
+                pass
+        return self.incidents
+
+    def _collect(self, store: Any, channel: StoreChannel | None, incident: int, others: list[int],
+                 deadline: float) -> tuple[list[RankEvidence], list[str]]:
+        assert channel is not None
+        pending = {ANSWER_KEY.format(incident, g) for g in others}
+        evidence: list[RankEvidence] = []
+        hosts: list[str] = []
+        while pending and self.clock() < deadline:
+            for key in sorted(pending):
+                try:
+                    if not store.check([key]):
+                        continue
+                    answer = channel.decode(key, store.get(key), RollCallAnswer)
+                except StoreMessageError as e:
+                    log.warning("ft-launcher: ignored a roll call answer in the rendezvous store at %s: %s", key, e)
+                    continue
+                except Exception as e:  # noqa: BLE001 - the store may be gone
+                    log.warning("ft-launcher: could not read the other nodes' roll call answers: %s", e)
+                    return evidence, hosts
+                pending.discard(key)
+                hosts.append(answer.host)
+                for raw in answer.evidence:
+                    try:
+                        evidence.append(RankEvidence.from_wire(raw))
+                    except EvidenceError as e:
+                        log.warning("ft-launcher: ignored a rank in %s's roll call answer: %s", answer.host, e)
+            if pending:
+                time.sleep(min(0.05, max(0.0, deadline - self.clock())))
+        return evidence, hosts
+
+    # -- the other nodes ----------------------------------------------------------------
+    def new_round(self) -> None:
+        """A new rendezvous round: its store keys start afresh."""
+        self.answered = 0
+        self.answered_at = None
+        self.incidents = 0
+
+    def answer_pending(self, ranks: list[Rank], *, store: Any, channel: StoreChannel | None, group_rank: int,
+                       wait: float = 0.0) -> bool:
+        """Answer another node's roll call if one is waiting (looking at most every POLL_INTERVAL,
+        or for up to ``wait`` seconds); True when one was answered."""
+        if store is None or channel is None:
+            return False
+        end = self.clock() + wait
+        while True:
+            now = self.clock()
+            if now - self._polled >= POLL_INTERVAL or wait:
+                self._polled = now
+                request = self._request(store, channel, self.answered + 1)
+                if request is not None and request.group_rank != group_rank:
+                    self._answer(request, ranks, store, channel, group_rank)
+                    return True
+                if request is not None:
+                    self.answered += 1  # our own
+                    continue
+            if self.clock() >= end:
+                return False
+            time.sleep(min(0.05, max(0.0, end - self.clock())))
+
+    def _request(self, store: Any, channel: StoreChannel, incident: int) -> RollCallRequest | None:
+        key = REQUEST_KEY.format(incident)
+        try:
+            if not store.check([key]):
+                return None
+            return channel.decode(key, store.get(key), RollCallRequest)
+        except StoreMessageError as e:
+            log.warning("ft-launcher: ignored a roll call request in the rendezvous store at %s: %s", key, e)
+            self.answered = incident  # a forged request must not block the ones after it
+            return None
+        except Exception:  # noqa: BLE001 - the store host may be gone
+            return None
+
+    def answered_recently(self) -> bool:
+        """This node's ranks were dumped for another node's roll call within the last bound
+        (a victim's own notice that arrives after it needs no second answer)."""
+        return self.answered_at is not None and self.clock() - self.answered_at < self.timeout + 2 * POLL_INTERVAL
+
+    def _answer(self, request: RollCallRequest, ranks: list[Rank], store: Any, channel: StoreChannel,
+                group_rank: int) -> None:
+        self.answered = request.incident
+        self.answered_at = self.clock()
+        budget = max(0.2, request.budget_s - 2 * POLL_INTERVAL - MARGIN)
+        log.warning("ft-launcher: roll call %d from %s (rank %d hung): dumping this node's %d rank(s)",
+                    request.incident, request.host, request.hung_rank, len(ranks))
+        evidence = self.local(ranks, request.incident, budget)
+        key = ANSWER_KEY.format(request.incident, group_rank)
+        try:
+            store.set(key, channel.encode(key, RollCallAnswer(request.incident, self.host, group_rank,
+                                                              [e.to_wire() for e in evidence])))
+        except Exception as e:  # noqa: BLE001
+            log.warning("ft-launcher: could not store this node's roll call answer: %s", e)
+
+
+def diagnosis_path(attempt_dir: Path) -> Path:
+    """``diagnosis.json`` in the attempt's log directory, ``diagnosis-N.json`` for later incidents."""
+    path = attempt_dir / DIAGNOSIS_FILE
+    n = 1
+    while path.exists():
+        n += 1
+        path = attempt_dir / f"diagnosis-{n}.json"
+    return path
+
+
+def write_diagnosis(diagnosis: Diagnosis, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, diagnosis.document(time.time()))

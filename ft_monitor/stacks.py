@@ -1,0 +1,123 @@
+"""faulthandler's stack dumps, read (pure): threads, frames, where a rank is.
+
+A rank's dump file (``rank<R>-pid<P>-stack.txt``) holds every dump its faulthandler
+wrote on the dump signal, one after another; the monitor says which bytes the
+latest one is (rank_snapshot.py). faulthandler's format (CPython 3.11)::
+
+    Thread 0x00007f...  (most recent call first):
+      File "/x/train.py", line 43 in write_metrics
+      File "/x/train.py", line 97 in <module>
+
+    Current thread 0x00007f... (most recent call first):
+      ...
+
+`parse()` reads it into `Thread`s of `Frame`s (innermost first); `main_thread()` picks
+the one whose outermost frame is a module's top level; `where()` names the innermost
+frame of the user's own code ("train.py:43 in write_metrics"); `in_collective()` says
+whether a stack is inside torch.distributed (or in autograd's backward, where DDP
+all-reduces), which is how ranks are told apart when no Flight Recorder trace says more.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-fA-F]+)[^\n]*\(most recent call first\):\s*$")
+_STACK = re.compile(r"^Stack \(most recent call first\):\s*$")
+_FRAME = re.compile(r'^\s+File "(.*)", line (\d+|\?\?\?) in (.*)$')
+LIBRARY_PARTS = ("/site-packages/", "/dist-packages/", "/lib/python3", "<frozen ")
+"""Paths of frames that are not the user's own code (installed packages, the standard library)."""
+COLLECTIVE_PARTS = ("/torch/distributed/", "/torch/autograd/", "/torch/nn/parallel/")
+MAX_THREADS = 256
+MAX_FRAMES = 200
+
+
+@dataclass(frozen=True)
+class Frame:
+    file: str
+    line: int | None
+    func: str
+
+    def short(self) -> str:
+        return f"{self.file.rsplit('/', 1)[-1]}:{self.line if self.line is not None else '?'} in {self.func}"
+
+    @property
+    def library(self) -> bool:
+        return any(p in self.file for p in LIBRARY_PARTS)
+
+
+@dataclass(frozen=True)
+class Thread:
+    ident: str
+    current: bool
+    """The thread the signal interrupted (faulthandler's "Current thread")."""
+    frames: tuple[Frame, ...]
+    """Innermost first."""
+
+
+def parse(text: str) -> list[Thread]:
+    """Every thread of the dump(s) in ``text``, in the order written (nothing raised on junk)."""
+    threads: list[Thread] = []
+    ident: str | None = None
+    current = False
+    frames: list[Frame] = []
+
+    def close() -> None:
+        if ident is not None and len(threads) < MAX_THREADS:
+            threads.append(Thread(ident, current, tuple(frames[:MAX_FRAMES])))
+
+    for line in text.splitlines():
+        m = _THREAD.match(line)
+        if m or _STACK.match(line):
+            close()
+            ident, current = (m.group(2), m.group(1) == "Current thread") if m else ("0x0", True)
+            frames = []
+            continue
+        f = _FRAME.match(line)
+        if f and ident is not None:
+            frames.append(Frame(f.group(1), int(f.group(2)) if f.group(2).isdigit() else None, f.group(3).strip()))
+    close()
+    return threads
+
+
+def main_thread(threads: list[Thread]) -> Thread | None:
+    """The thread running the program's top level (outermost frame ``<module>``), else the
+    interrupted one, else the first."""
+    for t in threads:
+        if t.frames and t.frames[-1].func == "<module>":
+            return t
+    for t in threads:
+        if t.current:
+            return t
+    return threads[0] if threads else None
+
+
+def where(thread: Thread | None) -> str | None:
+    """The innermost frame of the user's own code, e.g. ``train.py:43 in write_metrics``
+    (the innermost frame of all when every frame is a library's)."""
+    if thread is None or not thread.frames:
+        return None
+    for f in thread.frames:
+        if not f.library:
+            return f.short()
+    return thread.frames[0].short()
+
+
+def innermost(thread: Thread | None) -> str | None:
+    return thread.frames[0].short() if thread is not None and thread.frames else None
+
+
+def in_collective(thread: Thread | None) -> bool:
+    """Inside torch.distributed (or autograd's backward or DDP, where gradients are all-reduced)."""
+    return thread is not None and any(p in f.file for f in thread.frames for p in COLLECTIVE_PARTS)
+
+
+def collective_call(thread: Thread | None) -> str | None:
+    """The torch.distributed function the thread is in (``all_reduce``), if any."""
+    if thread is None:
+        return None
+    for f in reversed(thread.frames):  # outermost first: the user's call into torch.distributed
+        if "/torch/distributed/" in f.file and f.func not in ("wrapper", "<module>") and not f.func.startswith("_"):
+            return f.func
+    return "backward" if in_collective(thread) else None

@@ -1,0 +1,163 @@
+"""End-to-end: a hang's roll call and diagnosis under real ft-launcher processes (gloo, CPU).
+
+Every rank's stack, the Flight Recorder comparison, the verdict line, diagnosis.json
+beside the attempt, error.json pointing at it; a rank holding the GIL; two launchers;
+ranks that died or never answer (the roll call's bound); the dump-only mode."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ft_monitor.launcher import exit_codes
+from tests.procs import ROOT, wait_until
+from tests.test_e2e_launcher import JOB_SECRET, Launcher, _free_port, job_processes
+
+pytestmark = pytest.mark.e2e
+
+FR = ("--ft-flight-recorder-entries", "2000")
+
+
+def _diagnosis(summary: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    (row,) = summary["diagnoses"]
+    return row, json.loads(Path(row["diagnosis"]).read_text())
+
+
+def _check_document(doc: dict[str, Any], ranks: int) -> None:
+    assert doc["schema"] == "ft-monitor/diagnosis" and doc["version"] == 1
+    assert [r["rank"] for r in doc["ranks"]] == list(range(ranks)) and doc["missing_ranks"] == []
+    assert all(r["status"] == "answered" and "most recent call first" in r["stack"] for r in doc["ranks"])
+
+
+def test_two_ranks_the_verdict_names_the_rank_that_never_entered_the_all_reduce(workdir: Path) -> None:
+    la = Launcher(workdir, "--max-restarts", "1", *FR, train_args=("--hang", "rank=1,step=12,attempt=0"))
+    try:
+        assert la.wait() == exit_codes.SUCCESS, la.output()
+    finally:
+        la.kill()
+    summary = la.summary()
+    row, doc = _diagnosis(summary)
+    _check_document(doc, 2)
+    v = doc["verdict"]
+    assert v["basis"] == "flight_recorder" and v["behind"] == [1] and v["waiting"] == [0] and v["op"] == "all_reduce"
+    assert v["line"].startswith(f"rank 1 never entered all_reduce #{v['seq']} on the default group (train_ddp.py:")
+    assert v["line"].endswith(f"in write_metrics_to_stuck_filesystem); rank 0 waits in all_reduce #{v['seq']}")
+    assert doc["hung"]["iteration"] == 12  # the step it hung in, not the last throttled report
+    (hang,) = summary["hangs"]
+    assert hang["verdict"] == v["line"] and hang["diagnosis"] == row["diagnosis"]
+    assert Path(row["diagnosis"]).parent == Path(hang["error_file"]).parent.parent  # attempt_0/diagnosis.json
+    error = json.loads(Path(hang["error_file"]).read_text())["message"]
+    assert f"diagnosis: {row['diagnosis']}" in error["message"] and error["extraInfo"]["ft_diagnosis"]
+    out = la.output()
+    assert f"ERROR ft-launcher: verdict: {v['line']}" in out and f"    diagnosis: {row['diagnosis']}" in out
+
+
+def test_four_ranks_one_holding_the_gil_is_still_named(workdir: Path) -> None:
+    la = Launcher(workdir, "--nproc-per-node", "4", "--max-restarts", "0", *FR, "--ft-roll-call-timeout", "3",
+                  train_args=("--hang", "rank=1,step=12,attempt=0", "--hang-mode", "gil"))
+    try:
+        assert la.wait() == exit_codes.WORKERS_FAILED, la.output()
+    finally:
+        la.kill()
+    _, doc = _diagnosis(la.summary())
+    _check_document(doc, 4)  # faulthandler dumps a rank that holds the GIL
+    hung = doc["ranks"][1]
+    assert hung["flight_recorder"] is None and "not written in time" in hung["flight_recorder_note"]
+    assert all(r["flight_recorder"]["recording"] for r in doc["ranks"] if r["rank"] != 1)
+    v = doc["verdict"]
+    assert v["basis"] == "flight_recorder+stacks" and v["behind"] == [1] and v["waiting"] == [0, 2, 3]
+    assert v["line"].startswith(f"rank 1 did not reach all_reduce #{v['seq']} on the default group")
+    assert doc["roll_call"]["duration_s"] < 3.0 + 2.0  # the rank that never writes its trace is waited for no longer
+
+
+def test_two_launchers_one_diagnosis_holds_every_ranks_stack(workdir: Path) -> None:
+    port = _free_port()
+    common = ("--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+              "--rdzv-id", "ft-roll-call")
+    train = ("--hang", "rank=3,step=12,attempt=0")
+    a = Launcher(workdir, "--max-restarts", "1", *FR, train_args=train, name="node0", launcher_flags=common,
+                 env=JOB_SECRET)
+    b = Launcher(workdir, "--max-restarts", "1", *FR, train_args=train, name="node1", launcher_flags=common,
+                 env=JOB_SECRET)
+    try:
+        assert a.wait() == exit_codes.SUCCESS, a.output()
+        assert b.wait() == exit_codes.SUCCESS, b.output()
+    finally:
+        a.kill()
+        b.kill()
+    rows = a.summary()["diagnoses"] + b.summary()["diagnoses"]
+    (row,) = rows  # one roll call, by the node of the rank that hung first
+    doc = json.loads(Path(row["diagnosis"]).read_text())
+    _check_document(doc, 4)
+    assert doc["verdict"]["behind"] == [3] and doc["verdict"]["basis"] == "flight_recorder"
+    assert len(doc["roll_call"]["nodes_answered"]) == 2
+    assert "roll call 1 from" in (a.output() + b.output())  # the other node answered through the store
+
+
+def _launcher(workdir: Path, *args: str, scenario: str) -> tuple[subprocess.Popen[bytes], Path, Path]:
+    out = workdir / "out"
+    summary = workdir / "summary.json"
+    argv = [sys.executable, "-m", "ft_monitor.launcher.main", "--standalone", "--monitor-interval", "0.05",
+            "--log-dir", str(workdir / "logs"), "--ft-summary-json", str(summary), "--ft-termination-grace-time", "1",
+            *args, str(ROOT / "tests/workers/rank.py"), scenario, "--steps", "2", "--until-file", str(workdir / "go")]
+    with open(out, "w") as f:
+        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
+                                env={**os.environ, "FT_TEST_MARKER": workdir.name})
+    return proc, out, summary
+
+
+def test_a_rank_that_died_and_a_monitor_that_never_answers_do_not_delay_the_kill(workdir: Path) -> None:
+    proc, out, summary = _launcher(workdir, "--nproc-per-node", "3", "--max-restarts", "0",
+                                   "--ft-rank-section-timeouts", "step:0.5", "--ft-roll-call-timeout", "1.5",
+                                   "--ft-stack-dump-timeout", "1", scenario="roll-call")
+    stopped: list[int] = []
+    try:
+        wait_until(lambda: "rank 1 leaves" in out.read_text() and "rank 2 idles" in out.read_text(), 120,
+                   "the workers")
+        monitor2 = [p for p in job_processes(workdir.name) if b"monitor2.json" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        assert len(monitor2) == 1
+        os.kill(monitor2[0], signal.SIGSTOP)  # rank 2's monitor will not answer
+        stopped = monitor2
+        (workdir / "go").touch()  # rank 0 hangs now
+        wait_until(lambda: "verdict:" in out.read_text(), 60, "the verdict")
+        os.kill(monitor2[0], signal.SIGCONT)
+        stopped = []
+        assert proc.wait(120) == exit_codes.WORKERS_FAILED, out.read_text()
+    finally:
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    _, doc = _diagnosis(json.loads(summary.read_text()))
+    by_rank = {r["rank"]: r for r in doc["ranks"]}
+    assert by_rank[0]["status"] == "answered" and "hang_in_sleep" in by_rank[0]["stack"]
+    assert by_rank[1]["status"] == "not running"  # it had left before the roll call
+    assert by_rank[2]["status"] == "no answer" and "did not answer" in by_rank[2]["notes"][0]
+    assert not doc["roll_call"]["flight_recorder"] and "Flight Recorder off" in by_rank[0]["flight_recorder_note"]
+    assert doc["verdict"]["behind"] == [0] and doc["verdict"]["line"].startswith("rank 0 hung: section 'step'")
+    assert doc["roll_call"]["duration_s"] < 1.5 + 2.0  # the bound, not the silent monitor, decides
+
+
+def test_dump_only_mode_diagnoses_and_the_job_runs_on(workdir: Path) -> None:
+    proc, out, summary = _launcher(workdir, "--nproc-per-node", "2", "--max-restarts", "2", "--ft-on-hang", "dump",
+                                   "--ft-rank-section-timeouts", "step:0.5", scenario="stall")
+    try:
+        assert proc.wait(120) == exit_codes.SUCCESS, out.read_text()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    data = json.loads(summary.read_text())
+    row, doc = _diagnosis(data)
+    assert row["action"] == "dump" and row["rank"] == 0 and doc["verdict"]["behind"] == [0]
+    assert data["hangs"] == [] and len(data["attempts"]) == 1  # nothing stopped, nothing restarted
+    text = out.read_text()
+    assert "diagnosed and left running (on_hang: dump)" in text and text.count("finished") == 2

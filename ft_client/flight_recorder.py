@@ -17,12 +17,10 @@ GIL (stuck in a C call) writes nothing, and the roll call lists its trace as mis
 from __future__ import annotations
 
 import json
-import os
 import sys
-import tempfile
-from pathlib import Path
 
 from ft_client.errors import FtError
+from ft_client.safefiles import write_bytes_atomic
 
 ERROR_KEY = "ft_error"
 """Set in the file written instead of a trace, with the reason."""
@@ -55,16 +53,5 @@ def write_trace(path: str) -> str | None:
     except Exception as e:  # noqa: BLE001 - whatever torch raises, the monitor must get an answer
         why = str(e) or type(e).__name__
         data = json.dumps({ERROR_KEY: why}).encode()
-    target = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, target)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    write_bytes_atomic(path, data)
     return why

@@ -80,15 +80,7 @@ def read_bounded(path: str | os.PathLike[str], limit: int) -> str:
         size = os.fstat(fd).st_size
         if size > limit:
             os.lseek(fd, size - limit, os.SEEK_SET)
-        chunks = []
-        left = limit
-        while left > 0:
-            chunk = os.read(fd, min(left, 1 << 16))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-        return b"".join(chunks).decode("utf-8", "replace")
+        return _read_text(fd, limit)
     finally:
         os.close(fd)
 
@@ -99,15 +91,7 @@ def read_span(path: str | os.PathLike[str], start: int, end: int, limit: int) ->
     try:
         start = max(start, end - limit, 0)
         os.lseek(fd, start, os.SEEK_SET)
-        chunks = []
-        left = max(0, end - start)
-        while left > 0:
-            chunk = os.read(fd, min(left, 1 << 16))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-        return b"".join(chunks).decode("utf-8", "replace")
+        return _read_text(fd, max(0, end - start))
     finally:
         os.close(fd)
 
@@ -118,14 +102,20 @@ def write_json_atomic(path: str | os.PathLike[str], data: Any, *, indent: int | 
     symlink planted at ``path`` is replaced, not followed. No temporary file is left
     behind on failure."""
     import json  # here, not at the top: the training process imports this module for its stack dump
+
+    write_bytes_atomic(path, (json.dumps(data, indent=indent) + "\n").encode())
+
+
+def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file beside it and a rename: a reader
+    sees the old file or the whole new one, never a part."""
     import tempfile
 
     target = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=indent)
-            f.write("\n")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
         os.replace(tmp, target)
     except BaseException:
         try:
@@ -133,6 +123,19 @@ def write_json_atomic(path: str | os.PathLike[str], data: Any, *, indent: int | 
         except OSError:
             pass
         raise
+
+
+def _read_text(fd: int, n: int) -> str:
+    """Up to ``n`` bytes from ``fd``'s offset, as text (undecodable bytes replaced)."""
+    chunks = []
+    left = n
+    while left > 0:
+        chunk = os.read(fd, min(left, 1 << 16))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks).decode("utf-8", "replace")
 
 
 def private_dir_problem(directory: str | os.PathLike[str]) -> str | None:

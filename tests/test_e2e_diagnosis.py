@@ -18,7 +18,7 @@ import pytest
 
 from ft_monitor.launcher import exit_codes
 from tests.procs import ROOT, wait_until
-from tests.test_e2e_launcher import JOB_SECRET, Launcher, _free_port, job_processes
+from tests.test_e2e_launcher import Launcher, job_processes, two_nodes
 
 pytestmark = pytest.mark.e2e
 
@@ -78,20 +78,7 @@ def test_four_ranks_one_holding_the_gil_is_still_named(workdir: Path) -> None:
 
 
 def test_two_launchers_one_diagnosis_holds_every_ranks_stack(workdir: Path) -> None:
-    port = _free_port()
-    common = ("--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-              "--rdzv-id", "ft-roll-call")
-    train = ("--hang", "rank=3,step=12,attempt=0")
-    a = Launcher(workdir, "--max-restarts", "1", *FR, train_args=train, name="node0", launcher_flags=common,
-                 env=JOB_SECRET)
-    b = Launcher(workdir, "--max-restarts", "1", *FR, train_args=train, name="node1", launcher_flags=common,
-                 env=JOB_SECRET)
-    try:
-        assert a.wait() == exit_codes.SUCCESS, a.output()
-        assert b.wait() == exit_codes.SUCCESS, b.output()
-    finally:
-        a.kill()
-        b.kill()
+    a, b = two_nodes(workdir, "ft-roll-call", "--max-restarts", "1", *FR, train_args=("--hang", "rank=3,step=12,attempt=0"))
     rows = a.summary()["diagnoses"] + b.summary()["diagnoses"]
     (row,) = rows  # one roll call, by the node of the rank that hung first
     doc = json.loads(Path(row["diagnosis"]).read_text())

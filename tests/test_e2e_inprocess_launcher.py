@@ -11,7 +11,7 @@ import pytest
 
 from ft_monitor.launcher import exit_codes
 from ft_monitor.launcher.events import read_events
-from tests.test_e2e_launcher import JOB_SECRET, Launcher, _free_port
+from tests.test_e2e_launcher import Launcher, two_nodes
 
 pytestmark = pytest.mark.e2e
 
@@ -103,20 +103,8 @@ def test_a_rank_killed_mid_run_restarts_the_group(workdir: Path) -> None:
 
 
 def test_two_launchers_restart_in_process_together(workdir: Path) -> None:
-    port = _free_port()
-    common = ("--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-              "--rdzv-id", "ft-two-nodes-inprocess")
-    train = ("--inprocess", "--hang", "rank=3,step=12,attempt=0")
-    a = Launcher(workdir, "--max-restarts", "2", *INPROCESS, train_args=train, name="node0", launcher_flags=common,
-                 env=JOB_SECRET)
-    b = Launcher(workdir, "--max-restarts", "2", *INPROCESS, train_args=train, name="node1", launcher_flags=common,
-                 env=JOB_SECRET)
-    try:
-        assert a.wait() == exit_codes.SUCCESS, a.output()
-        assert b.wait() == exit_codes.SUCCESS, b.output()
-    finally:
-        a.kill()
-        b.kill()
+    a, b = two_nodes(workdir, "ft-two-nodes-inprocess", "--max-restarts", "2", *INPROCESS,
+                     train_args=("--inprocess", "--hang", "rank=3,step=12,attempt=0"))
     for la in (a, b):
         summary = la.summary()
         assert len(summary["attempts"]) == 1 and summary["restarts"] == [], la.output()

@@ -65,6 +65,22 @@ class Launcher:
             self.proc.wait(10)
 
 
+def two_nodes(workdir: Path, rdzv_id: str, *args: str, train_args: tuple[str, ...]) -> tuple[Launcher, Launcher]:
+    """Two ft-launchers on one c10d rendezvous (one machine playing two nodes), run to the
+    end; both must succeed."""
+    common = ("--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
+              "--rdzv-id", rdzv_id)
+    a, b = (Launcher(workdir, *args, train_args=train_args, name=name, launcher_flags=common, env=JOB_SECRET)
+            for name in ("node0", "node1"))
+    try:
+        assert a.wait() == exit_codes.SUCCESS, a.output()
+        assert b.wait() == exit_codes.SUCCESS, b.output()
+    finally:
+        a.kill()
+        b.kill()
+    return a, b
+
+
 def job_processes(marker: str) -> list[int]:
     """Live processes carrying the job's marker (the launcher, monitors, workers and their children)."""
     pids = []
@@ -204,18 +220,7 @@ def test_a_monitor_killed_mid_run_is_restarted(workdir: Path) -> None:
 
 
 def test_two_nodes_hang_on_one_restarts_both_and_completes(workdir: Path) -> None:
-    port = _free_port()
-    common = ("--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-              "--rdzv-id", "ft-two-nodes")
-    train = ("--hang", "rank=3,step=12,attempt=0")
-    a = Launcher(workdir, "--max-restarts", "2", train_args=train, name="node0", launcher_flags=common, env=JOB_SECRET)
-    b = Launcher(workdir, "--max-restarts", "2", train_args=train, name="node1", launcher_flags=common, env=JOB_SECRET)
-    try:
-        assert a.wait() == exit_codes.SUCCESS, a.output()
-        assert b.wait() == exit_codes.SUCCESS, b.output()
-    finally:
-        a.kill()
-        b.kill()
+    a, b = two_nodes(workdir, "ft-two-nodes", "--max-restarts", "2", train_args=("--hang", "rank=3,step=12,attempt=0"))
     hangs = a.summary()["hangs"] + b.summary()["hangs"]
     # rank 3 hung; a rank on the other node waiting for it in the step's collective may
     # time out too, and is then reported as its victim, not as a second hang

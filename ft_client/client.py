@@ -1005,10 +1005,16 @@ class _RestartHook:
             client._entering(restart)
 
     def busy(self) -> bool:
-        """The client's main connection is mid-frame or mid-request (an interrupt raised
-        then would cut a frame in two or leave a reply unread)."""
+        """The client is in a call on this thread (its lock held: an interrupt raised there,
+        even between the lock's acquire and the ``try`` that releases it, could leave the
+        lock held or a record group half-stored), or its main connection is mid-frame or
+        mid-request (an interrupt would cut a frame in two or leave a reply unread)."""
         client = self._client()
-        t = client._transport if client is not None else None
+        if client is None:
+            return False
+        if client._lock._is_owned():  # type: ignore[attr-defined]  # RLock's own, as threading.Condition uses it
+            return True
+        t = client._transport
         return t is not None and t.io_busy()
 
 def _watch_hangup(client: weakref.ref[RankMonitorClient], t: Transport) -> None:

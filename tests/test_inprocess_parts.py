@@ -217,7 +217,7 @@ def test_the_interrupt_waits_while_the_client_is_mid_frame_or_in_atomic() -> Non
         events.remove_restart_listener(listener)
 
 
-def test_the_client_is_busy_while_its_connection_is_mid_send(tmp_path: Path) -> None:
+def test_the_client_is_busy_while_in_a_call_or_its_connection_is_mid_send(tmp_path: Path) -> None:
     sock = tmp_path / "s" / "m.sock"
     d = ThreadDaemon(sock, **QUIET)
     c = RankMonitorClient(str(sock))
@@ -230,6 +230,25 @@ def test_the_client_is_busy_while_its_connection_is_mid_send(tmp_path: Path) -> 
         with t._lock:  # what a send or a request holds
             assert hook.busy()
         assert not hook.busy()
+        with c._lock:  # what every client call holds, a progress store into the record included
+            assert hook.busy()
+        assert not hook.busy()
+        held = threading.Event()
+        release = threading.Event()
+
+        def other_thread_in_a_call() -> None:
+            with c._lock:
+                held.set()
+                release.wait(10)
+
+        th = threading.Thread(target=other_thread_in_a_call)
+        th.start()
+        try:
+            assert held.wait(10)
+            assert not hook.busy()  # another thread's call: the main thread may be interrupted
+        finally:
+            release.set()
+            th.join(10)
     finally:
         c.shutdown_workload_monitoring()
         d.stop()

@@ -139,10 +139,13 @@ def test_a_rank_blocked_in_a_collective_is_freed_when_its_peer_hangs(workdir: Pa
 
 
 def test_atomic_blocks_are_never_interrupted(workdir: Path, jobs: list[Job]) -> None:
-    jobs.append(j := Job(workdir, "atomic"))
+    mark = str(workdir / "rank0-in-atomic")
+    jobs.append(j := Job(workdir, "atomic", env={0: {"ATOMIC_MARK": mark}, 1: {"ATOMIC_MARK": mark}}))
     assert j.wait() == [0, 0]
     out = j.output(0)
     assert out.index("rank 0 in atomic") < out.index("rank 0 atomic done") < out.index("in-process restart 1")
+    # the interrupt came while the block ran, and waited for its end
+    assert out.index("rank 0 in atomic") < out.index("rank 0 interrupt deferred") < out.index("rank 0 atomic done")
 
 
 def test_a_failing_health_check_ends_the_process(workdir: Path, jobs: list[Job]) -> None:

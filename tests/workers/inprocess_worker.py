@@ -21,6 +21,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,16 @@ from ft_client.inprocess import CallWrapper, Wrapper, events
 
 def say(*parts: object) -> None:
     print(" ".join(map(str, parts)), flush=True)
+
+
+def wait_until(predicate: Callable[[], object], timeout: float) -> bool:
+    """Whether ``predicate()`` came true within ``timeout`` seconds (polled every 5 ms)."""
+    end = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.005)
+    return True
 
 
 def fds() -> int:
@@ -126,10 +137,14 @@ def main() -> int:
             if scenario == "atomic" and rank == 0 and first and step == 5:
                 with call.atomic():
                     say(f"rank {rank} in atomic")
-                    time.sleep(1.0)  # rank 1 raises meanwhile
+                    open(os.environ["ATOMIC_MARK"], "w").close()  # rank 1 raises now
+                    if not wait_until(lambda: call._run.interrupt_pending, 30):
+                        raise SystemExit("the interrupt never reached the atomic block")
+                    say(f"rank {rank} interrupt deferred")
                     say(f"rank {rank} atomic done")
             if scenario == "atomic" and rank == 1 and first and step == 5:
-                time.sleep(0.3)
+                if not wait_until(lambda: os.path.exists(os.environ["ATOMIC_MARK"]), 30):
+                    raise SystemExit("rank 0 never entered its atomic block")
                 raise ValueError("fault while rank 0 is in atomic()")
             g = torch.Generator().manual_seed(step * 100 + rank)
             x = torch.randn(16, 8, generator=g)

@@ -90,11 +90,6 @@ def restart_seconds(summary: dict[str, Any]) -> float | None:
     for restart in summary["restarts"]:
         if restart.get("total") is not None:
             return float(restart["total"])
-    for row in summary.get("diagnoses", []):
-        if row.get("action") == "dump":
-            print(f"diagnosed   : rank {row['rank']} in attempt {row['attempt']}, left running (on_hang: dump)")
-            print(f"verdict     : {row['verdict']}")
-            print(f"diagnosis   : {row['diagnosis']}")
     for row in summary.get("inprocess_restarts", []):
         if (row.get("phases") or {}).get("total") is not None:
             return float(row["phases"]["total"])

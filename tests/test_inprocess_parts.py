@@ -217,6 +217,22 @@ def test_the_interrupt_waits_while_the_client_is_mid_frame_or_in_atomic() -> Non
         events.remove_restart_listener(listener)
 
 
+def test_the_interrupt_never_waits_for_the_listeners_lock() -> None:
+    """The signal handler asks busy() on the main thread, which may be inside
+    add/remove_restart_listener, holding the listeners' lock, when the signal lands."""
+    listener = _Listener()
+    events.add_restart_listener(listener)
+    try:
+        with events._lock:
+            listener.is_busy = True
+            assert events.busy()
+            listener.is_busy = False
+            assert not events.busy()
+    finally:
+        events.remove_restart_listener(listener)
+    assert listener not in events._each_listener()
+
+
 def test_the_client_is_busy_while_in_a_call_or_its_connection_is_mid_send(tmp_path: Path) -> None:
     sock = tmp_path / "s" / "m.sock"
     d = ThreadDaemon(sock, **QUIET)

@@ -61,14 +61,17 @@ class RestartListener(Protocol):
 
     def busy(self) -> bool:
         """True while an exception raised now would leave the listener broken (the client
-        halfway through a frame or a request): the Wrapper's interrupt waits for the next try."""
+        inside a call: halfway through a frame, a request or a record store): the Wrapper's
+        interrupt waits for the next try."""
 
 
 FaultHandler = Callable[[Fault], None]
 
 _lock = threading.Lock()
 _fault_handler: FaultHandler | None = None
-_listeners: list[RestartListener] = []
+_listeners: tuple[RestartListener, ...] = ()
+"""Replaced, never changed in place: read without the lock (the interrupt's signal handler
+reads it, and may run while its own thread holds the lock in add/remove)."""
 
 
 def set_fault_handler(handler: FaultHandler | None) -> None:
@@ -89,20 +92,20 @@ def report_fault(fault: Fault) -> bool:
 
 
 def add_restart_listener(listener: RestartListener) -> None:
+    global _listeners
     with _lock:
         if listener not in _listeners:
-            _listeners.append(listener)
+            _listeners = (*_listeners, listener)
 
 
 def remove_restart_listener(listener: RestartListener) -> None:
+    global _listeners
     with _lock:
-        if listener in _listeners:
-            _listeners.remove(listener)
+        _listeners = tuple(x for x in _listeners if x is not listener)
 
 
-def _each_listener() -> list[RestartListener]:
-    with _lock:
-        return list(_listeners)
+def _each_listener() -> tuple[RestartListener, ...]:
+    return _listeners
 
 
 def announce_aborting(iteration: int) -> None:

@@ -357,6 +357,10 @@ class MonitorDaemon:
             return
         if self.config.on_hang == "dump" and hang.reason not in (Reason.INPROCESS_RESTART, Reason.STARTUP):
             self._dump_and_keep_running(rank, hang)
+            # the passed deadline is not acted on again; progress re-arms the timer, and a rank
+            # that reports through its record sends nothing that would: read it on the tick
+            self._due = (None, deadline_inputs(s))
+            self._arm_at(None)
             return
         s.mark_hung()
         case = HangCase(hang, rank.process, rank.report_path(), rank.dump_path(), error_file=rank.error_file)
@@ -365,8 +369,8 @@ class MonitorDaemon:
 
     def _dump_and_keep_running(self, rank: RankResources, hang: Hang) -> None:
         """``on_hang: dump``: report, dump and tell the launcher (it diagnoses the job), once per
-        hang; the session stays active, and the same passed deadline is not acted on again (nor
-        re-armed: the rank's next input re-arms it) until the rank makes progress past it."""
+        hang; the session stays active, and the same passed deadline is not acted on again until
+        the rank makes progress past it."""
         key = (hang.pid, hang.reason.value, hang.section, hang.onset)
         if self._diagnosed == key:
             return

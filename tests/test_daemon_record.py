@@ -321,3 +321,29 @@ def test_progress_record_off_and_clients_that_do_not_ask_get_none(tmp_path: Path
             p.send(wire.Goodbye())
 
     run(unasked, tmp_path)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_on_hang_dump_keeps_watching_and_finds_the_next_hang(tmp_path: Path, mode: str) -> None:
+    """``on_hang: dump``: after a hang is diagnosed the rank runs on; progress past it, then a
+    second stop, is a second hang, whether the progress came by the socket or by the record
+    (which sends nothing that would re-arm the daemon's timer)."""
+
+    async def body(d: MonitorDaemon, clock: ManualClock, ops: FakeOps) -> None:
+        p = Progress(d, clock, mode)
+        p.hello()
+        p.open("step")
+        clock.advance(1.01)
+        await settle()
+        assert len(d.hangs) == 1 and signal.SIGTERM not in ops.sent
+        clock.advance(5.0)  # still stuck in the same step: not a second hang
+        await settle()
+        assert len(d.hangs) == 1
+        p.close("step")  # progress, then stuck again
+        p.open("step")
+        clock.advance(0.5)
+        clock.advance(0.6)
+        await settle()
+        assert len(d.hangs) == 2 and signal.SIGTERM not in ops.sent and signal.SIGKILL not in ops.sent
+
+    run(body, tmp_path, on_hang="dump", rank_section_timeouts={"step": 1.0}, stack_dump_timeout=0.05, **QUIET)

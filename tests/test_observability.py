@@ -316,3 +316,24 @@ def test_an_inprocess_restart_is_counted_with_its_own_phases(tmp_path: Path) -> 
     snap = tel.snapshot
     assert snap.restarts == {"process": 0, "inprocess": 1} and snap.hangs == {("section", "step"): 1}
     assert snap.restart_phases["inprocess", "total"] == (0.22,) and ("process", "total") not in snap.restart_phases
+
+
+def test_notices_of_ranks_that_waited_for_the_hung_one_are_one_inprocess_hang(tmp_path: Path) -> None:
+    clock = {"t": 50.0}
+    tel = Telemetry(config=Settings(), monitors=FakeMonitors(), host="h", nproc=2, max_restarts=1,
+                    clock=lambda: clock["t"], monotonic=lambda: clock["t"])
+    tel.attempt_started(0, "run", 0, {0: 0, 1: 1}, {0: 100, 1: 101}, str(tmp_path))
+    base = {"reason": "section", "section": "step", "message": "m", "elapsed_s": 2.0, "timeout_s": 2.0,
+            "detected_time": 50.0, "iteration": 12, "attempt": 0, "report": "/r.json", "restart_iteration": 1}
+    tel.inprocess_hang({**base, "rank": 0, "pid": 100, "onset_time": 48.3})  # waited in the all-reduce: first here
+    tel.inprocess_hang({**base, "rank": 1, "pid": 101, "onset_time": 48.0})  # the hung rank
+    clock["t"] = 50.5
+    tel.inprocess_restart({"kind": "inprocess", "attempt": 0, "iteration": 1, "rank": 1, "reason": "section",
+                           "message": "m", "report": "/r.json", "detected_time": 50.0, "phases": {"total": 0.22}})
+    tel.finish(0, "")
+    tel.close(None)
+    events = read_events(tmp_path / "events.jsonl")
+    assert [e["kind"] for e in events].count("hang") == 1 and tel.snapshot.hangs == {("section", "step"): 1}
+    (restart,) = (e for e in events if e["kind"] == "restart")
+    assert restart["lost_s"] == pytest.approx(50.0 + 0.22 - 48.0)  # from the hung rank's onset
+    assert len(tel.incidents) == 1 and tel.incidents[0].rank == 1

@@ -89,7 +89,7 @@ class Telemetry:
         self.ranks: dict[int, _RankMemory] = {}
         self.hang_counts: dict[tuple[str, str], int] = {}
         self.restart_counts: dict[str, int] = {"process": 0, "inprocess": 0}
-        self._inprocess_incidents: dict[tuple[int, Any], int] = {}
+        self._inprocess_incidents: dict[tuple[int, int], int] = {}
         """(attempt, Wrapper iteration) -> index in `incidents` of a hang recovered in place."""
         self.phases: dict[tuple[str, str], list[float]] = {}
         """(restart kind, phase) -> seconds, one per restart."""
@@ -175,13 +175,23 @@ class Telemetry:
         self.pending = _PendingRestart(timing, "hang", self.attempt + 1, len(self.incidents) - 1)
 
     def inprocess_hang(self, notice: Mapping[str, Any]) -> None:
-        """A monitor's hang verdict the ranks recover from in their own processes."""
+        """A monitor's hang verdict the ranks recover from in their own processes. Ranks that
+        waited in a collective for the hung one may time out too before the restart reaches
+        them: one restart, one hang and one incident, which keeps the earliest onset (the
+        hung rank's), as `InprocessLedger.on_notice` does."""
         now = self.clock()
+        key = (int(notice.get("attempt") or 0), int(notice.get("restart_iteration") or 0))
+        index = self._inprocess_incidents.get(key)
+        if index is not None:
+            inc = self.incidents[index]
+            onset = notice.get("onset_time")
+            if onset is not None and float(onset) < inc.onset:
+                self.incidents[index] = replace(inc, rank=int(notice["rank"]), onset=float(onset))
+            return
         self._count_hang(notice)
         self.events.emit("hang", now, **_hang_fields(notice, "inprocess"))
         self._incident(notice, now)
-        self._inprocess_incidents[int(notice.get("attempt") or 0), notice.get("restart_iteration")] = \
-            len(self.incidents) - 1
+        self._inprocess_incidents[key] = len(self.incidents) - 1
         self._publish()
 
     def inprocess_restart(self, row: Mapping[str, Any]) -> None:
@@ -196,7 +206,7 @@ class Telemetry:
             if value is not None:
                 self.phases.setdefault(("inprocess", phase), []).append(value)
         lost = None
-        index = self._inprocess_incidents.pop((int(row.get("attempt") or 0), row.get("iteration")), None)
+        index = self._inprocess_incidents.pop((int(row.get("attempt") or 0), int(row.get("iteration") or 0)), None)
         if index is not None and phases.get("total") is not None and row.get("detected_time") is not None:
             inc = replace(self.incidents[index], running_again=float(row["detected_time"]) + float(phases["total"]))
             self.incidents[index] = inc

@@ -202,6 +202,17 @@ def test_without_a_secret_no_peer_record_is_believed() -> None:
     assert first == mine and ignored == ((KEY.format(1), "no job secret to check it with"),)
 
 
+def test_on_hang_dump_a_peer_record_of_an_earlier_incident_is_not_the_first_hang() -> None:
+    """The round goes on after a diagnosed hang: node 1's record of the first incident stays
+    in the store, and must not claim the second (the roll call would then be nobody's)."""
+    mine = HangRecord(1, NOW - 2.0, "second incident", HOST)
+    peers = dict([signed(1, HangRecord(5, NOW - 60.0, "first incident", "n1")),
+                  signed(2, HangRecord(6, NOW - 3.0, "second incident, earlier", "n2"))])
+    first, ignored = first_hang(mine, channel(), peers, after=NOW - 30.0)
+    assert first.rank == 6 and ignored == ((KEY.format(1), "a hang of an earlier incident"),)
+    assert first_hang(mine, channel(), peers)[0].rank == 5  # without the bound: the stale record wins
+
+
 def test_read_hang_record() -> None:
     rec = HangRecord(2, 5.0, "m", "h")
     key, raw = signed(0, rec)

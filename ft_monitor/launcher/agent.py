@@ -432,7 +432,8 @@ class FtLocalElasticAgent(_lea.LocalElasticAgent):
             return
         _emit(triage.logs)
         channel = self._channel(wg)
-        first, _ = first_hang(triage.record, channel, self._exchange_hang_records(wg, channel, triage.record))
+        first, _ = first_hang(triage.record, channel, self._exchange_hang_records(wg, channel, triage.record),
+                              after=self.rollcall.last_started)
         if first.rank != triage.record.rank:
             self.rollcall.last_started = time.time()
             log.warning("ft-launcher: rank %d on %s hung first; the roll call is its node's", first.rank,

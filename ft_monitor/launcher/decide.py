@@ -131,16 +131,20 @@ def read_hang_record(channel: StoreChannel, key: str, raw: bytes) -> HangRecord 
     return record
 
 
-def first_hang(mine: HangRecord, channel: StoreChannel | None, peer_values: Mapping[str, bytes]
-               ) -> tuple[HangRecord, tuple[tuple[str, str], ...]]:
+def first_hang(mine: HangRecord, channel: StoreChannel | None, peer_values: Mapping[str, bytes],
+               after: float | None = None) -> tuple[HangRecord, tuple[tuple[str, str], ...]]:
     """The earliest-onset hang among this node's and the authentic records of the others
-    (this node's wins a tie, then the order of ``peer_values``), and the values ignored, as (key, why)."""
+    (this node's wins a tie, then the order of ``peer_values``), and the values ignored, as (key, why).
+    ``after``: with ``on_hang: dump`` the round goes on, and the other nodes' records of an
+    earlier incident stay in the store: a record whose onset is not after it is ignored."""
     seen = [mine]
     ignored: list[tuple[str, str]] = []
     for key, raw in peer_values.items():
         record = read_hang_record(channel, key, raw) if channel is not None else \
             StoreMessageError("no job secret to check it with")
-        if isinstance(record, HangRecord):
+        if isinstance(record, HangRecord) and after is not None and record.onset_time <= after:
+            ignored.append((key, "a hang of an earlier incident"))
+        elif isinstance(record, HangRecord):
             seen.append(record)
         else:
             ignored.append((key, str(record)))

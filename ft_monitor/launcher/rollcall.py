@@ -179,7 +179,8 @@ class RollCaller:
     answered_at: float | None = None
     """When (``clock``) this node last answered another node's roll call."""
     last_started: float | None = None
-    """Wall clock of this node's last roll call (on_hang: dump groups later notices with it)."""
+    """Wall clock of the last roll call this node started or answered (on_hang: dump groups
+    later notices with it, and ignores the other nodes' hang records from before it)."""
     _polled: float = field(default=-1e18)
 
     # -- this node's monitors ---------------------------------------------------------
@@ -326,6 +327,7 @@ class RollCaller:
                 group_rank: int) -> None:
         self.answered = request.incident
         self.answered_at = self.clock()
+        self.last_started = time.time()
         budget = max(0.2, request.budget_s - 2 * POLL_INTERVAL - MARGIN)
         log.warning("ft-launcher: roll call %d from %s (rank %d hung): dumping this node's %d rank(s)",
                     request.incident, request.host, request.hung_rank, len(ranks))

@@ -19,20 +19,16 @@ import time
 from pathlib import Path
 
 from ft_client import wire
-from ft_client.errors import FtError
 from ft_client.observer import ping, try_status
 from ft_client.parent_death import die_with_parent
 from ft_client.transport import TransportError, connect
 from ft_monitor.cli import RUN_CHECKED
 from ft_monitor.escalation import terminate_then_kill
+from ft_monitor.monitor_process import MonitorStartError
 from ft_monitor.settings import ServeSpec, Settings
 from ft_monitor.status import MonitorStatus, StatusError
 
 log = logging.getLogger("ft_monitor.launcher")
-
-
-class MonitorStartError(FtError, RuntimeError):
-    """A monitor daemon did not start: it exited, or its socket did not answer in time."""
 
 
 READY_TIMEOUT = 30.0

@@ -45,7 +45,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import replace
 from enum import Enum
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 
 from ft_client import env, record, wire
 from ft_client.errors import MonitorBrokenError, MonitorClosedError, RankMonitorClientError
@@ -207,7 +207,7 @@ class RankMonitorClient:
         self._iteration_sent_at = -ITERATION_REPORT_INTERVAL
         self._path = ""
         self._control: ControlLink | None = None
-        self._restart: events.Restart | None | bool = None
+        self._restart: events.Restart | Literal[True] | None = None  # True: unwinding; a Restart: re-entering
         """In-process restart under way: True between the Wrapper's abort and its re-entry
         (progress calls then report nothing: the rank is unwinding); the `events.Restart`
         after re-entry until the first progress call reports it (REENTERED); else None."""
@@ -241,11 +241,11 @@ class RankMonitorClient:
                 f"num_warmup_iters = {num_warmup_iters!r:.60}: must be a whole number >= 0 or None (a socket path "
                 "goes in socket_path= or RankMonitorClient(socket_path))")
         with self._lock:
-            self._num_warmup_iters = num_warmup_iters
             if self._state is ConnState.FORKED_CHILD:
                 raise MonitorClosedError("this process is a fork of the rank; its client stays with the rank")
             if self._state in (ConnState.CONNECTED, ConnState.LOST):
                 raise RankMonitorClientError("workload monitoring is already initialized")
+            self._num_warmup_iters = num_warmup_iters
             path = socket_path or self._socket_path or os.environ.get(env.RANK_MONITOR_SOCKET)
             if not path:
                 raise RankMonitorClientError(
@@ -366,8 +366,9 @@ class RankMonitorClient:
         try:
             self._control = ControlLink(self._path, self.rank, self._request_timeout)
         except (TransportError, OSError) as e:
-            log.warning("rank %d: cannot open the control connection to the monitor (%s); a hang will stop the "
-                        "rank instead of restarting it in-process", self.rank, e)
+            log.warning("rank %d: cannot open the control connection to the monitor (%s); %s", self.rank, e,
+                        "a hang will stop the rank instead of restarting it in-process" if info.on_hang == "inprocess"
+                        else "a hang's roll call will have no Flight Recorder trace of this rank")
 
     def _aborting(self, iteration: int) -> None:
         """An in-process Wrapper leaves the training function after a fault (any thread):
@@ -397,7 +398,7 @@ class RankMonitorClient:
         if restart is True:
             return True
         self._restart = None
-        if restart is not None and restart is not False:  # an events.Restart
+        if restart is not None:  # an events.Restart
             restart.progress()
             if t is not None:
                 f = restart.fault

@@ -31,17 +31,13 @@ from ft_client.timeouts import (
 )
 from ft_monitor import rules
 from ft_monitor.config_text import (
-    FALSE,
     IGNORED_NVRX_FIELDS,
     MAX_YAML_DEPTH,
     PARSERS,
-    TRUE,
     ConfigError,
     add_config_flags,
     cli_overrides,
     find_fault_tolerance_section,
-    none_words,
-    number_words,
     parse_section_timeouts,
     read_env,
     read_yaml,
@@ -51,12 +47,7 @@ __all__ = ["ConfigError", "FaultToleranceConfig", "IGNORED_NVRX_FIELDS", "FIELDS
            "cli_overrides", "find_fault_tolerance_section", "load_config", "merge_layers", "parse_section_timeouts",
            "read_env", "read_yaml"]
 
-MAX_WHOLE = rules.MAX_WHOLE
-FAULTHANDLER_RESERVED = rules.FAULTHANDLER_RESERVED
-parse_signal = rules.parse_signal
 shown = rules.shown
-"""Signals faulthandler keeps for crashes: it cannot register them to dump on request."""
-_none_words, _number_words, _TRUE, _FALSE = none_words, number_words, TRUE, FALSE
 
 
 class FaultToleranceConfig(BaseModel):

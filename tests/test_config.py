@@ -22,8 +22,8 @@ from ft_monitor.config import (
     cli_overrides,
     find_fault_tolerance_section,
     load_config,
-    parse_signal,
 )
+from ft_monitor.rules import parse_signal
 from ft_monitor.settings import Settings
 from tests.procs import ROOT
 

@@ -112,7 +112,7 @@ def row_fields(row: Row) -> dict[str, Any]:
     out.update({"rank": r.rank, "pid": r.pid, "state": r.phase,
                 "section": None if sec is None else sec.name, "section_age_s": None if sec is None else sec.elapsed_s,
                 "section_timeout_s": None if sec is None else sec.timeout_s,
-                "since_last_heartbeat_s": r.since_last_heartbeat_s, "iteration": r.iteration_now or r.iteration})
+                "since_last_heartbeat_s": r.since_last_heartbeat_s, "iteration": r.iteration_now})
     return out
 
 

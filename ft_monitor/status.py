@@ -97,8 +97,9 @@ class RankStatus:
 
     @property
     def iteration_now(self) -> int | None:
-        """The rank's iteration now (the session's start plus the steps it closed), None until reported."""
-        return None if self.iteration_base is None else self.iteration_base + self.steps_closed
+        """The rank's iteration now (the session's start plus the steps it closed; as
+        `policy.iteration_now`), the last report while the start is not known, None before one."""
+        return self.iteration if self.iteration_base is None else self.iteration_base + self.steps_closed
 
 
 @dataclass(frozen=True, slots=True)

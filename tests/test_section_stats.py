@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -85,6 +86,8 @@ def test_status_carries_the_stats_and_the_rank_iteration_now() -> None:
                       iteration_high=41, session=s, hangs=[], section_stats=stats)
     back = MonitorStatus.from_wire(st.to_wire())
     assert back.rank is not None and back.rank.iteration_now == 41 and back.rank.since_last_progress_s == 2.5
+    assert replace(back.rank, iteration_base=None, iteration=7).iteration_now == 7  # the last report, as the policy
+    assert replace(back.rank, iteration_base=0, steps_closed=0, iteration=7).iteration_now == 0
     assert back.section_stats.sections["step"].count == 1
     assert "'step' 0.500s x1" in format_status(back)
     wire = st.to_wire()

@@ -11,18 +11,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ft_monitor import stacks
+
 
 def innermost_frame(dump: str) -> str:
     """The innermost frame of the main thread (the one whose stack starts at a module's top
-    level) in the first faulthandler dump of the file, else of its first thread."""
-    first_dump = dump.split("\n\n\n")[0]
-    threads = [[line.strip() for line in block.splitlines() if line.strip().startswith("File ")]
-               for block in first_dump.split("hread 0x")[1:]]
-    main = [frames for frames in threads if frames and frames[-1].endswith("in <module>")]
-    for frames in main + threads:
-        if frames:
-            return frames[0]
-    return "(no frame in the dump)"
+    level) in the file's first faulthandler dump, as faulthandler writes it."""
+    thread = stacks.main_thread(stacks.parse(dump))
+    if thread is None or not thread.frames:
+        return "(no frame in the dump)"
+    f = thread.frames[0]
+    return f'File "{f.file}", line {f.line if f.line is not None else "???"} in {f.func}'
 
 
 def pids(summary: dict[str, Any]) -> list[str]:

@@ -24,12 +24,12 @@ and every wait through the daemon's clock, so tests run this in-process with fak
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ft_client import wire
+from ft_client.safefiles import write_bytes_atomic
 from ft_monitor.executor import _POLL, wait_for_dump
 from ft_monitor.native_stacks import NativeStacks, PySpy
 from ft_monitor.policy import iteration_now
@@ -130,9 +130,7 @@ class RankSnapshots:
             return None
         out = rank.session_dir / f"rank{s.rank}-pid{s.pid}-native{req.incident}.txt"
         try:
-            fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
+            write_bytes_atomic(out, text.encode())
         except OSError as e:
             notes.append(f"cannot write the native stacks to {out}: {e.strerror or e}")
             return None

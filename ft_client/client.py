@@ -541,6 +541,8 @@ class RankMonitorClient:
             rec = self._record
             if rec is not None:
                 rec.heartbeat(_now_ns())
+                if self._sync_sections:
+                    self._confirm()
             elif self._transport is not None:
                 self._event(self._transport, wire.HEARTBEAT_FRAME)
         finally:
@@ -641,6 +643,8 @@ class RankMonitorClient:
                     rec.words[record.W_ITERATION] = self._iteration
                 if route == _SOCKET:
                     self._send_close(name)
+                elif route >= 0 and self._sync_sections:
+                    self._confirm()
                 return
             t = self._transport
             if t is None:
@@ -913,16 +917,15 @@ class RankMonitorClient:
     def _event(self, t: Transport, frame: bytes) -> None:
         try:
             t.send_event(frame)
-            if self._sync_sections:
-                reply = t.request(wire.PING)
-                if not isinstance(reply, wire.Pong):
-                    raise RankMonitorClientError(f"monitor answered PING with {reply!r}")
         except TransportError as e:
             self._lost(e)
+            return
+        if self._sync_sections:
+            self._confirm()
 
     def _confirm(self) -> None:
-        """``skip_section_response: false`` with a record: a PING round trip (the monitor
-        reads the record before it answers a message of the rank's)."""
+        """``skip_section_response: false``: a PING round trip after a progress report (the
+        monitor reads the record, and the messages before the PING, before it answers)."""
         t = self._transport
         if t is None:
             return

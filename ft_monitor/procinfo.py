@@ -67,6 +67,12 @@ def parent_pid(pid: int) -> int | None:
     return int(fields[1]) if fields and len(fields) > 1 else None
 
 
+def running(pid: int) -> bool:
+    """Whether ``pid`` exists and has not exited (a zombie has); False when unknown."""
+    fields = _stat_or_none(pid)
+    return fields is not None and bool(fields) and fields[0] != "Z"
+
+
 def zombie_exit_status(pid: int) -> int | None:
     """The wait status of a process that exited but was not yet reaped (field 52), else None."""
     fields = _stat_or_none(pid)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -137,3 +139,18 @@ def test_the_rank_writes_its_trace_or_why_there_is_none(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.stdout.strip() == "torch is not imported in this process", out.stderr
     assert json.loads(without.read_text()) == {"ft_error": "torch is not imported in this process"}
+
+
+def test_a_rank_is_running_until_it_exits_a_zombie_is_not() -> None:
+    from ft_monitor import procinfo
+
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        assert procinfo.running(os.getpid()) and procinfo.running(child.pid)
+        child.stdin.close()  # type: ignore[union-attr]
+        os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)  # exited, not reaped: a zombie
+        assert not procinfo.running(child.pid)
+    finally:
+        child.kill()
+        child.wait(10)
+    assert not procinfo.running(child.pid)

@@ -59,13 +59,8 @@ class AbortTorchDistributed:
             closed = close_tcp_connections(call.new_tcp_sockets(), call.store_ports)
             if closed:
                 log.info("rank %d: shut down %d TCP connection(s) of the aborted iteration", call.rank, closed)
-        if not (dist.is_available() and dist.is_initialized()):
-            return
-        if _uses_nccl():
-            from torch.distributed import distributed_c10d
-
-            hold_groups()
-            distributed_c10d._abort_process_group()
+        if dist.is_available() and dist.is_initialized() and _uses_nccl():
+            release_process_groups()  # NCCL: abort the communicators from this (monitor) thread
 
 
 def _uses_nccl() -> bool:

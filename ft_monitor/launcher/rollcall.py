@@ -32,6 +32,7 @@ from ft_client import wire
 from ft_client.flight_recorder import ERROR_KEY
 from ft_client.safefiles import read_bounded, read_span, write_json_atomic
 from ft_client.transport import TransportError, connect
+from ft_monitor import procinfo
 from ft_monitor.fr_digest import digest
 from ft_monitor.launcher.diagnosis import (
     ANSWERED,
@@ -74,14 +75,6 @@ class Rank:
     pid: int
 
 
-def _running(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
-
-
 def _fr_evidence(snap: MonitorSnapshot, asked: bool) -> tuple[Any, str | None]:
     """(FrDigest or None, why there is none)."""
     if snap.flight_recorder is None:
@@ -108,12 +101,12 @@ def evidence_from(rank: Rank, host: str, snap: MonitorSnapshot | None, why: str 
                   flight_recorder: bool) -> RankEvidence:
     """What one monitor's answer (or its silence) says of its rank, the files it names read."""
     if snap is None:
-        status = NO_ANSWER if _running(rank.pid) else NOT_RUNNING
+        status = NO_ANSWER if procinfo.running(rank.pid) else NOT_RUNNING
         return RankEvidence(rank.global_rank, host, status, rank.local_rank, rank.pid,
                             notes=[why or "no answer"] if status == NO_ANSWER else
                             ["its process had exited before the roll call"])
     if not snap.connected or snap.pid != rank.pid:
-        running = _running(rank.pid)
+        running = procinfo.running(rank.pid)
         return RankEvidence(rank.global_rank, host, NOT_CONNECTED if running else NOT_RUNNING, rank.local_rank,
                             rank.pid, notes=[*snap.notes, "the worker is running but not connected to its monitor"
                                              if running else "its process had exited before the roll call"])

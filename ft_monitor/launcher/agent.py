@@ -252,7 +252,7 @@ class FtLocalElasticAgent(_lea.LocalElasticAgent):
         self.ft.worker_pids = set(pids.values())
         self.ft.attempts.append({"attempt": self._attempt(), "pids": {
             w.global_rank: pids[w.local_rank] for w in worker_group.workers if w.local_rank in pids}})
-        files = getattr(self._pcontext, "error_files", None) or {}
+        files = self._error_files()
         self.ft.announce_workers([(w.local_rank, w.global_rank, pids[w.local_rank], files.get(w.local_rank))
                                   for w in worker_group.workers if w.local_rank in pids])
         self._pinned_at = time.monotonic()
@@ -413,11 +413,8 @@ class FtLocalElasticAgent(_lea.LocalElasticAgent):
 
     def _attempt_dir(self, local_rank: int) -> Path:
         """torch's ``<log_dir>/<run>/attempt_N`` (the parent of each worker's error file directory)."""
-        files = getattr(self._pcontext, "error_files", None) or {}
-        path = files.get(local_rank)
-        if isinstance(path, str) and path != os.devnull:
-            return Path(path).parent.parent
-        return Path(tempfile.mkdtemp(prefix="ft-diagnosis-"))
+        path = self._error_files().get(local_rank)
+        return Path(path).parent.parent if path is not None else Path(tempfile.mkdtemp(prefix="ft-diagnosis-"))
 
     def _on_dump(self, wg: WorkerGroup, notice: HangNotice) -> None:
         """``on_hang: dump``: the roll call and its diagnosis, once per incident; nothing is stopped."""
@@ -469,13 +466,15 @@ class FtLocalElasticAgent(_lea.LocalElasticAgent):
         self._end_attempt(decision.attempt)
         return RunResult(state=WorkerState.FAILED, failures={worker.global_rank: failure})
 
+    def _error_files(self) -> dict[int, str]:
+        """local rank -> where torch told the worker to write its error.json (torch's
+        ``<log_dir>/<run>/attempt_N/<local rank>/error.json``); none under a null log dir."""
+        files = getattr(self._pcontext, "error_files", None) or {}
+        return {lr: p for lr, p in files.items() if isinstance(p, str) and p != os.devnull}
+
     def _error_file_of(self, local_rank: int, pid: int) -> str:
         """Where torch told this worker to write its error.json (never a path a peer names)."""
-        files = getattr(self._pcontext, "error_files", None) or {}
-        path = files.get(local_rank)
-        if isinstance(path, str) and path != os.devnull:
-            return path
-        return str(self.ft.monitors.run_dir / f"hang-error-{pid}.json")
+        return self._error_files().get(local_rank) or str(self.ft.monitors.run_dir / f"hang-error-{pid}.json")
 
     def _channel(self, wg: WorkerGroup) -> StoreChannel | None:
         """Signing for launcher messages in the store; None (logged once) without a job secret."""

@@ -11,7 +11,6 @@ Telemetry errors are logged, never raised into the agent.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -58,10 +57,8 @@ class FtObservedAgent(FtLocalElasticAgent):
 
     def _run_log_dir(self) -> str | None:
         """torch's ``<log_dir>/<run_id>_<random>`` (the parent of ``attempt_N``), where events.jsonl goes."""
-        files = getattr(self._pcontext, "error_files", None) or {}
-        for path in files.values():
-            if isinstance(path, str) and path != os.devnull:
-                return str(Path(path).parent.parent.parent)
+        for path in self._error_files().values():
+            return str(Path(path).parent.parent.parent)
         return None
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:

@@ -293,11 +293,17 @@ def _why_no_trace(ev: RankEvidence | None) -> str:
     return ev.fr_note or "none written"
 
 
+def _group_order(g: GroupView) -> tuple[bool, int, int, str]:
+    """Which group a verdict names first: the default group, then the one waited on longest,
+    then by name."""
+    return (g.pg != "0", g.waited_since_ns or 2**63, len(g.pg), g.pg)
+
+
 def verdict(hung: HungRank, evidence: list[RankEvidence], groups: list[GroupView]) -> Verdict:
     by_rank = {e.rank: e for e in evidence}
     mismatches = [g for g in groups if g.mismatch]
     if mismatches:
-        g = min(mismatches, key=lambda v: (v.pg != "0", v.waited_since_ns or 2**63, len(v.pg), v.pg))
+        g = min(mismatches, key=_group_order)
         behind = sorted(g.behind, key=lambda r: (r != hung.rank, r))
         first = behind[0]
         where = _where(by_rank, first)
@@ -314,7 +320,7 @@ def verdict(hung: HungRank, evidence: list[RankEvidence], groups: list[GroupView
     if hung.rank not in by_rank and hung.rank not in traced:
         untraced = sorted({*untraced, hung.rank})
     if stuck and untraced:
-        g = min(stuck, key=lambda v: (v.pg != "0", v.waited_since_ns or 2**63, len(v.pg), v.pg))
+        g = min(stuck, key=_group_order)
         suspects = [hung.rank] if hung.rank in untraced else untraced
         where = _where(by_rank, suspects[0])
         op = g.op or "collective"

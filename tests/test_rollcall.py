@@ -4,12 +4,15 @@ with fake local evidence; what a monitor's answer says once its files are read."
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
+
+import pytest
 
 from ft_monitor.launcher.diagnosis import ANSWERED, NO_ANSWER, NOT_RUNNING, HungRank, RankEvidence
 from ft_monitor.launcher.rollcall import Rank, RollCaller, evidence_from
@@ -87,6 +90,19 @@ def test_a_forged_request_is_ignored_and_does_not_block_the_next() -> None:
     b = Node("b", [])
     assert not b.answer_pending([], store=store, channel=CHANNEL, group_rank=1)
     assert b.answered == 1
+
+
+def test_a_forged_answer_is_said_once_and_the_node_counts_as_silent(caplog: pytest.LogCaptureFixture) -> None:
+    from ft_monitor.launcher.rollcall import ANSWER_KEY
+
+    store = FakeStore()
+    store.set(ANSWER_KEY.format(1, 1), b'{"v":1,"kind":"roll_call_answer","mac":"00"}')
+    a = Node("a", [RankEvidence(1, "a", ANSWERED, stack=STACK_SLEEPING)], timeout=0.4)
+    with caplog.at_level(logging.WARNING, logger="ft_monitor.launcher"):
+        d = a.run(HUNG, [], store=store, channel=CHANNEL, group_rank=0, group_world_size=2, world_size=2,
+                  attempt=0)
+    assert d.roll_call.nodes_answered == ["a"] and d.missing_ranks == [0]
+    assert sum("ignored a roll call answer" in r.getMessage() for r in caplog.records) == 1  # not every 50 ms
 
 
 def test_a_monitors_answer_is_read_into_evidence(tmp_path: Path) -> None:

@@ -246,6 +246,7 @@ class RollCaller:
         pending = {ANSWER_KEY.format(incident, g) for g in others}
         evidence: list[RankEvidence] = []
         hosts: list[str] = []
+        warned: set[tuple[str, str]] = set()  # a forged value is read again every 50 ms: said once
         while pending and self.clock() < deadline:
             for key in sorted(pending):
                 try:
@@ -253,7 +254,10 @@ class RollCaller:
                         continue
                     answer = channel.decode(key, store.get(key), RollCallAnswer)
                 except StoreMessageError as e:
-                    log.warning("ft-launcher: ignored a roll call answer in the rendezvous store at %s: %s", key, e)
+                    if (key, str(e)) not in warned:
+                        warned.add((key, str(e)))
+                        log.warning("ft-launcher: ignored a roll call answer in the rendezvous store at %s: %s",
+                                    key, e)
                     continue
                 except Exception as e:  # noqa: BLE001 - the store may be gone
                     log.warning("ft-launcher: could not read the other nodes' roll call answers: %s", e)

@@ -363,7 +363,7 @@ class Wrapper:
             run.restart.times["entered"] = time.time()
             events.announce_entering(run.restart)
         stop = threading.Event()
-        threads = [threading.Thread(target=self._monitor, args=(run, stop), name="ft-inprocess-monitor",
+        threads = [threading.Thread(target=self._monitor, args=(run, call, stop), name="ft-inprocess-monitor",
                                     daemon=True)]
         if run.watch is not None:
             threads.append(threading.Thread(target=self._watch, args=(run, run.watch, run.iteration, stop),
@@ -489,8 +489,8 @@ class Wrapper:
             if outcome is not None:
                 return
 
-    def _monitor(self, run: _Run, stop: threading.Event) -> None:
-        call = CallWrapper(run, run.iteration)
+    def _monitor(self, run: _Run, call: CallWrapper, stop: threading.Event) -> None:
+        """The iteration's monitor thread; its hooks (abort) get the ``call`` the function got."""
         last_signal = fault_at = 0.0
         grace = self.hard_timeout - self.soft_timeout
         while not stop.is_set():

@@ -132,6 +132,23 @@ def test_the_row_names_the_earliest_onset_whatever_order_the_notices_come_in() -
         assert (row.rank, row.pid) == (1, 4242), order
 
 
+def test_a_waiting_ranks_notice_gives_way_to_the_fault_on_another_node() -> None:
+    """Two nodes: rank 3 (the other node's) hung; this node's rank 1 timed out waiting for it
+    and its monitor's notice arrived, before or after the ranks' re-entry, which names rank 3."""
+    for notice_first in (True, False):
+        ledger = InprocessLedger()
+        victim = _notice(rank=1, pid=4242, onset_time=97.3, detected_time=100.3)
+        back = {lr: _back(1, 100.0 + lr * 0.01, reason="rank 3: section 'step' open", fault_rank=3)
+                for lr in (0, 1)}
+        if notice_first:
+            ledger.on_notice(victim, attempt=0)
+        (row,) = ledger.on_statuses(back, 2, attempt=0)
+        if not notice_first:
+            ledger.on_notice(victim, attempt=0)
+        assert (row.rank, row.pid, row.report, row.message) == (3, None, None, "rank 3: section 'step' open")
+        assert row.detected_time == pytest.approx(100.01) and row.phases is not None  # the fault's record
+
+
 def test_a_restart_without_a_notice_is_recorded_from_the_ranks() -> None:
     ledger = InprocessLedger()
     back = _back(1, 50.0, reason="rank 0: ValueError: bad batch", source="exception", fault_rank=0)

@@ -41,6 +41,9 @@ class Row:
     """Set once every local rank is back."""
     onset: float | None = None
     """The onset of the hang notice the row names (the earliest one: see `on_notice`)."""
+    fault_rank: int | None = None
+    """The rank at fault as the ranks' re-entry says (the first fault recorded in the
+    job's store: job-wide, so it may be a rank of another node)."""
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": "inprocess", "attempt": self.attempt, "iteration": self.iteration, "rank": self.rank,
@@ -68,6 +71,8 @@ class InprocessLedger:
         row = self._row(notice.restart_iteration or 0, attempt)
         if row.onset is not None and row.onset <= notice.onset_time:
             return row
+        if row.fault_rank is not None and notice.rank != row.fault_rank:
+            return row  # a rank that waited for the one at fault (see on_statuses)
         row.onset = notice.onset_time
         row.rank, row.pid, row.reason, row.message = notice.rank, notice.pid, notice.reason, notice.message
         row.detected_time, row.report = notice.detected_time, notice.report
@@ -84,7 +89,14 @@ class InprocessLedger:
             if row.phases is not None or local_rank in row.ranks:
                 continue
             row.ranks[local_rank] = dict(r.times)
-            if row.message is None:  # no hang notice: an exception, a ping timeout, a peer's exit
+            if row.fault_rank is None and r.fault_rank is not None:
+                row.fault_rank = r.fault_rank
+                if row.rank is not None and row.rank != r.fault_rank:
+                    # the notice was of a rank that waited for the one at fault, which may be on
+                    # another node: the job-wide fault record names it
+                    row.rank, row.pid, row.report, row.detected_time, row.message = None, None, None, None, None
+            if row.message is None:  # no hang notice of the rank at fault: an exception, a ping timeout, a
+                # peer's exit, or a hang on another node
                 row.rank, row.reason, row.message = r.fault_rank, r.source, r.reason
             if row.detected_time is None and timeline.FAULT in r.times:
                 row.detected_time = r.times[timeline.FAULT]

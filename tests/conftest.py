@@ -4,21 +4,70 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
+import re
+import shutil
+from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.procs import cleanup_dir, short_tmpdir
+from tests.procs import cleanup_dir, short_tmpdir, slack
+
+KEEP_ENV = "FT_TEST_KEEP_DIR"
+"""Where the work folder of a failing test is kept (scripts/flake-hunt sets it per run);
+unset: /tmp/ft-failed-tests."""
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, Any, Any]:
+    """Each phase's report on the item (``item.ft_failed``), for fixtures that keep evidence."""
+    report = yield
+    if report.failed:
+        item.ft_failed = True  # type: ignore[attr-defined]
+    return report
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, Any, Any]:
+    """pytest-timeout's bound on each test (the ini's, or the test's own mark), multiplied
+    by how busy the machine is when the test starts (tests/procs.slack)."""
+    marker = item.get_closest_marker("timeout")
+    base = (marker.args[0] if marker.args else marker.kwargs.get("timeout")) if marker is not None \
+        else item.config.getini("timeout")
+    if base:
+        item.add_marker(pytest.mark.timeout(float(base) * slack()), append=False)
+    return (yield)
+
+
+def keep_evidence(node: pytest.Item, d: Path) -> Path | None:
+    """Move a failing test's work folder (daemon and launcher logs, hang reports, stack dumps)
+    where it survives the run; where it went, or None when the test passed."""
+    if not getattr(node, "ft_failed", False) or not d.exists():
+        return None
+    base = Path(os.environ.get(KEEP_ENV) or "/tmp/ft-failed-tests")
+    base.mkdir(parents=True, exist_ok=True)
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", node.nodeid)[-150:]
+    dest = base / name
+    n = 1
+    while dest.exists():
+        n += 1
+        dest = base / f"{name}.{n}"
+    shutil.move(str(d), dest)
+    return dest
 
 
 @pytest.fixture
-def workdir() -> Iterator[Path]:
+def workdir(request: pytest.FixtureRequest) -> Iterator[Path]:
     """A private (0700) directory with a short path under /tmp, removed afterwards: sockets go
-    in it, and AF_UNIX paths are limited to 107 bytes (pytest's tmp_path can be longer)."""
+    in it, and AF_UNIX paths are limited to 107 bytes (pytest's tmp_path can be longer).
+    A failing test's folder is kept instead (`keep_evidence`), and its path is printed with the
+    failure."""
     d = short_tmpdir()
     yield d
+    kept = keep_evidence(request.node, d)
+    if kept is not None:
+        request.node.add_report_section("teardown", "evidence", f"work folder kept at {kept}")
     cleanup_dir(d)
 
 

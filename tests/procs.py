@@ -29,9 +29,24 @@ WORKERS = ROOT / "tests" / "workers"
 T = TypeVar("T")
 
 
+MAX_SLACK = 5.0
+
+
+def slack() -> float:
+    """How many times longer than on a quiet machine work takes now: ``FT_TEST_TIME_SCALE``
+    when set, else the 1-minute load average per core, between 1 and MAX_SLACK. Bounds on
+    waits are multiplied by it, so that a test's time limit holds on a busy machine (a
+    fixed 110 s limit failed beside other work on 2 cores) and still ends a hang."""
+    fixed = os.environ.get("FT_TEST_TIME_SCALE")
+    if fixed:
+        return max(1.0, float(fixed))
+    return min(MAX_SLACK, max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1)))
+
+
 def wait_until(predicate: Callable[[], T], timeout: float, what: str, interval: float = 0.01) -> T:
-    """Poll ``predicate`` until it returns something truthy; fail after ``timeout`` seconds."""
-    return testing.wait_until(predicate, timeout, what, interval, error=AssertionError)
+    """Poll ``predicate`` until it returns something truthy; fail after ``timeout`` seconds
+    (scaled by `slack`)."""
+    return testing.wait_until(predicate, timeout * slack(), what, interval, error=AssertionError)
 
 
 def short_tmpdir() -> Path:
@@ -91,7 +106,7 @@ class Rank:
         """The first stdout line starting with ``prefix``, waiting up to ``timeout``.
         Reads the pipe's descriptor directly: lines that arrive together must not sit
         in a file object's buffer where select() cannot see them."""
-        end = time.monotonic() + timeout
+        end = time.monotonic() + timeout * slack()
         assert self.proc.stdout is not None
         fd = self.proc.stdout.fileno()
         while True:
@@ -112,7 +127,7 @@ class Rank:
                 self.lines.extend(line.decode(errors="replace").strip() for line in complete)
 
     def wait(self, timeout: float = 30.0) -> int:
-        return self.proc.wait(timeout)
+        return self.proc.wait(timeout * slack())
 
     def kill(self) -> None:
         if self.proc.poll() is None:

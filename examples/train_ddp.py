@@ -82,12 +82,19 @@ def main() -> None:
     p.add_argument("--hang", default=os.environ.get("FT_DEMO_HANG"), help="rank=R,step=S,attempt=A")
     p.add_argument("--hang-mode", choices=("sleep", "gil", "swallow"), default="sleep",
                    help="how --hang hangs: in Python, in C holding the GIL, or in Python swallowing exceptions")
+    p.add_argument("--hang-where", choices=("step", "between"), default="step",
+                   help="where --hang hangs: inside the step section, or between steps (after the step's "
+                        "heartbeat, outside every section: the ranks waiting for it in their next step's all-reduce "
+                        "time out first)")
     p.add_argument("--crash", default=None, help="rank=R,step=S,attempt=A: raise an error there")
     p.add_argument("--die", default=None, help="rank=R,step=S,attempt=A: the rank SIGKILLs itself there")
     p.add_argument("--slow", default=None, metavar="rank=R,ms=M", help="rank R loads each batch M ms slower")
     p.add_argument("--control", default=os.environ.get("FT_DEMO_CONTROL"), metavar="STEP:ACTION",
                    help="local rank 0 sends a workload control request (ShutdownWorkload, ExcludeThisNode) at "
                         "STEP of the first attempt (or env FT_DEMO_CONTROL, e.g. set for one node only)")
+    p.add_argument("--wait-for", default=None, metavar="FILE",
+                   help="every rank waits (up to 100 s) until FILE exists before it trains: a test puts "
+                        "something in place (a forged store value) before anything can read it")
     p.add_argument("--inprocess", action="store_true",
                    help="run the training function under ft_client.inprocess.Wrapper (use with --ft-on-hang "
                         "inprocess)")
@@ -133,6 +140,12 @@ def train(args: argparse.Namespace, client: RankMonitorClient, memory: dict[int,
     slow = {k: int(v) for k, v in (item.split("=", 1) for item in args.slow.split(","))} if args.slow else None
     ckpt_path = Path(args.ckpt_dir) / "ckpt.pt"
     where = f"attempt {attempt}" + (f" iteration {iteration}" if call is not None else "")
+    if args.wait_for and attempt == 0 and iteration == 0:
+        end = time.monotonic() + 100
+        while not os.path.exists(args.wait_for):
+            if time.monotonic() > end:
+                raise SystemExit(f"[rank {rank}] {args.wait_for} did not appear within 100 s")
+            time.sleep(0.05)
 
     torch.manual_seed(0)
     model = DDP(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1)))
@@ -154,6 +167,10 @@ def train(args: argparse.Namespace, client: RankMonitorClient, memory: dict[int,
     print(f"[rank {rank}] {where}: timeouts in force {client.timeouts.to_wire()}"
           + (f" (learned: {', '.join(learned)})" if learned else ""), flush=True)
 
+    def hang_now(step: int) -> bool:
+        return bool(hang) and (rank, step) == (hang["rank"], hang["step"]) and hang["attempt"] in (attempt, -1) \
+            and iteration == 0
+
     loss = torch.tensor(0.0)
     for step in range(start, args.steps):
         # Data loading is a section of its own: it is the rank's own work, while the step
@@ -168,11 +185,13 @@ def train(args: argparse.Namespace, client: RankMonitorClient, memory: dict[int,
             loss.backward()
             opt.step()
             time.sleep(args.step_time)
-            if hang and (rank, step) == (hang["rank"], hang["step"]) and hang["attempt"] in (attempt, -1) \
-                    and iteration == 0:
+            if hang_now(step) and args.hang_where == "step":
                 print(f"[rank {rank}] {where}: hanging at step {step} (on purpose)", flush=True)
                 write_metrics_to_stuck_filesystem(args.hang_mode)
         client.send_heartbeat()
+        if hang_now(step) and args.hang_where == "between":
+            print(f"[rank {rank}] {where}: hanging after step {step}, outside every section (on purpose)", flush=True)
+            write_metrics_to_stuck_filesystem(args.hang_mode)
         if crash and (rank, step) == (crash["rank"], crash["step"]) and crash["attempt"] in (attempt, -1) \
                 and iteration == 0:
             raise RuntimeError(f"rank {rank} crashed at step {step} (on purpose)")

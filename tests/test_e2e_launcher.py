@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from ft_monitor.launcher import exit_codes
-from tests.procs import ROOT, wait_until
+from tests.procs import ROOT, slack, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -34,22 +34,27 @@ class Launcher:
     """An ft-launcher process; everything it starts inherits a unique marker in its environment."""
 
     def __init__(self, workdir: Path, *args: str, train_args: tuple[str, ...] = (), name: str = "launcher",
-                 launcher_flags: tuple[str, ...] = ("--standalone",), env: dict[str, str] | None = None) -> None:
+                 launcher_flags: tuple[str, ...] = ("--standalone",), env: dict[str, str] | None = None,
+                 relative: bool = False) -> None:
+        """``relative``: started in ``workdir``, with --log-dir and --ft-summary-json relative to it."""
         self.marker = uuid.uuid4().hex
         self.out_path = workdir / f"{name}.out"
         self.summary_path = workdir / f"{name}-summary.json"
         self.log_dir = workdir / f"{name}-logs"
+        paths = (self.log_dir, self.summary_path)
+        log_dir, summary = (p.relative_to(workdir) if relative else p for p in paths)
         argv = [sys.executable, "-m", "ft_monitor.launcher.main", *launcher_flags, "--nproc-per-node", "2",
-                "--log-dir", str(self.log_dir), "--ft-summary-json", str(self.summary_path), *FT_FLAGS, *args,
+                "--log-dir", str(log_dir), "--ft-summary-json", str(summary), *FT_FLAGS, *args,
                 TRAIN, "--ckpt-dir", str(workdir / "ckpt"), *train_args]
         self._out = open(self.out_path, "w")
-        self.proc = subprocess.Popen(argv, stdout=self._out, stderr=subprocess.STDOUT, cwd=ROOT,
+        self.proc = subprocess.Popen(argv, stdout=self._out, stderr=subprocess.STDOUT,
+                                     cwd=workdir if relative else ROOT,
                                      env={**os.environ, **(env or {}), "FT_TEST_MARKER": self.marker},
                                      start_new_session=True)
 
     def wait(self, timeout: float = 240) -> int:
         try:
-            return self.proc.wait(timeout)
+            return self.proc.wait(timeout * slack())
         finally:
             self._out.close()
 
@@ -127,6 +132,68 @@ def test_hung_rank_is_caught_dumped_and_the_job_resumes_from_its_checkpoint(work
     (restart,) = summary["restarts"]
     assert restart["total"] is not None
     assert "all ranks running again" in out and "ft-launcher summary:" in out
+
+
+def _paths(value: object) -> list[str]:
+    """Every absolute path among the strings of a JSON value."""
+    if isinstance(value, dict):
+        return [p for v in value.values() for p in _paths(v)]
+    if isinstance(value, list):
+        return [p for v in value for p in _paths(v)]
+    return [value] if isinstance(value, str) and value.startswith("/") and "\n" not in value else []
+
+
+def test_a_relative_log_dir_keeps_every_piece_of_evidence(workdir: Path) -> None:
+    # before: the monitors resolved the relative --log-dir elsewhere and sent the stack dumps and
+    # hang reports to the launcher's private folder, deleted at exit; the summary pointed there
+    la = Launcher(workdir, "--max-restarts", "1", train_args=("--hang", "rank=1,step=12,attempt=0"), relative=True)
+    try:
+        assert la.wait() == exit_codes.SUCCESS, la.output()
+    finally:
+        la.kill()
+    summary = la.summary()
+    (hang,) = summary["hangs"]
+    error = json.loads(Path(hang["error_file"]).read_text())
+    events = [json.loads(line) for line in Path(summary["observability"]["events"]).read_text().splitlines()]
+    paths = _paths(summary) + _paths(error) + _paths(events)
+    evidence = [hang["stack_dump"], hang["report"], hang["error_file"], hang["diagnosis"]]
+    assert all(p in paths for p in evidence), (evidence, paths)
+    for p in paths:
+        if p.startswith(str(workdir)) or "/ft-launcher-" in p:
+            assert Path(p).exists(), f"{p} is named in an output but does not exist after the launcher exited"
+    for p in evidence:
+        assert Path(p).is_relative_to(la.log_dir), p
+
+
+def test_the_rank_behind_is_named_everywhere_when_a_waiting_ranks_monitor_fires_first(workdir: Path) -> None:
+    # rank 1 hangs between steps, outside every section; rank 0 waits for it in its next step's
+    # all-reduce, so rank 0's learned step timeout always fires first. Before: the launcher's
+    # "hung" line, error.json, the summary, the events and the metrics named rank 0, while
+    # the verdict line said rank 1
+    la = Launcher(workdir, "--max-restarts", "1",
+                  train_args=("--hang", "rank=1,step=12,attempt=0", "--hang-where", "between"))
+    try:
+        assert la.wait() == exit_codes.SUCCESS, la.output()
+    finally:
+        la.kill()
+    out, summary = la.output(), la.summary()
+    hung_lines = [line for line in out.splitlines() if ") hung: " in line and "ft-launcher: rank" in line]
+    assert len(hung_lines) == 1 and "ft-launcher: rank 1 (local rank 1, pid" in hung_lines[0], hung_lines
+    assert "rank 0's monitor reported first" in hung_lines[0]
+    (hang,) = summary["hangs"]
+    assert hang["rank"] == 1 and hang["local_rank"] == 1 and hang["victim_of"] is None
+    assert hang["reported_by"]["rank"] == 0 and hang["pid"] == summary["attempts"][0]["pids"]["1"]
+    assert "write_metrics_to_stuck_filesystem" in Path(hang["stack_dump"]).read_text()
+    assert Path(hang["error_file"]).parent.name == "1"
+    error = json.loads(Path(hang["error_file"]).read_text())["message"]
+    assert error["message"].startswith("RankHang: rank 1 is not in a collective") and "(rank 1, pid" in error["message"]
+    assert "write_metrics_to_stuck_filesystem" in error["extraInfo"]["py_callstack"]
+    assert [d["rank"] for d in summary["diagnoses"]] == [1]
+    assert [i["rank"] for i in summary["observability"]["incidents"]] == [1]
+    events = [json.loads(line) for line in Path(summary["observability"]["events"]).read_text().splitlines()]
+    named = {e["kind"]: e.get("rank") for e in events if e["kind"] in ("hang", "diagnosis", "restart")}
+    assert named == {"hang": 1, "diagnosis": 1, "restart": 1}, named
+    assert "attempt 0: rank 1 (local rank 1, pid" in out and "reported first by rank 0's monitor" in out
 
 
 def test_restart_budget_exhausted_reports_the_hung_rank_as_root_cause(workdir: Path) -> None:
@@ -234,16 +301,22 @@ def test_forged_store_messages_are_ignored_and_the_job_completes(workdir: Path) 
     # before: any process reaching the rendezvous port ended the job (exit 4, "do not
     # requeue") with a plain shutdown value, and a malformed hang record made both
     # launchers exit 2 at the next real hang
+    # The ranks train only once everything is forged (--wait-for), so every read of the store
+    # comes after the forger's writes. Node 0's ranks, which wait in the all-reduce for rank 3,
+    # get a 30 s floor on their learned timeouts: they never report a hang of their own, so the
+    # forged record at node 0's hang key is still there when node 1 reads it (with the same
+    # timeouts they could publish first and overwrite it, ~50 ms after rank 3's detection).
     port = _free_port()
     common = ("--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
               "--rdzv-id", "ft-forged")
-    train = ("--hang", "rank=3,step=12,attempt=0")
-    a = Launcher(workdir, "--max-restarts", "2", train_args=train, name="node0", launcher_flags=common, env=JOB_SECRET)
+    train = ("--hang", "rank=3,step=12,attempt=0", "--wait-for", str(workdir / "forged"))
+    a = Launcher(workdir, "--max-restarts", "2", "--ft-min-learned-timeout", "30", train_args=train, name="node0",
+                 launcher_flags=common, env=JOB_SECRET)
     b = Launcher(workdir, "--max-restarts", "2", train_args=train, name="node1", launcher_flags=common, env=JOB_SECRET)
     try:
         wait_until(lambda: _listening(port), 60, "the rendezvous store")
         forger = subprocess.run([sys.executable, str(ROOT / "tests/workers/store_forger.py"), str(port), "ft-forged",
-                                 "4", str(workdir / "forged")], capture_output=True, text=True, timeout=60)
+                                 "4", str(workdir / "forged")], capture_output=True, text=True, timeout=60 * slack())
         assert forger.returncode == 0 and (workdir / "forged").exists(), forger.stderr
         assert a.wait() == exit_codes.SUCCESS, a.output()
         assert b.wait() == exit_codes.SUCCESS, b.output()

@@ -19,6 +19,7 @@ from ft_monitor.launcher.decide import (
     AttemptVerdict,
     HangDecision,
     LogLine,
+    RollCallFindings,
     WorkerRef,
     decide_attempt_end,
     decide_hang,
@@ -26,6 +27,7 @@ from ft_monitor.launcher.decide import (
     iteration_high,
     read_hang_record,
     triage_hang,
+    with_diagnosis,
 )
 from ft_monitor.launcher.progress import Progress, ProgressPolicy, ProgressTracker
 from ft_monitor.launcher.store_auth import HangRecord, StoreChannel, StoreMessageError
@@ -73,6 +75,10 @@ def decide(n: HangNotice | None = None, *, peers: dict[str, bytes] | None = None
                        progress=progress, policy=POLICY, remaining_restarts=remaining)
 
 
+HUNG_LINE = ("ft-launcher: rank 1 (local rank 1, pid 101) hung: section 'step' open for 2.0 s, timeout 2.0 s; "
+             "stopping the worker group")
+"""The one "hung" line of a hang of rank 1 that its own monitor reported."""
+
 # -- triage ---------------------------------------------------------------------------------
 
 
@@ -109,7 +115,7 @@ def test_log_text_is_made_printable() -> None:
 def test_first_hang_on_one_node() -> None:
     d = decide()
     assert d.root_cause.rank == 1 and d.victim_of is None
-    assert d.logs == () and d.ignored_records == ()
+    assert [line.text() for line in d.logs] == [HUNG_LINE] and d.ignored_records == ()
     assert d.worker == WORKERS[1] and d.exitcode == HANG_EXIT_CODE == -15
     assert d.error_file == "/logs/attempt_0/1/error.json"
     headline = d.error_data["message"]["message"]
@@ -140,7 +146,8 @@ def test_earliest_onset_across_nodes_wins_and_this_rank_is_its_victim() -> None:
     assert d.root_cause == HangRecord(9, NOW - 4.0, "heartbeat missed", "node2")
     assert d.victim_of == d.root_cause and d.summary["victim_of"] == 9
     assert [line.text() for line in d.logs] == [
-        "ft-launcher: rank 9 on node2 hung first (heartbeat missed); rank 1 here was waiting for it"]
+        "ft-launcher: rank 9 on node2 hung first (heartbeat missed); rank 1 here (local rank 1, pid 101) was waiting "
+        "for it; stopping the worker group"]
     assert d.error_data["message"]["message"].startswith("RankHang: rank 9 on node2 hung first (heartbeat missed); "
                                                           "this rank was waiting for it: ")
     # the timestamp stays this rank's own onset: torch picks the earliest error file of *this* node
@@ -150,7 +157,8 @@ def test_earliest_onset_across_nodes_wins_and_this_rank_is_its_victim() -> None:
 def test_this_node_hung_first() -> None:
     peers = dict([signed(1, HangRecord(5, NOW - 1.0, "victim", "node1"))])
     d = decide(peers=peers)
-    assert d.root_cause.rank == 1 and d.root_cause.host == HOST and d.victim_of is None and d.logs == ()
+    assert d.root_cause.rank == 1 and d.root_cause.host == HOST and d.victim_of is None
+    assert [line.text() for line in d.logs] == [HUNG_LINE]
 
 
 def test_a_tie_goes_to_this_node() -> None:
@@ -178,7 +186,7 @@ def test_unsigned_forged_replayed_and_malformed_records_are_ignored() -> None:
         KEY.format(6): channel().encode(KEY.format(6), replace(early, host="x" * 5000)),  # text too long
     }
     d = decide(peers=peers)
-    assert d.root_cause.rank == 1 and d.victim_of is None and d.logs == ()
+    assert d.root_cause.rank == 1 and d.victim_of is None and [line.text() for line in d.logs] == [HUNG_LINE]
     why = dict(d.ignored_records)
     assert sorted(why) == sorted(peers)
     assert why[KEY.format(1)] == "not signed"
@@ -295,3 +303,62 @@ def test_decision_is_a_frozen_value() -> None:
     with pytest.raises(AttributeError):
         d.exitcode = 0  # type: ignore[misc]
     assert decide() == d  # same inputs, same verdict
+
+
+# -- the culprit, once the roll call's evidence is in ----------------------------------------
+
+ERROR_FILES = {0: "/logs/attempt_0/0/error.json", 1: "/logs/attempt_0/1/error.json"}
+VERDICT = ("rank 1 is not in a collective (train.py:64 in write_metrics); rank 0 waits in backward "
+           "(train.py:168 in train)")
+
+
+def findings(culprit: int | None, **kw: Any) -> RollCallFindings:
+    fields: dict[str, Any] = dict(path="/logs/attempt_0/diagnosis.json", verdict=VERDICT, culprit=culprit,
+                                  host=HOST, pid=101, stack="Thread 1:\n  File train.py, line 64\n",
+                                  stack_dump="/logs/attempt_0/1/rank1-pid101-stack.txt")
+    fields.update(kw)
+    return RollCallFindings(**fields)
+
+
+def heartbeat_notice_of_rank0() -> HangNotice:
+    """Rank 0 waits in backward for rank 1; with a heartbeat timeout its monitor fired first."""
+    return notice(pid=100, rank=0, reason="heartbeat", section=None, onset=NOW - 3.0,
+                  message="no heartbeat for 3.0 s, heartbeat timeout 3.0 s", report="/r/rank0-hang.json",
+                  stack_dump="/r/rank0-stack.txt")
+
+
+def test_the_waiting_rank_whose_monitor_fired_first_is_not_the_culprit() -> None:
+    n = heartbeat_notice_of_rank0()
+    d = with_diagnosis(decide(n), n, "rank 0's stack", findings(1), WORKERS, ERROR_FILES)
+    assert d.worker == WORKERS[1] and d.root_cause.rank == 1 and d.victim_of is None
+    assert d.error_file == ERROR_FILES[1]
+    assert (d.summary["rank"], d.summary["local_rank"], d.summary["pid"]) == (1, 1, 101)
+    assert d.summary["victim_of"] is None and d.summary["reported_by"]["rank"] == 0
+    assert d.summary["stack_dump"] == "/logs/attempt_0/1/rank1-pid101-stack.txt" and d.summary["error_file"] == \
+        ERROR_FILES[1]
+    assert d.summary["message"].startswith(VERDICT) and "rank 0's monitor reported first" in d.summary["message"]
+    (line,) = d.logs
+    assert line.text().startswith("ft-launcher: rank 1 (local rank 1, pid 101) hung: " + VERDICT)
+    headline = d.error_data["message"]["message"]
+    assert headline.startswith("RankHang: " + VERDICT) and "(rank 1, pid 101)" in headline
+    assert "rank1-pid101-stack.txt" in headline and "rank0" not in headline.split("reported first")[0]
+    assert d.error_data["message"]["extraInfo"]["py_callstack"].endswith("File train.py, line 64\n")
+
+
+def test_the_culprit_stays_when_the_evidence_agrees_or_is_only_the_monitors() -> None:
+    for culprit in (1, None):
+        n = notice()
+        d = with_diagnosis(decide(n), n, "stack", findings(culprit), WORKERS, ERROR_FILES)
+        assert d.worker == WORKERS[1] and d.summary["rank"] == 1 and "reported_by" not in d.summary
+        assert d.summary["verdict"] == VERDICT and d.summary["diagnosis"].endswith("diagnosis.json")
+        assert [line.text() for line in d.logs] == [HUNG_LINE]
+
+
+def test_a_culprit_on_another_node_makes_this_rank_its_victim() -> None:
+    n = heartbeat_notice_of_rank0()
+    d = with_diagnosis(decide(n), n, "stack", findings(3, host="node1"), WORKERS, ERROR_FILES)
+    assert d.worker == WORKERS[0] and d.victim_of is not None and d.victim_of.rank == 3
+    assert d.summary["victim_of"] == 3 and d.summary["rank"] == 0
+    (line,) = d.logs
+    assert line.text().startswith("ft-launcher: rank 3 on node1 hung first") and "rank 0 here" in line.text()
+    assert d.error_data["message"]["message"].startswith("RankHang: rank 3 on node1 hung first")

@@ -63,6 +63,7 @@ from ft_monitor.launcher.decide import (
     AttemptVerdict,
     HangDecision,
     LogLine,
+    RollCallFindings,
     WorkerRef,
     decide_attempt_end,
     decide_hang,
@@ -342,10 +343,9 @@ class FtLocalElasticAgent(_lea.LocalElasticAgent):
 
     def _on_hang(self, wg: WorkerGroup, notice: HangNotice) -> RunResult | None:
         """Gather the inputs of decide.py's verdict (store, files, daemons), then carry it out."""
-        triage = triage_hang(notice, [WorkerRef(w.global_rank, w.local_rank, w.id) for w in wg.workers],
-                             socket.gethostname())
-        _emit(triage.logs)
+        triage = triage_hang(notice, self._workers(wg), socket.gethostname())
         if triage.worker is None or triage.record is None:
+            _emit(triage.logs)
             return None
         now = time.time()
         channel = self._channel(wg)
@@ -360,6 +360,9 @@ class FtLocalElasticAgent(_lea.LocalElasticAgent):
         return self._carry_out(self._diagnose(wg, channel, notice, decision, stack))
 
     # -- the roll call (rollcall.py) -------------------------------------------
+    def _workers(self, wg: WorkerGroup) -> list[WorkerRef]:
+        return [WorkerRef(w.global_rank, w.local_rank, w.id) for w in wg.workers]
+
     def _ranks(self, wg: WorkerGroup) -> list[Rank]:
         return [Rank(w.global_rank, w.local_rank, w.id) for w in wg.workers if w.id is not None]
 
@@ -380,11 +383,11 @@ class FtLocalElasticAgent(_lea.LocalElasticAgent):
         except Exception:  # noqa: BLE001 - diagnosis is best effort; the group is stopped regardless
             log.exception("ft-launcher: the roll call failed; stopping the group without a diagnosis")
             return decision
-        return with_diagnosis(decision, notice, stack, *found)
+        return with_diagnosis(decision, notice, stack, found, self._workers(wg), self._error_files())
 
     def _roll_call(self, wg: WorkerGroup, channel: StoreChannel | None, notice: HangNotice,
-                   local_rank: int) -> tuple[str, str]:
-        """Every rank of the job dumped and compared: diagnosis.json written; (its path, the verdict line)."""
+                   local_rank: int) -> RollCallFindings:
+        """Every rank of the job dumped and compared: diagnosis.json written; what it found."""
         hung = HungRank(notice.rank, socket.gethostname(), notice.pid, notice.message, notice.reason, notice.section,
                         notice.iteration, notice.detected_time, notice.report)
         multi = (wg.group_world_size or 1) > 1
@@ -400,13 +403,17 @@ class FtLocalElasticAgent(_lea.LocalElasticAgent):
         log.warning("ft-launcher: diagnosis %s (roll call %d: %.2fs, %d rank(s) answered of %d, Flight Recorder %s)",
                     path, rc.incident, rc.duration_s, answered, len(diagnosis.evidence) + len(diagnosis.missing_ranks),
                     "on" if rc.flight_recorder else "off")
-        row = {"attempt": self._attempt(), "rank": notice.rank, "pid": notice.pid, "action": notice.action,
+        found = RollCallFindings.of(diagnosis, str(path))
+        culprit = found.culprit is not None
+        row = {"attempt": self._attempt(), "rank": found.culprit if culprit else notice.rank,
+               "reported_by": notice.rank, "pid": found.pid if culprit and found.pid else notice.pid,
+               "action": notice.action,
                "diagnosis": str(path), "verdict": v.line, "basis": v.basis, "behind": v.behind,
                "roll_call_s": round(rc.duration_s, 6), "detected_time": notice.detected_time,
                "written_time": time.time()}
         self.ft.diagnoses.append(row)
         self._diagnosed(row)
-        return str(path), v.line
+        return found
 
     def _diagnosed(self, row: dict[str, Any]) -> None:
         """A diagnosis was written (observed.py tells the telemetry)."""
@@ -418,8 +425,7 @@ class FtLocalElasticAgent(_lea.LocalElasticAgent):
 
     def _on_dump(self, wg: WorkerGroup, notice: HangNotice) -> None:
         """``on_hang: dump``: the roll call and its diagnosis, once per incident; nothing is stopped."""
-        triage = triage_hang(notice, [WorkerRef(w.global_rank, w.local_rank, w.id) for w in wg.workers],
-                             socket.gethostname())
+        triage = triage_hang(notice, self._workers(wg), socket.gethostname())
         if triage.worker is None or triage.record is None:
             _emit(triage.logs)
             return

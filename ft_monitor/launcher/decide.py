@@ -18,6 +18,13 @@ store round-trip in between:
    write, the summary entry, the restart timing's first timestamps, and whether
    restarting goes on (`decide_attempt_end`, also used for attempts that failed
    by a crash).
+3. `with_diagnosis`, after the roll call: the culprit, decided once. The monitor
+   whose deadline fired first is not always the hung rank's: with a heartbeat
+   timeout every rank misses its deadline, and a rank waiting in a collective for
+   the hung one may fire first. When the roll call's evidence (Flight Recorder,
+   stacks) puts another rank behind, that rank is the culprit, and everything the
+   launcher writes (the "hung" line, error.json, the summary entry, the restart's
+   rank, events, metrics) names it; the monitor that fired is kept as ``reported_by``.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ft_monitor.launcher import exit_codes
+from ft_monitor.launcher.diagnosis import Diagnosis
 from ft_monitor.launcher.progress import Progress, ProgressPolicy
 from ft_monitor.launcher.rootcause import hang_error_data
 from ft_monitor.launcher.store_auth import HangRecord, StoreChannel, StoreMessageError
@@ -74,15 +82,24 @@ class HangTriage:
         return self.worker is not None
 
 
+STOPPING = "stopping the worker group"
+
+
+def hung_line(worker: WorkerRef, message: str, then: str = STOPPING) -> LogLine:
+    """The launcher's one "hung" line of an incident."""
+    return LogLine(logging.ERROR, "ft-launcher: rank %d (local rank %d, pid %d) hung: %s; %s",
+                   (worker.global_rank, worker.local_rank, worker.pid, printable(message), then))
+
+
 def triage_hang(notice: HangNotice, workers: Iterable[WorkerRef], host: str) -> HangTriage:
+    """``logs``: with ``on_hang: dump`` the line to print; a hang that stops the group prints
+    its line once the culprit is decided (`decide_hang`, `with_diagnosis`)."""
     worker = next((w for w in workers if w.pid == notice.pid), None)
     if worker is None:  # a worker of an attempt already stopped
         return HangTriage(None, None, (LogLine(logging.INFO, "ft-launcher: ignoring a hang notice for pid %d, "
                                                              "not a current worker", (notice.pid,)),))
-    then = "stopping the worker group" if notice.action != "dump" else \
-        "diagnosing it; the job keeps running (on_hang: dump)"
-    line = LogLine(logging.ERROR, "ft-launcher: rank %d (local rank %d, pid %d) hung: %s; %s",
-                   (worker.global_rank, worker.local_rank, worker.pid, printable(notice.message), then))
+    then = STOPPING if notice.action != "dump" else "diagnosing it; the job keeps running (on_hang: dump)"
+    line = hung_line(worker, notice.message, then)
     return HangTriage(worker, HangRecord(worker.global_rank, notice.onset_time, notice.message, host), (line,))
 
 
@@ -192,11 +209,9 @@ def decide_hang(notice: HangNotice, worker: WorkerRef, mine: HangRecord, *, now:
     """
     first, ignored = first_hang(mine, channel, peer_values)
     victim_of = first if first.rank != mine.rank else None
-    logs: tuple[LogLine, ...] = ()
+    logs: tuple[LogLine, ...] = (hung_line(worker, notice.message),)
     if victim_of is not None:
-        logs = (LogLine(logging.ERROR, "ft-launcher: rank %d on %s hung first (%s); rank %d here was waiting for it",
-                        (victim_of.rank, printable(victim_of.host), printable(victim_of.message),
-                         worker.global_rank)),)
+        logs = (_waited_line(victim_of, worker),)
     summary = {**notice.to_wire(), "error_file": error_file, "local_rank": worker.local_rank, "attempt": attempt,
                "victim_of": None if victim_of is None else victim_of.rank}
     return HangDecision(
@@ -208,13 +223,72 @@ def decide_hang(notice: HangNotice, worker: WorkerRef, mine: HangRecord, *, now:
     )
 
 
-def with_diagnosis(decision: HangDecision, notice: HangNotice, stack: str | None, path: str,
-                   verdict: str) -> HangDecision:
-    """The decision once the roll call's diagnosis is written: error.json points at it and
-    the summary entry carries its path and verdict line."""
-    return replace(decision,
-                   error_data=hang_error_data(notice, stack, decision.victim_of, diagnosis=path, verdict=verdict),
-                   summary={**decision.summary, "diagnosis": path, "verdict": verdict})
+def _waited_line(first: HangRecord, worker: WorkerRef) -> LogLine:
+    return LogLine(logging.ERROR, "ft-launcher: rank %d on %s hung first (%s); rank %d here (local rank %d, pid %d) "
+                                  "was waiting for it; %s",
+                   (first.rank, printable(first.host), printable(first.message), worker.global_rank,
+                    worker.local_rank, worker.pid, STOPPING))
+
+
+@dataclass(frozen=True)
+class RollCallFindings:
+    """What a roll call's diagnosis says about who is behind, as the decision needs it."""
+
+    path: str
+    """diagnosis.json."""
+    verdict: str
+    culprit: int | None
+    """The rank the evidence (Flight Recorder, stacks) puts behind the others; None when the
+    verdict rests on the monitor's word alone."""
+    host: str | None = None
+    pid: int | None = None
+    stack: str | None = None
+    """The culprit's stack dump text, from the roll call."""
+    stack_dump: str | None = None
+    """Its file."""
+
+    @classmethod
+    def of(cls, diagnosis: Diagnosis, path: str) -> RollCallFindings:
+        v = diagnosis.verdict
+        culprit = v.behind[0] if v.basis != "monitor" and v.behind else None
+        ev = next((e for e in diagnosis.evidence if e.rank == culprit), None)
+        if ev is None:
+            return cls(path, v.line, culprit)
+        return cls(path, v.line, culprit, ev.host, ev.pid, ev.stack, ev.files.get("stack_dump"))
+
+
+def with_diagnosis(decision: HangDecision, notice: HangNotice, stack: str | None, found: RollCallFindings,
+                   workers: Iterable[WorkerRef] = (), error_files: Mapping[int, str] | None = None) -> HangDecision:
+    """The decision once the roll call's diagnosis is written: error.json points at it and the
+    summary entry carries its path and verdict line. When the evidence puts another rank behind
+    the one whose monitor fired, that rank is the culprit: a worker of this node takes the
+    failure, the "hung" line, error.json (at its own, from ``error_files`` by local rank) and
+    the summary entry; a rank of another node makes this one its victim."""
+    base = {**decision.summary, "diagnosis": found.path, "verdict": found.verdict}
+    culprit = found.culprit
+    if culprit is None or culprit == decision.worker.global_rank or decision.victim_of is not None:
+        return replace(decision, summary=base,
+                       error_data=hang_error_data(notice, stack, decision.victim_of, diagnosis=found.path,
+                                                  verdict=found.verdict))
+    reported = f"rank {notice.rank}'s monitor reported first: {notice.message}"
+    local = next((w for w in workers if w.global_rank == culprit), None)
+    if local is None:  # behind, on another node: this rank waited for it
+        first = HangRecord(culprit, notice.onset_time, found.verdict, found.host or "another node")
+        return replace(decision, victim_of=first, root_cause=first, logs=(_waited_line(first, decision.worker),),
+                       summary={**base, "victim_of": culprit},
+                       error_data=hang_error_data(notice, stack, first, diagnosis=found.path, verdict=found.verdict))
+    message = f"{found.verdict} ({reported})"
+    error_file = (error_files or {}).get(local.local_rank, decision.error_file)
+    as_culprit = replace(notice, rank=local.global_rank, pid=local.pid, message=message,
+                         stack_dump=found.stack_dump, stack_dump_captured=found.stack is not None)
+    summary = {**base, "rank": local.global_rank, "local_rank": local.local_rank, "pid": local.pid,
+               "message": message, "stack_dump": found.stack_dump, "stack_dump_captured": found.stack is not None,
+               "report": None, "error_file": error_file,
+               "reported_by": {"rank": notice.rank, "pid": notice.pid, "message": notice.message,
+                               "report": notice.report, "stack_dump": notice.stack_dump}}
+    return replace(decision, worker=local, error_file=error_file, summary=summary, logs=(hung_line(local, message),),
+                   root_cause=HangRecord(culprit, notice.onset_time, message, decision.root_cause.host),
+                   error_data=hang_error_data(as_culprit, found.stack, diagnosis=found.path, verdict=found.verdict))
 
 
 def same_incident(onset_time: float, last_roll_call: float | None) -> bool:

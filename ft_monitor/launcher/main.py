@@ -100,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         log.warning("ft-launcher: %s", untested)
     parser = build_parser()
     args = parser.parse_args(argv)
+    absolute_paths(args)
     cli = cli_overrides(args)
     try:
         config = Settings.from_config(load_config(args.ft_cfg_path, os.environ, cli, log=log))
@@ -120,6 +121,21 @@ def main(argv: list[str] | None = None) -> int:
     # torch's own opt-out gives every attempt a fresh store hosted by its rank 0.
     os.environ.setdefault(SHARED_STORE_OPT_OUT, "1")
     return launch(args, config, args.ft_summary_json, secret)
+
+
+PATH_ARGS = ("log_dir", "ft_summary_json", "ft_cfg_path", "ft_job_secret_file")
+"""The launcher's flags that name files or folders: made absolute at start."""
+
+
+def absolute_paths(args: argparse.Namespace) -> None:
+    """Every path the launcher takes, absolute from the directory it was started in: the
+    monitors and workers resolve a relative one from elsewhere (a monitor put the stack dumps
+    of a relative ``--log-dir`` in the launcher's private folder, deleted at exit), and every
+    path the launcher prints must still name the same file after it has exited."""
+    for name in PATH_ARGS:
+        value = getattr(args, name, None)
+        if isinstance(value, str) and value:
+            setattr(args, name, os.path.abspath(value))
 
 
 def _timeouts_in_order(config: Settings, args: argparse.Namespace) -> bool:
@@ -272,10 +288,17 @@ def _print_summary(ft: Any, code: int, observed: dict[str, Any] | None = None) -
     for hang, timing in zip(ft.hangs, ft.restarts):
         b = timing.breakdown()
         delay = hang.get("elapsed_s", 0.0) - hang.get("timeout_s", 0.0)
-        lines.append(f"  attempt {hang['attempt']}: rank {hang['rank']} (local rank {hang['local_rank']}, pid "
-                     f"{hang['pid']}) hung: {hang['message']}; caught {delay * 1000:.1f} ms after its timeout")
+        who = f"rank {hang['rank']} (local rank {hang['local_rank']}, pid {hang['pid']})"
         if hang.get("victim_of") is not None:
-            lines.append(f"    it was waiting for rank {hang['victim_of']} (another node), which hung first")
+            lines.append(f"  attempt {hang['attempt']}: rank {hang['victim_of']} (another node) hung first; {who} "
+                         f"here waited for it: {hang['message']}")
+        else:
+            lines.append(f"  attempt {hang['attempt']}: {who} hung: {hang['message']}; caught {delay * 1000:.1f} ms "
+                         "after its timeout")
+        reporter = hang.get("reported_by")
+        if isinstance(reporter, dict):
+            lines.append(f"    reported first by rank {reporter['rank']}'s monitor, whose rank waited for it: "
+                         f"{reporter['message']}")
         if hang.get("verdict"):
             lines.append(f"    verdict: {hang['verdict']}")
             lines.append(f"    diagnosis: {hang['diagnosis']}")

@@ -98,6 +98,8 @@ def test_a_rank_killed_mid_run_restarts_the_group(workdir: Path) -> None:
         la.kill()
     out, summary = la.output(), la.summary()
     assert len(_attempt_pids(summary)) == 2  # a dead process: the process restart, not a barrier wait forever
+    (restart,) = summary["restarts"]
+    assert (restart["cause"], restart["rank"]) == ("failure", 1) and "killed by SIGKILL" in restart["message"]
     assert "[rank 1] attempt 1 iteration 0: resumed at step 5" in out
     assert "[rank 0] attempt 1 iteration 0: finished 30 steps" in out
 

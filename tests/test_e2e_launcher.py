@@ -219,6 +219,11 @@ def test_crashed_rank_restarts_the_job(workdir: Path) -> None:
     out = la.output()
     assert "[rank 0] attempt 1: resumed at step 5" in out
     assert "[rank 1] attempt 1: finished 30 steps" in out
+    # before: the restart was in events.jsonl only, not in the summary or summary.json
+    (restart,) = la.summary()["restarts"]
+    assert (restart["cause"], restart["rank"], restart["attempt"]) == ("failure", 0, 0), restart
+    assert "exited with code 1" in restart["message"] and restart["total"] is not None
+    assert f"attempt 0: {restart['message']}; the worker group restarted" in out
 
 
 def test_no_progress_stops_restarting_early(workdir: Path) -> None:

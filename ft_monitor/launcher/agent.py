@@ -112,16 +112,27 @@ class TorchVersionError(FtError, RuntimeError):
 
 @dataclass
 class RestartTiming:
-    """Where the time went between a hang's detection and all ranks running again."""
+    """One process restart of the worker group, whatever its cause, and where its time went
+    between the failure's detection and all ranks running again."""
 
     rank: int
-    detected: float  # wall clock, from the daemon
+    detected: float  # wall clock, from the daemon (a hang) or the agent (a crash)
     notice_received: float
     stop_began: float | None = None
     stopped: float | None = None
     rendezvous_done: float | None = None
     workers_started: float | None = None
     first_step: float | None = None
+    cause: str = "hang"
+    """hang (the monitors' verdict), or failure (torch saw a worker exit: a crash, a kill)."""
+    attempt: int = 0
+    """The attempt that failed."""
+    message: str = ""
+
+    def row(self) -> dict[str, Any]:
+        """The summary's row: cause, rank, attempt, message and the phases (`breakdown`)."""
+        return {"cause": self.cause, "rank": self.rank, "attempt": self.attempt, "message": self.message,
+                **self.breakdown()}
 
     def breakdown(self) -> dict[str, float | None]:
         def d(a: float | None, b: float | None) -> float | None:
@@ -194,6 +205,16 @@ class FtRuntime:
             if not isinstance(error_file, str) or error_file == os.devnull:
                 error_file = None
             self.monitors.announce(local_rank, pid, global_rank, error_file)
+
+
+def _how(exitcode: int) -> str:
+    """How a worker ended, from its exit code (negative: the signal that killed it)."""
+    if exitcode >= 0:
+        return f"exited with code {exitcode}"
+    try:
+        return f"was killed by {signal.Signals(-exitcode).name}"
+    except ValueError:
+        return f"was killed by signal {-exitcode}"
 
 
 def _emit(lines: tuple[LogLine, ...]) -> None:
@@ -286,7 +307,7 @@ class FtLocalElasticAgent(_lea.LocalElasticAgent):
         self._answer_roll_calls(worker_group)
         watched: RunResult = super()._monitor_workers(worker_group)
         if watched.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
-            self._attempt_ended()
+            self._attempt_ended(dict(watched.failures))
         return watched
 
     def _on_event(self, wg: WorkerGroup, event: LauncherEvent) -> RunResult | None:
@@ -468,7 +489,8 @@ class FtLocalElasticAgent(_lea.LocalElasticAgent):
                                  error_file=decision.error_file)
         self.ft.hangs.append(decision.summary)
         self._pending_error = (decision.error_file, decision.error_data)
-        self.ft.restarts.append(RestartTiming(worker.global_rank, decision.detected, decision.received))
+        self.ft.restarts.append(RestartTiming(worker.global_rank, decision.detected, decision.received,
+                                              attempt=self._attempt()))
         self._end_attempt(decision.attempt)
         return RunResult(state=WorkerState.FAILED, failures={worker.global_rank: failure})
 
@@ -539,10 +561,23 @@ class FtLocalElasticAgent(_lea.LocalElasticAgent):
     def _attempt(self) -> int:
         return self._worker_group.spec.max_restarts - self._remaining_restarts
 
-    def _attempt_ended(self) -> None:
-        """An attempt failed (torch saw a worker exit): stop restarting if restarts make no progress."""
+    def _attempt_ended(self, failures: dict[int, ProcessFailure] | None = None) -> None:
+        """An attempt failed (torch saw a worker exit): stop restarting if restarts make no progress;
+        a restart that goes on is timed and listed like a hang's (`RestartTiming`, cause failure)."""
+        attempt = self._attempt()
         self._end_attempt(decide_attempt_end(iteration_high(self.ft.monitors.statuses()), self.ft.tracker.state,
                                              self.ft.tracker.policy, self._remaining_restarts))
+        if self._remaining_restarts > 0 and failures:
+            # torch reports every failed worker at once, the ones it stopped itself (SIGTERM) among them:
+            # the first is a rank that failed on its own, killed by another signal before one that exited
+            # (its peers then fail of the broken connection), then the earliest error file, then the rank
+            order = sorted(failures, key=lambda r: (failures[r].exitcode == -signal.SIGTERM,
+                                                    failures[r].exitcode >= 0, failures[r].timestamp, r))
+            what = [f"rank {r} (pid {failures[r].pid}) {_how(failures[r].exitcode)}" for r in order]
+            message = what[0] + (f" (then {', '.join(what[1:])})" if len(what) > 1 else "")
+            now = time.time()
+            self.ft.restarts.append(RestartTiming(order[0], now, now, cause="failure", attempt=attempt,
+                                                  message=message))
 
     def _end_attempt(self, verdict: AttemptVerdict) -> None:
         self.ft.tracker.state = verdict.progress
@@ -625,7 +660,8 @@ class FtLocalElasticAgent(_lea.LocalElasticAgent):
             timing.first_step = time.time()
             self._pending_first_step = None
             b = timing.breakdown()
-            log.warning("ft-launcher: all ranks running again %.2fs after rank %d's hang was detected "
+            log.warning("ft-launcher: all ranks running again %.2fs after rank %d's %s was detected "
                         "(notify %.3fs, to stop %.3fs, stop %.3fs, rendezvous %.3fs, worker start %.3fs, "
-                        "first step %.3fs)", b["total"] or 0, timing.rank, b["notify"] or 0, b["to_stop"] or 0,
-                        b["stop"] or 0, b["rendezvous"] or 0, b["worker_start"] or 0, b["first_step"] or 0)
+                        "first step %.3fs)", b["total"] or 0, timing.rank, timing.cause, b["notify"] or 0,
+                        b["to_stop"] or 0, b["stop"] or 0, b["rendezvous"] or 0, b["worker_start"] or 0,
+                        b["first_step"] or 0)

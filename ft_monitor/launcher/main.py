@@ -266,9 +266,13 @@ def _report_root_cause(e: Any) -> None:
         handler.dump_error_file(failure.error_file, failure.exitcode)
 
 
+def _phases(b: dict[str, float | None]) -> str:
+    return ", ".join(f"{k} {v:.3f}s" for k, v in b.items() if k != "total" and v is not None)
+
+
 def _print_summary(ft: Any, code: int, observed: dict[str, Any] | None = None) -> None:
-    if not ft.hangs and ft.outcome is None and not ft.monitors.restarts and not ft.inprocess_restarts \
-            and not ft.diagnoses:
+    if not (ft.hangs or ft.restarts or ft.monitors.restarts or ft.inprocess_restarts or ft.diagnoses) \
+            and ft.outcome is None:
         return
     lines = ["", "ft-launcher summary:"]
     if observed is not None and observed.get("goodput") is not None:
@@ -284,9 +288,16 @@ def _print_summary(ft: Any, code: int, observed: dict[str, Any] | None = None) -
         phases = row["phases"] or {}
         if phases.get("total") is not None:
             lines.append(f"    all ranks back in their step loop {phases['total']:.2f} s after the fault: "
-                         + ", ".join(f"{k} {v:.3f}s" for k, v in phases.items() if k != "total" and v is not None))
-    for hang, timing in zip(ft.hangs, ft.restarts):
+                         + _phases(phases))
+    hangs = iter(ft.hangs)
+    for timing in ft.restarts:
         b = timing.breakdown()
+        hang = next(hangs, None) if timing.cause == "hang" else None
+        if hang is None:
+            lines.append(f"  attempt {timing.attempt}: {timing.message or timing.cause}; the worker group restarted")
+            if b["total"] is not None:
+                lines.append(f"    all ranks running again {b['total']:.2f} s after it was seen: {_phases(b)}")
+            continue
         delay = hang.get("elapsed_s", 0.0) - hang.get("timeout_s", 0.0)
         who = f"rank {hang['rank']} (local rank {hang['local_rank']}, pid {hang['pid']})"
         if hang.get("victim_of") is not None:
@@ -306,8 +317,7 @@ def _print_summary(ft: Any, code: int, observed: dict[str, Any] | None = None) -
             lines.append(f"    stack dump: {hang['stack_dump']}")
         lines.append(f"    error file: {hang['error_file']}")
         if b["total"] is not None:
-            lines.append(f"    all ranks running again {b['total']:.2f} s after detection: "
-                         + ", ".join(f"{k} {v:.3f}s" for k, v in b.items() if k != "total" and v is not None))
+            lines.append(f"    all ranks running again {b['total']:.2f} s after detection: {_phases(b)}")
     for row in ft.diagnoses:
         if row["action"] == "dump":
             lines.append(f"  attempt {row['attempt']}: rank {row['rank']} hung, diagnosed and left running "
@@ -326,7 +336,7 @@ def _write_summary(ft: Any, code: int, path: str, observed: dict[str, Any] | Non
     """Atomically, through a temporary file and a rename: a symlink planted at ``path``
     is replaced, never followed."""
     try:
-        write_json_atomic(path, {"exit_code": code, "hangs": ft.hangs, "restarts": [t.breakdown() for t in ft.restarts],
+        write_json_atomic(path, {"exit_code": code, "hangs": ft.hangs, "restarts": [t.row() for t in ft.restarts],
                                  "inprocess_restarts": ft.inprocess_restarts, "attempts": ft.attempts,
                                  "diagnoses": ft.diagnoses,
                                  "monitor_restarts": ft.monitors.restarts, "outcome": ft.outcome_message,

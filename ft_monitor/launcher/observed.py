@@ -66,8 +66,10 @@ class FtObservedAgent(FtLocalElasticAgent):
         result: RunResult = super()._monitor_workers(worker_group)
         if self._attempt_open and result.state in (WorkerState.SUCCEEDED, WorkerState.FAILED, WorkerState.UNHEALTHY):
             self._attempt_open = False
+            last = self.ft.restarts[-1] if self.ft.restarts else None
+            crash = last if last is not None and last.cause == "failure" and last.stop_began is None else None
             self._tell(self.telemetry.attempt_ended, result.state.value, dict(result.failures),
-                       self._remaining_restarts)
+                       self._remaining_restarts, crash)
         return result
 
     def _carry_out(self, decision: HangDecision) -> RunResult:

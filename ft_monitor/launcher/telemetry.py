@@ -228,8 +228,11 @@ class Telemetry:
         self.events.emit("kill", now, attempt=self.attempt, cause=cause, signal=signal_name, grace_s=grace,
                          began=began, ended=now, duration_s=max(0.0, now - began))
 
-    def attempt_ended(self, state: str, failures: Mapping[int, Any], restarts_left: int) -> None:
-        """torch's verdict on the attempt (SUCCEEDED, FAILED, UNHEALTHY); ``failures`` global rank -> failure."""
+    def attempt_ended(self, state: str, failures: Mapping[int, Any], restarts_left: int,
+                      timing: Any = None) -> None:
+        """torch's verdict on the attempt (SUCCEEDED, FAILED, UNHEALTHY); ``failures`` global rank -> failure.
+        ``timing``: the agent's `RestartTiming` of the restart that follows a failure (it fills it in);
+        without one the telemetry times that restart itself."""
         from ft_monitor.launcher.agent import RestartTiming
 
         now = self.clock()
@@ -240,9 +243,10 @@ class Telemetry:
                                     "message": str(getattr(f, "message", "") or "")[:500]}
                                    for r, f in sorted(failures.items())])
         if state != "SUCCEEDED" and not self._hang_this_attempt and restarts_left > 0:
-            first = min(failures) if failures else -1
-            self._failure_timing = RestartTiming(first, now, now)
-            self.pending = _PendingRestart(self._failure_timing, "failure", self.attempt + 1)
+            if timing is None:
+                first = min(failures) if failures else -1
+                timing = self._failure_timing = RestartTiming(first, now, now, cause="failure", attempt=self.attempt)
+            self.pending = _PendingRestart(timing, "failure", self.attempt + 1)
         self._stats(now, statuses)
 
     def workload_request(self, rank: int, action: str, reason: str) -> None:

@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,10 @@ from torch.distributed import distributed_c10d
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ft_client.inprocess import CallWrapper, Wrapper, events
+
+SAVED_4 = "test/rank0-saved-step-4"
+"""With ``raise``: rank 0 has completed and saved step 4 (rank 1 raises at step 5 only then;
+else rank 0, interrupted between step 4's all-reduce and its copy, restores step 4)."""
 
 
 def say(*parts: object) -> None:
@@ -119,6 +124,8 @@ def main() -> int:
                 client.start_section("step")
             first = call.iteration == 0
             if scenario in ("raise", "health") and rank == 1 and first and step == 5:
+                if scenario == "raise":  # the fault comes once rank 0 has saved step 4 too: restored at 5
+                    call.store.wait([SAVED_4], timedelta(seconds=60))
                 raise ValueError("bad batch (test)")
             if client is not None:
                 client.start_section("data")
@@ -155,6 +162,8 @@ def main() -> int:
             saved[step + 1] = {"model": {k: v.clone() for k, v in model.module.state_dict().items()},
                                "opt": copy.deepcopy(opt.state_dict())}
             saved.pop(step - 1, None)
+            if scenario == "raise" and rank == 0 and first and step == 4:
+                call.store.set(SAVED_4, b"1")
             if client is not None:
                 client.end_section("step")
                 client.send_heartbeat()

@@ -10,7 +10,6 @@ or re-entered, on the second. Real processes, real signals; every wait is on a l
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 from pathlib import Path
 

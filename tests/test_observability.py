@@ -292,6 +292,36 @@ def test_the_report_escapes_what_ranks_wrote() -> None:
     assert "<script>" not in page and "&lt;script&gt;" in page and "&lt;t&gt;" in page
 
 
+def _run_folder(log_dir: Path, name: str) -> Path:
+    run = log_dir / name
+    run.mkdir(parents=True)
+    log = EventLog("h", pid=7)
+    log.attach(run)
+    log.emit("attempt_start", 1.0, attempt=0, run_id=name, node_rank=0, ranks={}, log_dir=str(run))
+    log.close()
+    return run
+
+
+def test_report_given_the_log_dir_finds_its_one_run_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from ft_monitor.cli import main
+
+    run = _run_folder(tmp_path, "job_abc123")
+    assert main(["report", str(tmp_path)]) == 0  # before: "<log dir>/events.jsonl does not exist"
+    assert capsys.readouterr().out.strip() == str(run / "report.html")
+    assert (run / "report.html").exists()
+
+
+def test_report_given_a_log_dir_with_several_run_folders_lists_them(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    from ft_monitor.cli import main
+
+    runs = [_run_folder(tmp_path, name) for name in ("job_a", "job_b")]
+    assert main(["report", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"ft-monitor report: {tmp_path} holds 2 run folders with events.jsonl: "
+                          f"{runs[0]}, {runs[1]}; give one of them as RUN_DIR"), err
+
+
 def test_an_inprocess_restart_is_counted_with_its_own_phases(tmp_path: Path) -> None:
     clock = {"t": 50.0}
     tel = Telemetry(config=Settings(), monitors=FakeMonitors(), host="h", nproc=2, max_restarts=1,

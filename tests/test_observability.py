@@ -282,6 +282,21 @@ def test_the_live_view_table_and_json_from_statuses() -> None:
     json.dumps(data)
 
 
+def test_the_live_view_escapes_section_names_as_the_other_views_do() -> None:
+    """`status --all` printed a rank's section name as it came: an escape sequence in it
+    reached the operator's terminal (cleared it, retitled it). `--socket` and `--json` escape."""
+    mon = FakeMonitors()
+    _stepped(mon, 0, 1)
+    evil = "\x1b[2J\x1b]0;owned\x07step"
+    mon.sessions[0].open_section(evil, 0.0)  # type: ignore[union-attr]
+    mon.timeouts = Timeouts.from_config(Settings(rank_section_timeouts={evil: 60}))
+    rows = [Row(f"/run/monitor{lr}.sock", st) for lr, st in mon.statuses().items()]
+    table = format_table(rows)
+    assert "\x1b" not in table and "\x07" not in table, table
+    assert repr(evil) in table.splitlines()[1], table  # the section column, and the timeouts column
+    assert f"{repr(evil)}=60" in table
+
+
 def test_the_report_escapes_what_ranks_wrote() -> None:
     log_events = [
         {"v": 1, "seq": 0, "time": 0.0, "kind": "attempt_start", "host": "<h>", "launcher_pid": 1, "attempt": 0},

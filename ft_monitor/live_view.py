@@ -7,8 +7,8 @@ connection each; a socket that does not answer is a row that says so);
 for how long, the last heartbeat, the median step time, the iteration, the
 timeouts in force and the hangs its monitor saw; names a rank chose (sections) are
 escaped with `server_log.printable`, as in the logs, so no escape sequence reaches
-the operator's terminal. `to_json` is the same for scripts. `find_run_dirs` is how `ft-launcher status` finds this user's running
-launchers when no directory is given.
+the operator's terminal. `to_json` is the same for scripts. `find_run_dirs` is how
+`ft-launcher status` finds this user's running launchers when no directory is given.
 """
 
 from __future__ import annotations
@@ -132,8 +132,8 @@ def format_table(rows: Sequence[Row]) -> str:
                           ""))
             continue
         if "rank" not in f:
-            lines.append((printable(Path(row.socket).name), "-", f["state"], "-", "-", _secs(f["step_median_s"], 3), "-",
-                          _timeouts(f["timeouts"]), str(f["hangs"])))
+            lines.append((printable(Path(row.socket).name), "-", f["state"], "-", "-", _secs(f["step_median_s"], 3),
+                          "-", _timeouts(f["timeouts"]), str(f["hangs"])))
             continue
         section = "-" if f["section"] is None else (
             f"{printable(f['section'])} ({_secs(f['section_age_s'])}/{_secs(f['section_timeout_s'])})")

@@ -1,3 +1,4 @@
+#!/usr/bin/env python3
 """Soak: many daemon/rank pairs under steady traffic, with hangs and crashes injected.
 
     bench/soak.py [--pairs 8] [--seconds 600] [--rate 10000] [--inject-every 6] [--seed 0] [--json OUT]

@@ -139,8 +139,7 @@ def arm(environ: MutableMapping[str, str] | None = None) -> str | None:
     except ValueError:
         rank = 0
     path = spec.dump_path(rank, pid, environ.get(env.ERROR_FILE))
-    stream: IO[str] = os.fdopen(open_append(path), "a", buffering=1)  # faulthandler keeps it (and a reference)
-    stream.write(f"# ft-monitor start-up stack dumps for pid {pid} (signal {signal.Signals(spec.signal).name})\n")
-    stream.flush()
+    # faulthandler keeps it (and a reference). No header: the monitor writes one before a dump it asks for.
+    stream: IO[str] = os.fdopen(open_append(path), "a", buffering=1)
     faulthandler.register(spec.signal, file=stream, all_threads=True, chain=False)
     return path

@@ -262,8 +262,11 @@ def read_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     return out
 
 
-def add_config_flags(parser: argparse.ArgumentParser, *, with_cfg_path: bool = False) -> None:
-    """Add `--ft-<field>` (and `--ft_<field>`) for every field; values stay strings until load_config."""
+def add_config_flags(parser: argparse.ArgumentParser, *, with_cfg_path: bool = False,
+                     param_aliases: bool = False) -> None:
+    """Add `--ft-<field>` (and `--ft_<field>`) for every field; values stay strings until load_config.
+    With ``param_aliases`` (ft-launcher), also nvidia-resiliency-ext's older spelling
+    `--ft-param-<field>` (and `--ft_param_<field>`), the same setting, left out of --help."""
     group = parser.add_argument_group("fault tolerance settings (override the config file and FT_<FIELD>)")
     if with_cfg_path:
         group.add_argument("--ft-cfg-path", "--ft_cfg_path", dest="ft_cfg_path", default=None, metavar="FILE",
@@ -273,6 +276,9 @@ def add_config_flags(parser: argparse.ArgumentParser, *, with_cfg_path: bool = F
         hidden = name in IGNORED_NVRX_FIELDS
         group.add_argument(*sorted(flags), dest=f"ft_{name}", default=argparse.SUPPRESS, metavar="VALUE",
                            help=argparse.SUPPRESS if hidden else f"sets {name}")
+        if param_aliases:
+            group.add_argument(f"--ft-param-{name.replace('_', '-')}", f"--ft_param_{name}", dest=f"ft_{name}",
+                               default=argparse.SUPPRESS, metavar="VALUE", help=argparse.SUPPRESS)
 
 
 def cli_overrides(args: argparse.Namespace) -> dict[str, Any]:

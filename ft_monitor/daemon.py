@@ -37,7 +37,7 @@ from ft_monitor import handlers, record_watch
 from ft_monitor.clock import Clock, SystemClock, Timer
 from ft_monitor.connection import Connection
 from ft_monitor.deadline import DeadlineTimer
-from ft_monitor.executor import HangCase, HangExecutor, ProcessOps, RealProcessOps
+from ft_monitor.executor import HangCase, HangExecutor, PendingDump, ProcessOps, RealProcessOps
 from ft_monitor.exits import ExitWatch
 from ft_monitor.fdlimits import FdReserve, connections_that_fit, raise_fd_limit
 from ft_monitor.launcher_link import LauncherHandoff
@@ -421,7 +421,7 @@ class MonitorDaemon:
         return True
 
     async def _abort_inprocess(self, rank: RankResources, case: HangCase, abort: wire.Abort,
-                               dumping: int | None) -> None:
+                               dumping: PendingDump | None) -> None:
         """Push ABORT once the stack dump is written (faulthandler reads every thread's frames
         without the GIL: a rank whose threads start running, as an ABORT makes them, while it
         dumps can crash), then tell the launcher (it records the restart; its restart budget

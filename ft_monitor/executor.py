@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Protocol
 
 from ft_client.safefiles import write_json_atomic
+from ft_monitor import dump_file
 from ft_monitor.clock import Clock, to_wall
 from ft_monitor.escalation import terminate_then_kill
 from ft_monitor.exits import ExitWatch
@@ -58,6 +59,15 @@ class HangCase:
     actions: list[str] = field(default_factory=list)
     dump_captured: bool = False
     terminated_by: str | None = None
+
+
+@dataclass(frozen=True)
+class PendingDump:
+    """A stack dump asked for and not yet seen: the file's size when the signal went out,
+    and where its header is (taken back if no dump follows)."""
+
+    before: int
+    header: tuple[int, int] | None
 
 
 class Handoff(Protocol):
@@ -250,29 +260,37 @@ class HangExecutor:
     # -- (3) stack dump --------------------------------------------------------
     async def dump_stack(self, case: HangCase) -> None:
         async with self.dump_lock:
-            before = self.request_dump(case)
-            if before is not None:
-                await self.await_dump(case, before)
+            pending = self.request_dump(case)
+            if pending is not None:
+                await self.await_dump(case, pending)
 
-    def request_dump(self, case: HangCase) -> int | None:
-        """Send the dump signal (the rank's faulthandler writes at once, whatever its main
-        thread is doing); the dump file's size before it, or None when no dump is coming."""
-        if case.dump_path is None or self.stack_dump_timeout <= 0:
+    def request_dump(self, case: HangCase) -> PendingDump | None:
+        """The dump's header (dump_file.py), then the dump signal (the rank's faulthandler
+        writes at once, whatever its main thread is doing); None when no dump is coming."""
+        path = case.dump_path
+        if path is None or self.stack_dump_timeout <= 0:
             case.actions.append("stack dump skipped")
             return None
-        before = self.ops.file_size(case.dump_path)
         self.ops.send(case.process, signal.SIGCONT)  # a stopped rank cannot dump
+        why = case.hang.reason.value if case.action != "inprocess" else "in-process restart"
+        header = dump_file.announce(path, dump_file.header(case.hang.pid, self.stack_dump_signal, why))
+        before = self.ops.file_size(path)
         if not self.ops.send(case.process, self.stack_dump_signal):
+            if header is not None:
+                dump_file.take_back(path, header)
             case.actions.append("stack dump skipped: process gone")
             return None
         case.actions.append(f"sent {signal.Signals(self.stack_dump_signal).name} for a stack dump")
-        return before
+        return PendingDump(before, header)
 
-    async def await_dump(self, case: HangCase, before: int) -> None:
+    async def await_dump(self, case: HangCase, pending: PendingDump) -> None:
         """Wait (at most stack_dump_timeout) until the dump file grew and stopped growing."""
         ops, path = self.ops, case.dump_path
         assert path is not None
-        case.dump_captured = await wait_for_dump(ops, self.clock, path, before, self.stack_dump_timeout, case.process)
+        case.dump_captured = await wait_for_dump(ops, self.clock, path, pending.before, self.stack_dump_timeout,
+                                                 case.process)
+        if not case.dump_captured and pending.header is not None:
+            dump_file.take_back(path, pending.header)
         if case.dump_captured:
             case.actions.append(f"stack dump written to {path}")
             log.warning("rank %d: stack dump written to %s", case.hang.rank, path)

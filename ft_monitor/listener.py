@@ -1,7 +1,8 @@
 """Creating the daemon's listening Unix socket, safely.
 
 Owns the checks made once at start: the path fits AF_UNIX, the directory is
-private (mode 0700, ours; created so if missing) and writable, nothing live
+private (mode 0700, ours; created so if missing, never directly under the root: a path
+written as ``$XDG_RUNTIME_DIR/ft/...`` with the variable unset) and writable, nothing live
 already serves the path, a stale socket file is replaced, and a symlink or a
 non-socket file at the path is refused rather than followed or clobbered. The
 socket file is made mode 0600. Each failure is a `ListenerError` whose message
@@ -28,8 +29,24 @@ class ListenerError(FtError, RuntimeError):
     pass
 
 
+def _first_missing(directory: Path) -> Path:
+    """The outermost directory of ``directory``'s that does not exist (the first mkdir would make)."""
+    missing = directory
+    while not missing.parent.exists() and missing.parent != missing:
+        missing = missing.parent
+    return missing
+
+
 def _check_dir(directory: Path) -> None:
     if not directory.exists():
+        top = _first_missing(directory)
+        if top.parent == Path(top.anchor):
+            raise ListenerError(
+                f"socket directory {directory} does not exist and would be created at the file-system root "
+                f"({top}); refusing: was it written as $XDG_RUNTIME_DIR{directory}/... with XDG_RUNTIME_DIR "
+                "unset? Set XDG_RUNTIME_DIR (systemd-logind sets it to /run/user/$UID, private to you), or use "
+                "a directory of your own such as ~/.ft/rank0.sock"
+            )
         try:
             directory.mkdir(mode=0o700, parents=True)
         except OSError as e:

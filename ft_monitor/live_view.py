@@ -5,9 +5,10 @@
 connection each; a socket that does not answer is a row that says so);
 `format_table` (pure) renders one line per rank: state, the section open now and
 for how long, the last heartbeat, the median step time, the iteration, the
-timeouts in force and the hangs its monitor saw; `to_json` is the same for
-scripts. `find_run_dirs` is how `ft-launcher status` finds this user's running
-launchers when no directory is given.
+timeouts in force and the hangs its monitor saw; names a rank chose (sections) are
+escaped with `server_log.printable`, as in the logs, so no escape sequence reaches
+the operator's terminal. `to_json` is the same for scripts. `find_run_dirs` is how
+`ft-launcher status` finds this user's running launchers when no directory is given.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ft_client.timeouts import STEP_SECTION
+from ft_monitor.server_log import printable
 from ft_monitor.status import MonitorStatus, StatusError
 
 RUN_DIR_GLOB = "ft-launcher-*"
@@ -87,7 +89,7 @@ def _timeouts(t: dict[str, Any]) -> str:
     parts = []
     for name, value in sorted((t.get("rank_section_timeouts") or {}).items()):
         mark = "*" if f"section:{name}" in learned else ""
-        parts.append(f"{name}={'off' if value is None else f'{value:g}'}{mark}")
+        parts.append(f"{printable(name)}={'off' if value is None else f'{value:g}'}{mark}")
     hb = t.get("rank_heartbeat_timeout")
     if hb is not None:
         parts.append(f"hb={hb:g}{'*' if 'rank_heartbeat_timeout' in learned else ''}")
@@ -126,14 +128,15 @@ def format_table(rows: Sequence[Row]) -> str:
     for row in rows:
         f = row_fields(row)
         if row.status is None:
-            lines.append((Path(row.socket).name, "-", f"down ({row.error})", "", "", "", "", "", ""))
+            lines.append((printable(Path(row.socket).name), "-", f"down ({printable(row.error)})", "", "", "", "", "",
+                          ""))
             continue
         if "rank" not in f:
-            lines.append((Path(row.socket).name, "-", f["state"], "-", "-", _secs(f["step_median_s"], 3), "-",
-                          _timeouts(f["timeouts"]), str(f["hangs"])))
+            lines.append((printable(Path(row.socket).name), "-", f["state"], "-", "-", _secs(f["step_median_s"], 3),
+                          "-", _timeouts(f["timeouts"]), str(f["hangs"])))
             continue
         section = "-" if f["section"] is None else (
-            f"{f['section']} ({_secs(f['section_age_s'])}/{_secs(f['section_timeout_s'])})")
+            f"{printable(f['section'])} ({_secs(f['section_age_s'])}/{_secs(f['section_timeout_s'])})")
         lines.append((str(f["rank"]), str(f["pid"]), f["state"], section, _secs(f["since_last_heartbeat_s"]),
                       _secs(f["step_median_s"], 3), "-" if f["iteration"] is None else str(f["iteration"]),
                       _timeouts(f["timeouts"]), str(f["hangs"])))

@@ -187,8 +187,8 @@ class PinnedGroup:
     A group id is a pid: once every member has exited, the kernel may hand it to
     an unrelated process that starts its own session, and `killpg` would reach
     it. As long as a pinned member is alive and still in the group, the id is in
-    use and cannot have been recycled. Pinned members are also signalled one by
-    one, so one that left the group (setsid) is not missed.
+    use and cannot have been recycled. Pinned members that left the group (setsid)
+    are signalled one by one, so they are not missed; each process gets a signal once.
     """
 
     def __init__(self, pgid: int | None, members: list[ProcessHandle], *,
@@ -251,13 +251,27 @@ class PinnedGroup:
         self.members = keep
 
     def send(self, sig: int) -> bool:
-        """Signal the group (while pinned) and every pinned member; False if none was reached."""
-        reached = False
-        if self.pgid is not None and self._anchor() is not None:
-            reached = signal_group(self.pgid, sig)
+        """Deliver ``sig`` once to every process: the group with one `killpg` (while
+        pinned), then only the pinned members that are not in it (they left it: setsid).
+        A member in the group is never signalled a second time: a rank whose handler
+        exits (``sys.exit`` in a SIGTERM handler, after an emergency checkpoint) would be
+        re-entered, or killed by the default action once the interpreter has restored it.
+        False if no process was reached."""
+        grouped = self.pgid is not None and self._anchor() is not None and signal_group(self.pgid, sig)
+        reached = grouped
         for h in self.members:
+            if grouped and self._in_group(h):
+                continue
             reached = h.send(sig) or reached
         return reached
+
+    def _in_group(self, h: ProcessHandle) -> bool:
+        """Whether ``h`` is (still) in the group: it had the group's signal. One that is
+        gone counts as in it: there is nothing left to signal."""
+        try:
+            return os.getpgid(h.pid) == self.pgid
+        except ProcessLookupError:
+            return True
 
     def any_left(self) -> bool:
         return self._anchor() is not None or any(h.alive() for h in self.members)

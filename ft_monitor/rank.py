@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from ft_client.safefiles import open_append, private_dir_problem
 from ft_client.startup import stack_dump_name
+from ft_monitor import dump_file
 from ft_monitor.connection import Connection
 from ft_monitor.exits import ExitWatch
 from ft_monitor.procinfo import ProcessHandle
@@ -129,6 +130,8 @@ class RankResources:
         if not self._closed or self._holds or self._freed:
             return
         self._freed = True
+        if not self.process.alive():  # a rank never dumped leaves no stack file (a live one may still write it)
+            dump_file.remove_if_empty(self.dump_path())
         if self.record is not None:
             self.record.close()
             self.record = None

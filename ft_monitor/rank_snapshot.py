@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 from ft_client import wire
 from ft_client.safefiles import write_bytes_atomic
+from ft_monitor import dump_file
 from ft_monitor.executor import _POLL, wait_for_dump
 from ft_monitor.native_stacks import NativeStacks, PySpy
 from ft_monitor.policy import iteration_now
@@ -91,8 +92,7 @@ class RankSnapshots:
             return MonitorSnapshot(**base, alive=True, notes=[  # type: ignore[arg-type]
                 "restarting in-process: not dumped (its threads run Python while it unwinds)"])
         path = rank.dump_path()
-        start_at = ex.ops.file_size(path)
-        captured = await self._stack(rank, path, start_at, deadline, notes)
+        captured, start_at = await self._stack(rank, path, req.incident, deadline, notes)
         end_at = ex.ops.file_size(path)
         native = await self._native(rank, req, deadline, notes) if d.config.native_stacks else None
         fr = await self._flight_recorder(rank, req, deadline, notes) if req.flight_recorder else None
@@ -103,23 +103,29 @@ class RankSnapshots:
     def _left(self, deadline: float) -> float:
         return max(0.0, deadline - self.d.clock.now())
 
-    async def _stack(self, rank: RankResources, path: Path, before: int, deadline: float, notes: list[str]) -> bool:
+    async def _stack(self, rank: RankResources, path: Path, incident: int, deadline: float,
+                     notes: list[str]) -> tuple[bool, int]:
+        """Whether the dump came, and where in ``path`` it starts (after its header)."""
         ex = self.d.executor
         sig = ex.stack_dump_signal
         timeout = min(ex.stack_dump_timeout, self._left(deadline))
         if timeout <= 0:
             notes.append("stack dump skipped (stack_dump_timeout is 0, or no time left)")
-            return False
+            return False, ex.ops.file_size(path)
         if self.catches(rank.session.pid, sig) is False:
             notes.append(f"stack dump skipped: the rank has no handler for signal {sig} (it would die of it)")
-            return False
-        if not ex.ops.send(rank.process, sig):
+            return False, ex.ops.file_size(path)
+        header = dump_file.announce(path, dump_file.header(rank.session.pid, sig, f"roll call {incident}"))
+        before = ex.ops.file_size(path)
+        if ex.ops.send(rank.process, sig):
+            if await wait_for_dump(ex.ops, self.d.clock, path, before, timeout, rank.process):
+                return True, before
+            notes.append(f"no stack dump within {timeout:.1f}s")
+        else:
             notes.append("stack dump skipped: the process is gone")
-            return False
-        if await wait_for_dump(ex.ops, self.d.clock, path, before, timeout, rank.process):
-            return True
-        notes.append(f"no stack dump within {timeout:.1f}s")
-        return False
+        if header is not None:
+            dump_file.take_back(path, header)
+        return False, ex.ops.file_size(path)
 
     async def _native(self, rank: RankResources, req: wire.DumpRequest, deadline: float,
                       notes: list[str]) -> str | None:

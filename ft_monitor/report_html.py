@@ -40,8 +40,23 @@ def _fmt(v: float | None, unit: str = " s", digits: int = 2) -> str:
 
 
 def _events_path(run_dir: str | os.PathLike[str]) -> Path:
+    """The events file: ``run_dir`` itself, ``run_dir/events.jsonl``, or, given the log
+    directory (``--log-dir``) that holds one run folder, that folder's; several run
+    folders there are listed in the refusal, for the caller to pick one."""
     p = Path(run_dir)
-    return p if p.is_file() else p / EVENTS_FILE
+    if p.is_file():
+        return p
+    own = p / EVENTS_FILE
+    if own.exists() or not p.is_dir():
+        return own
+    below = sorted(q for q in p.glob(f"*/{EVENTS_FILE}") if q.is_file())
+    if len(below) == 1:
+        return below[0]
+    if below:
+        folders = ", ".join(str(q.parent) for q in below)
+        raise ReportError(f"{p} holds {len(below)} run folders with {EVENTS_FILE}: {folders}; "
+                          "give one of them as RUN_DIR")
+    return own
 
 
 def write_report(run_dir: str | os.PathLike[str], output: str | os.PathLike[str] | None = None) -> Path:

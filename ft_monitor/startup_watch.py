@@ -28,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ft_monitor import startup
+from ft_monitor import dump_file, startup
 from ft_monitor.clock import Timer
 from ft_monitor.executor import HangCase
 from ft_monitor.procinfo import ProcessHandle, catches_signal, descends_from
@@ -122,6 +122,8 @@ class StartupWatch:
     def _exited(self, w: _Watched) -> None:
         if self.watched is w:
             log.info("rank %d: worker pid %d exited before connecting", w.worker.rank, w.worker.pid)
+            spec = startup.dump_spec(self.d.config, self.d.report_dir)  # its start-up hook's file, never dumped
+            dump_file.remove_if_empty(Path(spec.dump_path(w.worker.rank, w.worker.pid, w.worker.error_file)))
             self._drop()
 
     def close(self) -> None:
@@ -158,6 +160,8 @@ class StartupWatch:
         try:
             await self.d._handle_hang(case)
         finally:
+            if case.dump_path is not None and not case.process.alive():
+                dump_file.remove_if_empty(case.dump_path)
             self.handling.discard(case.hang.pid)
             self.d.exits.forget(case.process)
             case.process.close()

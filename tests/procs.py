@@ -90,12 +90,13 @@ class Daemon(testing.ServeProcess):
 
 
 class Rank:
-    """A tests/workers/rank.py process in its own session (as launchers start ranks)."""
+    """A tests/workers/rank.py process (or another ``worker`` there) in its own session
+    (as launchers start ranks)."""
 
-    def __init__(self, scenario: str, sock: Path, *args: str, stdin: bool = False) -> None:
+    def __init__(self, scenario: str, sock: Path, *args: str, stdin: bool = False, worker: str = "rank.py") -> None:
         env = {**os.environ, "FT_RANK_MONITOR_IPC_SOCKET": str(sock), "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
-            [sys.executable, str(WORKERS / "rank.py"), scenario, *args],
+            [sys.executable, str(WORKERS / worker), scenario, *args],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.PIPE if stdin else None,
             env=env, cwd=ROOT, start_new_session=True, text=True,
         )

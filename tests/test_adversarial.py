@@ -820,3 +820,36 @@ def test_log_file_and_summary_json_do_not_follow_planted_symlinks(workdir: Path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert victim.read_text() == "precious\n"
     assert not summary_link.is_symlink() and json.loads(summary_link.read_text())["exit_code"] == 0
+
+
+@pytest.mark.parametrize("path", ["/ft-unset-xdg/rank0.sock", "/ft-unset-xdg/job/rank0.sock"])
+def test_a_socket_directory_is_never_created_at_the_root(path: str) -> None:
+    """`--socket $XDG_RUNTIME_DIR/ft/rank0.sock` with XDG_RUNTIME_DIR unset is /ft/rank0.sock:
+    before, the daemon created /ft (as root, at the file-system root)."""
+    from ft_monitor.listener import ListenerError, check_socket_path
+
+    top = Path("/ft-unset-xdg")
+    assert not top.exists()
+    try:
+        with pytest.raises(ListenerError, match=r"^socket directory /ft-unset-xdg(/job)? does not exist and would "
+                                                r"be created at the file-system root \(/ft-unset-xdg\); refusing: "
+                                                r"was it written as \$XDG_RUNTIME_DIR/ft-unset-xdg"):
+            check_socket_path(path)
+        assert not top.exists()
+    finally:
+        if top.exists():
+            shutil.rmtree(top)
+
+
+@e2e
+def test_serve_refuses_a_socket_at_the_root_naming_the_variable(workdir: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "XDG_RUNTIME_DIR"}
+    try:
+        out = subprocess.run([sys.executable, "-m", "ft_monitor.cli", "serve", "--socket", "/ft-unset-xdg/rank0.sock"],
+                             capture_output=True, text=True, env=env, cwd=ROOT, timeout=30)
+    finally:
+        if os.path.isdir("/ft-unset-xdg"):
+            shutil.rmtree("/ft-unset-xdg")
+            raise AssertionError("the daemon created /ft-unset-xdg")
+    assert out.returncode == 1, out
+    assert "XDG_RUNTIME_DIR" in out.stderr and "file-system root" in out.stderr, out.stderr

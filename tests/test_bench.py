@@ -5,6 +5,8 @@ Nothing here asserts on the figures themselves (those are for bench/, not tests)
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -106,3 +108,26 @@ def test_table_marks_missed_targets() -> None:
     assert table[3].endswith("| **NO** |")
     assert table[4].endswith("| yes |")
     assert table[5] == "| flag | none | - | - | none | yes |"
+
+
+def _documented_commands() -> list[str]:
+    """Every `bench/X.py` the docs tell users to type at the start of a line."""
+    found: set[str] = set()
+    for doc in [ROOT / "README.md", ROOT / "bench" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        found.update(re.findall(r"(?m)^\s*(?:\./)?(bench/\w+\.py)\b", doc.read_text()))
+    return sorted(found)
+
+
+def test_the_docs_name_the_bench_scripts_they_run() -> None:
+    assert {"bench/run.py", "bench/soak.py"} <= set(_documented_commands())
+
+
+@pytest.mark.parametrize("script", _documented_commands())
+def test_every_bench_script_the_docs_run_as_a_command_is_executable(script: str) -> None:
+    """docs/reliability.md writes `bench/soak.py --seconds 600`; it had no shebang and mode 0644
+    ("Permission denied")."""
+    path = ROOT / script
+    assert os.access(path, os.X_OK), f"{script}: not executable (chmod +x), yet the docs run it as a command"
+    assert path.read_text().startswith("#!/usr/bin/env python3\n"), f"{script}: no shebang"
+    proc = subprocess.run([str(path), "--help"], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert proc.returncode == 0 and "usage:" in proc.stdout, proc.stderr

@@ -53,7 +53,7 @@ FR_OFF = {"comm_lib_version": "", "nccl_comm_state": {}, "pg_config": {}, "pg_st
 
 
 STACK_SLEEPING = """\
-# ft-monitor stack dumps for pid 4242 (signal SIGUSR2)
+# ft-monitor stack dump of pid 4242 (signal SIGUSR2): roll call 1
 Thread 0x00007f5d691566c0 (most recent call first):
   File "/work/ft_client/transport.py", line 295 in _recv_exact_blocking
   File "/work/ft_client/control.py", line 31 in _run

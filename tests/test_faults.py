@@ -79,6 +79,7 @@ def test_rank_sigkilled_mid_section_is_logged_as_killed_and_is_no_hang(workdir: 
                 "(killed by SIGKILL)") in log, log
         assert "hang detected" not in log and "sent SIGTERM" not in log
         assert list(d.report_dir.glob("*-hang.json")) == []
+        assert list(d.report_dir.glob("*-stack.txt")) == []  # never dumped: before, a header-only file
     finally:
         d.stop()
 

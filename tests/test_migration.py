@@ -207,6 +207,30 @@ def test_the_table_in_docs_is_generated_from_the_names_file() -> None:
         "docs/migration.md is out of date: run .venv/bin/python -m tests.migration_table --write"
 
 
+# -- the launcher's command line as the reference's users type it --------------------------------
+def test_ft_launcher_is_also_installed_as_ft_launcher() -> None:
+    """The reference's entry point is `ft_launcher`; before, only `ft-launcher` existed."""
+    import tomllib
+
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts.get("ft_launcher") == scripts["ft-launcher"] == "ft_monitor.launcher.main:entrypoint"
+
+
+@pytest.mark.parametrize("spelling", ["--ft-param-rank-heartbeat-timeout", "--ft_param_rank_heartbeat_timeout"])
+def test_ft_launcher_takes_the_references_ft_param_flags(spelling: str) -> None:
+    """`--ft-param-<field>` is the reference's older spelling of `--ft-<field>`: the same setting."""
+    from ft_monitor.config import cli_overrides
+    from ft_monitor.launcher.main import build_parser
+
+    parser = build_parser()
+    ours = cli_overrides(parser.parse_args(["--ft-rank-heartbeat-timeout", "12", "train.py"]))
+    theirs = cli_overrides(parser.parse_args([spelling, "12", "--ft-param-rank-section-timeouts", "step:5",
+                                              "train.py"]))  # before: "unrecognized arguments"
+    assert ours == {"rank_heartbeat_timeout": "12"}
+    assert theirs == {"rank_heartbeat_timeout": "12", "rank_section_timeouts": "step:5"}
+    assert "--ft-param-" not in parser.format_help()  # one spelling in --help
+
+
 # -- a program written for the reference -------------------------------------------------------
 def _import_block() -> tuple[int, int, list[str]]:
     lines = SCRIPT.read_text().splitlines()

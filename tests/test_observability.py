@@ -282,6 +282,21 @@ def test_the_live_view_table_and_json_from_statuses() -> None:
     json.dumps(data)
 
 
+def test_the_live_view_escapes_section_names_as_the_other_views_do() -> None:
+    """`status --all` printed a rank's section name as it came: an escape sequence in it
+    reached the operator's terminal (cleared it, retitled it). `--socket` and `--json` escape."""
+    mon = FakeMonitors()
+    _stepped(mon, 0, 1)
+    evil = "\x1b[2J\x1b]0;owned\x07step"
+    mon.sessions[0].open_section(evil, 0.0)  # type: ignore[union-attr]
+    mon.timeouts = Timeouts.from_config(Settings(rank_section_timeouts={evil: 60}))
+    rows = [Row(f"/run/monitor{lr}.sock", st) for lr, st in mon.statuses().items()]
+    table = format_table(rows)
+    assert "\x1b" not in table and "\x07" not in table, table
+    assert repr(evil) in table.splitlines()[1], table  # the section column, and the timeouts column
+    assert f"{repr(evil)}=60" in table
+
+
 def test_the_report_escapes_what_ranks_wrote() -> None:
     log_events = [
         {"v": 1, "seq": 0, "time": 0.0, "kind": "attempt_start", "host": "<h>", "launcher_pid": 1, "attempt": 0},
@@ -290,6 +305,36 @@ def test_the_report_escapes_what_ranks_wrote() -> None:
     ]
     page = render(log_events, title="<t>")
     assert "<script>" not in page and "&lt;script&gt;" in page and "&lt;t&gt;" in page
+
+
+def _run_folder(log_dir: Path, name: str) -> Path:
+    run = log_dir / name
+    run.mkdir(parents=True)
+    log = EventLog("h", pid=7)
+    log.attach(run)
+    log.emit("attempt_start", 1.0, attempt=0, run_id=name, node_rank=0, ranks={}, log_dir=str(run))
+    log.close()
+    return run
+
+
+def test_report_given_the_log_dir_finds_its_one_run_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from ft_monitor.cli import main
+
+    run = _run_folder(tmp_path, "job_abc123")
+    assert main(["report", str(tmp_path)]) == 0  # before: "<log dir>/events.jsonl does not exist"
+    assert capsys.readouterr().out.strip() == str(run / "report.html")
+    assert (run / "report.html").exists()
+
+
+def test_report_given_a_log_dir_with_several_run_folders_lists_them(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    from ft_monitor.cli import main
+
+    runs = [_run_folder(tmp_path, name) for name in ("job_a", "job_b")]
+    assert main(["report", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"ft-monitor report: {tmp_path} holds 2 run folders with events.jsonl: "
+                          f"{runs[0]}, {runs[1]}; give one of them as RUN_DIR"), err
 
 
 def test_an_inprocess_restart_is_counted_with_its_own_phases(tmp_path: Path) -> None:

@@ -42,6 +42,23 @@ def test_serve_cmd_worker_that_connects_in_time_is_not_touched(workdir: Path) ->
     d.stop()
     assert "connected" in d.log() and "hang detected" not in d.log()
     assert not list(d.report_dir.glob("*-hang.json"))
+    assert not list(d.report_dir.glob("*-stack.txt"))  # before: a file with only the start-up hook's header
+
+
+def test_a_dump_file_holds_one_header_and_the_dump_after_it(workdir: Path) -> None:
+    """The start-up hook and then the client open the same file; before, each wrote a header
+    there at once: an empty "start-up stack dumps" header, then a second one, then the dump."""
+    d = Daemon(workdir, "--ft-startup-timeout", "30", "--ft-rank-section-timeouts", "step:1",
+               "--ft-termination-grace-time", "2", cmd=[sys.executable, WORKER, "step"])
+    assert d.proc.wait(60) == 128 + signal.SIGTERM, d.log()
+    d.stop()
+    report = d.report()
+    assert report["reason"] == "section" and report["stack_dump_captured"], report
+    lines = Path(report["stack_dump"]).read_text().splitlines()
+    headers = [line for line in lines if line.startswith("#")]
+    assert headers == [f"# ft-monitor stack dump of pid {report['pid']} (signal SIGUSR2): section"], lines
+    assert lines[0] == headers[0] and "(most recent call first)" in lines[1], lines
+    assert "in wait_to_be_stopped" in "\n".join(lines)
 
 
 def test_launcher_restarts_workers_hung_before_init_each_dumped_where_it_hung(workdir: Path) -> None:

@@ -1,7 +1,8 @@
 """`ft-launcher`: torchrun's command line plus the --ft-* settings.
 
 Parses with torchrun's own parser (every torchrun flag keeps its meaning), adds
-``--ft-cfg-path`` and ``--ft-<field>`` for every FaultToleranceConfig field,
+``--ft-cfg-path`` and ``--ft-<field>`` for every FaultToleranceConfig field (also
+spelled ``--ft-param-<field>``, as nvidia-resiliency-ext's launcher once had them),
 validates them once (ft_monitor.config) into the typed `settings.Settings` that
 the launcher and every daemon run with, starts the launcher socket and the
 monitors, then runs torchrun's launch path with FtLocalElasticAgent in place of
@@ -42,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.prog = "ft-launcher"
     parser.description = ("torchrun with a hang monitor beside every rank: hung or crashed ranks are detected, "
                           "dumped and the job restarted. Every torchrun flag keeps its meaning.")
-    add_config_flags(parser, with_cfg_path=True)
+    add_config_flags(parser, with_cfg_path=True, param_aliases=True)  # --ft-param-*: the reference's old spelling
     parser.add_argument("--ft-summary-json", default=None, metavar="FILE",
                         help="write what happened (hangs, restart timings, exit code) to FILE as JSON")
     parser.add_argument("--ft-job-secret-file", "--ft_job_secret_file", dest="ft_job_secret_file", default=None,

@@ -2,6 +2,7 @@
 
     python tests/workers/startup.py sleep   # hangs before anything (under `ft-monitor serve -- CMD`)
     python tests/workers/startup.py fast    # connects, one heartbeat, shuts down, exits 0
+    python tests/workers/startup.py step    # connects, one heartbeat, hangs in a "step" section
     python tests/workers/startup.py         # under ft-launcher with 2 ranks, by attempt:
 
 What each rank does depends on the attempt (TORCHELASTIC_RESTART_COUNT); in every
@@ -64,6 +65,12 @@ def main() -> None:
         client.shutdown_workload_monitoring()  # type: ignore[attr-defined]
         print("fast worker done", flush=True)
         return
+    if sys.argv[1:] == ["step"]:
+        client = connect()
+        client.send_heartbeat()  # type: ignore[attr-defined]
+        with client.section("step"):  # type: ignore[attr-defined]
+            print("in step", flush=True)
+            wait_to_be_stopped()
     attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     rank = int(os.environ["RANK"])
     print(f"[rank {rank}] attempt {attempt} pid {os.getpid()}", flush=True)

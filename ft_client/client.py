@@ -110,7 +110,7 @@ _SOCKET = -2
 index of its SEQ word, `record.slot_word`)."""
 _now_ns = time.monotonic_ns
 _HB_SEQ, _HB_AT, _ITERATION = record.W_HB_SEQ, record.W_HB_AT, record.W_ITERATION
-_OPENED_AT, _CLOSED_AT = record.OPENED_AT, record.CLOSED_AT
+_OPENED_AT, _CLOSED_AT, _CLOSES, _SUM_NS = record.OPENED_AT, record.CLOSED_AT, record.CLOSES, record.SUM_NS
 
 
 class _Section:
@@ -618,6 +618,8 @@ class RankMonitorClient:
                     seq = seqs[route] + 1
                     w[route] = seq
                     w[route + _CLOSED_AT] = now_ns
+                    w[route + _CLOSES] += 1  # counted by the rank: the monitor's reads may miss it
+                    w[route + _SUM_NS] += now_ns - w[route + _OPENED_AT]
                     w[route] = seqs[route] = seq + 1
                 if name == STEP_SECTION:
                     self._iteration += 1
@@ -680,7 +682,7 @@ class RankMonitorClient:
                 now = _now_ns()
                 for route in routes:
                     if route >= 0:
-                        rec.close_word(route, now)
+                        rec.abandon_word(route, now)  # as CLOSE_ALL: closed, not counted as completed
                 if _SOCKET not in routes:
                     if self._sync_sections:
                         self._confirm()

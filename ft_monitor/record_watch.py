@@ -137,8 +137,8 @@ def sync(d: MonitorDaemon, rank: RankResources) -> None:
         return
     if applied is None:
         return
-    for name, took in applied.closed:
-        d.section_stats.record(name, took)
+    for name, count, total in applied.closed:
+        d.section_stats.record_many(name, count, total)
     if applied.iteration is not None and (d.iteration_high is None or applied.iteration > d.iteration_high):
         d.iteration_high = applied.iteration
 

@@ -146,8 +146,10 @@ class Session:
         self.out_of_section_since = None
         self.last_progress = now
 
-    def close_section(self, name: str, now: float) -> float | None:
-        """Close ``name``; returns how long it was open (None when the session ignores it)."""
+    def close_section(self, name: str, now: float, *, count: bool = True) -> float | None:
+        """Close ``name``; returns how long it was open (None when the session ignores it).
+        ``count=False``: the close is counted elsewhere (a progress record's counters,
+        record_sync.py), not in `steps_closed`."""
         self.events += 1
         if self.phase is not Phase.ACTIVE:
             return None
@@ -156,7 +158,7 @@ class Session:
             raise SessionError(f"section {name!r} closed while not open")
         if not self.open_sections:
             self.out_of_section_since = now
-        if name == STEP_SECTION:
+        if count and name == STEP_SECTION:
             self.steps_closed += 1
         self.last_progress = now
         return now - sec.opened_at

@@ -130,14 +130,22 @@ class RecordSync:
         active = session.phase is Phase.ACTIVE
         if active:
             self._apply_progress(session, view, out)
+        steps = session.steps_closed
         self._count(session, view, out, active)
-        # the iteration after the steps it counts (the session's iteration_base is the first
-        # report less the steps closed before it), and not from a read that missed a slot
-        if view.iteration >= 0 and view.iteration != self._iteration and not any(
+        # the iteration after the steps it counts, and not from a read that missed a slot
+        if view.iteration >= 0 and not any(
                 view.slots[slot] is None for slot in self.names if slot < len(view.slots)):
-            self._iteration = view.iteration
-            session.set_iteration(view.iteration)
-            out.iteration = view.iteration
+            changed = view.iteration != self._iteration
+            if changed:
+                self._iteration = view.iteration
+                session.set_iteration(view.iteration)
+                out.iteration = view.iteration
+            if changed or session.steps_closed != steps:
+                # the rank's own iteration and step count, from one read: the session counts on
+                # from there. A read can pair them one step apart (a step's slot registered after
+                # its iteration was read; the copy's loads are not in address order), and the
+                # next read that changes either mends it, the last one included
+                session.iteration_base = view.iteration - session.steps_closed
         return out
 
     def _apply_progress(self, session: Session, view: RecordView, out: Applied) -> None:

@@ -92,7 +92,9 @@ class Session:
     iteration_base: int | None = None
     """The iteration this session started from: the first ITERATION report less the steps
     closed before it (the client reports completed steps, counted on from its checkpoint),
-    so ``iteration_base + steps_closed`` is the rank's iteration now, without the report's lag."""
+    so ``iteration_base + steps_closed`` is the rank's iteration now, without the report's lag.
+    With a progress record, set again from each read that changes the record's iteration or
+    step count (record_sync.py), which come from the same read."""
     restart_since: float | None = None
     """While RESTARTING: when the restart began."""
     restart_deadline: float | None = None

@@ -388,3 +388,25 @@ def test_counts_that_go_back_or_cannot_be_are_refused(completed: int, sum_ns: in
     words[record.slot_word(1) + record.SUM_NS] = sum_ns
     with pytest.raises(RecordError, match=error):
         r.apply(s, T0 + 3)
+
+
+def test_an_iteration_read_before_its_step_slot_was_registered_is_mended_by_the_next_read() -> None:
+    """The rank sends SECTION_SLOT, then stores its first step and iteration; a tick may read
+    the record before the daemon has read the SECTION_SLOT: the iteration comes without the
+    step that made it. The read after the registration pairs them again."""
+    r, s = Rank(), session(rank_section_timeouts={"step": 30.0})
+    r.sync = RecordSync(CREATED)  # nothing registered yet
+    r.open("step", T0 + 1)
+    r.close("step", T0 + 1.5)
+    r.w.iteration(11)
+    r.apply(s, T0 + 2)
+    assert s.iteration == 11 and s.steps_closed == 0
+    assert r.sync.register("step", 0) is None
+    r.apply(s, T0 + 2.1)
+    assert s.steps_closed == 1 and policy_iteration_now(s) == 11 and s.iteration_base == 10
+    for i in range(3):
+        r.open("step", T0 + 3 + i)
+        r.close("step", T0 + 3.5 + i)
+        r.w.iteration(12 + i)
+    r.apply(s, T0 + 7)
+    assert s.steps_closed == 4 and policy_iteration_now(s) == 14 and s.iteration_base == 10

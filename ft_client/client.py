@@ -13,7 +13,9 @@ rank_section_timeouts cost no IPC at all.
 Where the monitor hands over a progress record (a shared-memory page, see
 `ft_client.record`), progress is a few stores into it, with no syscall: each
 monitored section is registered once over the socket (SECTION_SLOT) and then
-opens and closes in its slot; heartbeats and the iteration are stored too. The
+opens and closes in its slot (a close by `end_section` also counts the section
+and adds its time, so the monitor counts every step however seldom it reads);
+heartbeats and the iteration are stored too. The
 socket carries the rest (and every progress report where there is no record, or
 the monitor's config says ``progress_record: false``). Either way, while an
 in-process restart unwinds nothing is reported, and the first progress after

@@ -13,7 +13,9 @@ rank_section_timeouts cost no IPC at all.
 Where the monitor hands over a progress record (a shared-memory page, see
 `ft_client.record`), progress is a few stores into it, with no syscall: each
 monitored section is registered once over the socket (SECTION_SLOT) and then
-opens and closes in its slot; heartbeats and the iteration are stored too. The
+opens and closes in its slot (a close by `end_section` also counts the section
+and adds its time, so the monitor counts every step however seldom it reads);
+heartbeats and the iteration are stored too. The
 socket carries the rest (and every progress report where there is no record, or
 the monitor's config says ``progress_record: false``). Either way, while an
 in-process restart unwinds nothing is reported, and the first progress after
@@ -110,7 +112,7 @@ _SOCKET = -2
 index of its SEQ word, `record.slot_word`)."""
 _now_ns = time.monotonic_ns
 _HB_SEQ, _HB_AT, _ITERATION = record.W_HB_SEQ, record.W_HB_AT, record.W_ITERATION
-_OPENED_AT, _CLOSED_AT = record.OPENED_AT, record.CLOSED_AT
+_OPENED_AT, _CLOSED_AT, _CLOSES, _SUM_NS = record.OPENED_AT, record.CLOSED_AT, record.CLOSES, record.SUM_NS
 
 
 class _Section:
@@ -618,6 +620,8 @@ class RankMonitorClient:
                     seq = seqs[route] + 1
                     w[route] = seq
                     w[route + _CLOSED_AT] = now_ns
+                    w[route + _CLOSES] += 1  # counted by the rank: the monitor's reads may miss it
+                    w[route + _SUM_NS] += now_ns - w[route + _OPENED_AT]
                     w[route] = seqs[route] = seq + 1
                 if name == STEP_SECTION:
                     self._iteration += 1
@@ -680,7 +684,7 @@ class RankMonitorClient:
                 now = _now_ns()
                 for route in routes:
                     if route >= 0:
-                        rec.close_word(route, now)
+                        rec.abandon_word(route, now)  # as CLOSE_ALL: closed, not counted as completed
                 if _SOCKET not in routes:
                     if self._sync_sections:
                         self._confirm()

@@ -7,17 +7,17 @@ into that record, with no syscall, and the monitor reads it on a fine tick and
 whenever a deadline comes due. This module owns the bytes, as `wire` owns the
 frames: both sides import the layout from here.
 
-Layout, version 1: one page (`SIZE` bytes) of native-endian signed 64-bit words::
+Layout, version 2: one page (`SIZE` bytes) of native-endian signed 64-bit words::
 
     word  0  MAGIC                 written by the monitor; constant
-          1  VERSION (1)           written by the monitor; constant
+          1  VERSION (2)           written by the monitor; constant
           2  SLOTS                 written by the monitor; constant (section slots below)
           3  CREATED_NS            the monitor's CLOCK_MONOTONIC when it made the record
           4  EPOCH_NS              the rank: when it last reset the record (0: never)
           5  ITERATION             the rank: completed `step` sections (-1: not reported)
           6, 7                     reserved (0)
           8  heartbeat group: SEQ, AT, reserved, reserved
-         12  section slot k at 12 + 4k: SEQ, OPENED_AT, CLOSED_AT, reserved
+         12  section slot k at 12 + 6k: SEQ, OPENED_AT, CLOSED_AT, CLOSES, SUM_NS, reserved
 
 Every time is the rank's CLOCK_MONOTONIC in nanoseconds. A group (the heartbeat,
 or one slot) is guarded by its sequence word, a seqlock with one writer: the rank
@@ -30,6 +30,15 @@ alternate open, close, open, ...: an odd number of writes means open, since
 OPENED_AT. After an in-process restart the rank closes every slot left open
 while it unwound (at the new epoch) and stamps EPOCH_NS, before it reports
 anything: what was stamped before EPOCH_NS is void.
+
+Counts are the rank's, not the reader's: the monitor reads on a tick, and sections
+shorter than the tick come and go between two reads. So each close by
+``end_section`` also adds one to the slot's CLOSES and the section's duration
+(CLOSED_AT - OPENED_AT) to its SUM_NS, in the same write; closes that complete no
+section (``end_all_sections``, the closes of a reset) do not (`abandon_word`), as
+the socket's CLOSE_ALL counts none. The monitor counts steps and fills its
+histograms from the growth of CLOSES and SUM_NS between two reads: exactly what
+the socket would have counted, however seldom it reads.
 
 Ordering: the writer's stores and the reader's loads must reach memory in the
 order the code issues them. x86-64 guarantees that (total store order), and
@@ -48,7 +57,7 @@ import struct
 
 from ft_client.errors import FtError
 
-VERSION = 1
+VERSION = 2
 SIZE = 4096
 """Bytes in a record: one page."""
 MAGIC = int.from_bytes(b"ftprog\x00\x01", "little")
@@ -60,10 +69,10 @@ W_MAGIC, W_VERSION, W_SLOTS, W_CREATED, W_EPOCH, W_ITERATION = range(6)
 W_HB_SEQ, W_HB_AT = 8, 9
 # section slots
 SLOT_BASE = 12
-SLOT_WORDS = 4
-SEQ, OPENED_AT, CLOSED_AT = range(3)
+SLOT_WORDS = 6
+SEQ, OPENED_AT, CLOSED_AT, CLOSES, SUM_NS = range(5)
 SLOTS = (WORDS - SLOT_BASE) // SLOT_WORDS
-"""Section slots in a record (125); sections beyond them report through the socket."""
+"""Section slots in a record (83); sections beyond them report through the socket."""
 
 SUPPORTED_MACHINES = frozenset({"x86_64", "amd64", "AMD64"})
 
@@ -98,7 +107,7 @@ class RecordError(FtError, ValueError):
 
 class RecordWriter:
     """The rank's side: plain stores into the mapping (``words``: the record cast to
-    signed 64-bit items), three per event. One writer at a time: the client calls these
+    signed 64-bit items), three per event (five per counted close). One writer at a time: the client calls these
     under its lock (and inlines heartbeat, open and close on its hot path, keyed by the
     slot's SEQ word, `slot_word`: keep them in step). The sequence words are shadowed in
     ``seqs`` (indexed by word), so the hot path only stores."""
@@ -138,6 +147,18 @@ class RecordWriter:
         w[i] = self.seqs[i] = seq + 1
 
     def close_word(self, i: int, now_ns: int) -> None:
+        """`close` of the slot whose SEQ word is ``i``: a completed section, counted."""
+        w = self.words
+        seq = self.seqs[i] + 1
+        w[i] = seq
+        w[i + CLOSED_AT] = now_ns
+        w[i + CLOSES] += 1
+        w[i + SUM_NS] += now_ns - w[i + OPENED_AT]
+        w[i] = self.seqs[i] = seq + 1
+
+    def abandon_word(self, i: int, now_ns: int) -> None:
+        """Close the slot whose SEQ word is ``i`` without counting a completed section
+        (``end_all_sections``, a reset): CLOSES and SUM_NS stay as they are."""
         w = self.words
         seq = self.seqs[i] + 1
         w[i] = seq
@@ -152,7 +173,7 @@ class RecordWriter:
         everything stamped before it."""
         for slot in range(SLOTS):
             if self.is_open(slot):
-                self.close(slot, now_ns)
+                self.abandon_word(slot_word(slot), now_ns)
         self.words[W_EPOCH] = now_ns
 
     def is_open(self, slot: int) -> bool:

@@ -15,11 +15,13 @@ from dataclasses import dataclass
 
 from ft_client.record import (
     CLOSED_AT,
+    CLOSES,
     MAGIC,
     OPENED_AT,
     SLOT_BASE,
     SLOT_WORDS,
     SLOTS,
+    SUM_NS,
     VERSION,
     W_CREATED,
     W_EPOCH,
@@ -49,6 +51,11 @@ class SlotState:
     """The latest open's time (ns), 0 before the first."""
     closed_at: int
     """The latest close's time (ns), 0 before the first."""
+    completed: int = 0
+    """Closes that completed a section (``end_section``), as the rank counted them: no
+    more than `closes`, since a reset's closes and ``end_all_sections`` complete none."""
+    completed_ns: int = 0
+    """The completed sections' durations (ns), summed by the rank."""
 
     @property
     def opens(self) -> int:
@@ -90,7 +97,8 @@ def decode(before: bytes, data: bytes, after: bytes, slots: int = 0) -> RecordVi
     """One read of a record from three copies of its first `words_for(slots)` words,
     taken in this order: the sequence words come from ``before`` and ``after``, the
     data from ``data``. Raises RecordError naming what is wrong for bytes that are
-    not a record of this layout (sizes, magic, version, negative counts or times)."""
+    not a record of this layout (sizes, magic, version, negative counts or times, more
+    sections completed than closed); nothing else."""
     if not 0 <= slots <= SLOTS:
         raise RecordError(f"cannot read {slots} slots: a record has {SLOTS}")
     n = words_for(slots)
@@ -136,8 +144,13 @@ def decode(before: bytes, data: bytes, after: bytes, slots: int = 0) -> RecordVi
             out.append(None)
             continue
         writes, opened, closed = b[i] // 2, d[i + OPENED_AT], d[i + CLOSED_AT]
+        completed, completed_ns = d[i + CLOSES], d[i + SUM_NS]
         if opened < 0 or closed < 0 or (opened == 0) != (writes == 0) or (closed == 0) != (writes < 2):
             raise RecordError(f"slot {k}: {writes} write(s), opened at {opened}, closed at {closed}: times are "
                               ">= 0, and set once the slot was opened (closed)")
-        out.append(SlotState(writes, opened, closed))
+        if not 0 <= completed <= writes // 2 or completed_ns < 0 or (completed == 0 and completed_ns != 0):
+            raise RecordError(f"slot {k}: {completed} completed section(s) taking {completed_ns} ns in all, in "
+                              f"{writes // 2} close(s): a slot completes no more sections than it closes, and "
+                              "their summed time is >= 0 (0 for none)")
+        out.append(SlotState(writes, opened, closed, completed, completed_ns))
     return RecordView(created, epoch, iteration, hb, tuple(out))

@@ -42,7 +42,7 @@ from ft_monitor.exits import ExitWatch
 from ft_monitor.fdlimits import FdReserve, connections_that_fit, raise_fd_limit
 from ft_monitor.launcher_link import LauncherHandoff
 from ft_monitor.listener import ListenerError, bind_unix_listener, remove_socket_file
-from ft_monitor.policy import Hang, Reason, check, deadline_inputs, next_deadline
+from ft_monitor.policy import Hang, Reason, check, deadline_inputs, iteration_now, next_deadline
 from ft_monitor.procinfo import describe_wait_status, zombie_exit_status
 from ft_monitor.rank import Hold, RankResources
 from ft_monitor.rank_snapshot import RankSnapshots
@@ -98,7 +98,10 @@ class MonitorDaemon:
         self.sessions_started = 0
         self.hangs: list[HangSummary] = []
         self.iteration_high: int | None = None
-        """The highest training iteration any session reported (progress across restarts)."""
+        """The highest training iteration any session reported or ended at (progress across restarts)."""
+        self.last_iteration: int | None = None
+        """The rank's iteration when its latest session ended (`policy.iteration_now` then):
+        what STATUS says of a rank that is gone, so the launcher's last word is not a poll's."""
         self.section_stats = SectionStats()
         """How long the rank's sections took, over all sessions (STATUS: step times for the launcher)."""
         self.started_at = self.clock.now()
@@ -272,12 +275,15 @@ class MonitorDaemon:
             return
         if rank is None or conn is not rank.conn:
             return
+        if rank.record is not None:
+            record_watch.sync(self, rank)  # what the rank stored before it went is counted
         self.rank = None
         self.no_rank.set()
         self.deadline.cancel()
         s = rank.session
         phase = s.phase
         s.end()
+        self._session_ended_at(iteration_now(s))
         if s.errors > handlers.MAX_LOGGED_SESSION_ERRORS:
             log.warning("rank %d pid %d: %d messages ignored in this session in all", s.rank, s.pid, s.errors)
         if phase is Phase.CLOSING:
@@ -287,6 +293,13 @@ class MonitorDaemon:
         else:
             self.spawn(self._report_exit(rank), rank.hold())
         rank.close()
+
+    def _session_ended_at(self, iteration: int | None) -> None:
+        if iteration is None:
+            return
+        self.last_iteration = iteration
+        if self.iteration_high is None or iteration > self.iteration_high:
+            self.iteration_high = iteration
 
     async def _report_exit(self, rank: RankResources) -> None:
         """A rank that went away without GOODBYE: it exited (or closed its socket); not a hang."""
@@ -472,5 +485,5 @@ class MonitorDaemon:
             started_at=self.started_at, sessions=self.sessions_started, timeouts=self.timeouts,
             iteration_high=self.iteration_high, session=self.rank.session if self.rank else None,
             hangs=self.hangs, last_restart=self.last_restart, section_stats=self.section_stats,
-            progress=progress,
+            progress=progress, last_iteration=self.last_iteration,
         )

@@ -9,8 +9,15 @@ heartbeat, a section opened, closed, or opened and closed between two reads.
 The session then judges as it does socket events (state.py, policy.py).
 
 It is state-based, not a replay of every store: what reads as open is open,
-from the time the rank stamped; opens and closes that happened between two
-reads are counted (steps, warm-up) but only the latest is timed.
+from the time the rank stamped; opens that happened between two reads are
+counted (the warm-up) but only the latest is timed against its deadline.
+
+Counts are exact, not sampled: the rank counts the sections it completes in each
+slot and sums their durations (the slot's CLOSES and SUM_NS), and the growth of
+those between two reads is what the session's `steps_closed` and the section
+statistics take (`Applied.closed`), while the session is ACTIVE, as the socket's
+closes are taken; what the rank completed in another phase (hung, restarting,
+closing) is passed over, as the socket's closes are then.
 
 What a correct writer on this host cannot claim raises RecordError (the daemon
 then stops reading the record, see record_watch.py): a time in the monitor's
@@ -56,8 +63,9 @@ def tick_for(timeouts: Timeouts, startup_timeout: float | None = None) -> float 
 class Applied:
     """What one read changed, for the daemon's bookkeeping beyond the session."""
 
-    closed: list[tuple[str, float]] = field(default_factory=list)
-    """(section, seconds open) for each close applied."""
+    closed: list[tuple[str, int, float]] = field(default_factory=list)
+    """(section, sections completed since the last read, their seconds in all), from the
+    rank's own counters: every completed section, however many came between two reads."""
     iteration: int | None = None
     """The iteration the rank reported, when it changed."""
     events: int = 0
@@ -71,7 +79,7 @@ class RecordSync:
     """What the monitor has applied of one rank's record (one per record, one per session)."""
 
     __slots__ = ("created_ns", "names", "slot_of", "_seen_epoch", "_seen_hb", "_seen", "_hb_count", "_hb_at",
-                 "_opens", "_closes", "_held", "_iteration")
+                 "_opens", "_closes", "_held", "_iteration", "_completed")
 
     def __init__(self, created_ns: int) -> None:
         self.created_ns = created_ns
@@ -90,6 +98,8 @@ class RecordSync:
         self._held: dict[int, int] = {}
         """slot -> the open time (ns) of the section the session holds open from it."""
         self._iteration = -1
+        self._completed: dict[int, tuple[int, int]] = {}
+        """slot -> (sections completed, their summed ns) taken into account so far."""
 
     @property
     def slots_in_use(self) -> int:
@@ -117,37 +127,65 @@ class RecordSync:
         RecordError for what a correct writer cannot have stored."""
         self._check(view, round(now * 1e9))
         out = Applied()
-        if session.phase is Phase.ACTIVE:
+        active = session.phase is Phase.ACTIVE
+        if active:
             self._apply_progress(session, view, out)
-        # the iteration after the steps it counts (the session's iteration_base is the first
-        # report less the steps closed before it), and not from a read that missed a slot
-        if view.iteration >= 0 and view.iteration != self._iteration and not any(
+        steps = session.steps_closed
+        self._count(session, view, out, active)
+        # the iteration after the steps it counts, and not from a read that missed a slot
+        if view.iteration >= 0 and not any(
                 view.slots[slot] is None for slot in self.names if slot < len(view.slots)):
-            self._iteration = view.iteration
-            session.set_iteration(view.iteration)
-            out.iteration = view.iteration
+            changed = view.iteration != self._iteration
+            if changed:
+                self._iteration = view.iteration
+                session.set_iteration(view.iteration)
+                out.iteration = view.iteration
+            if changed or session.steps_closed != steps:
+                # the rank's own iteration and step count, from one read: the session counts on
+                # from there. A read can pair them one step apart (a step's slot registered after
+                # its iteration was read; the copy's loads are not in address order), and the
+                # next read that changes either mends it, the last one included
+                session.iteration_base = view.iteration - session.steps_closed
         return out
 
     def _apply_progress(self, session: Session, view: RecordView, out: Applied) -> None:
         floor = view.epoch_ns
-        events: list[tuple[int, int, int, int, bool]] = []
+        events: list[tuple[int, int, int, int]] = []
         hb = view.heartbeats
         if hb is not None and hb.count > self._hb_count:
             if hb.at >= floor and hb.at > self._hb_at:
-                events.append((hb.at, _HEARTBEAT, -1, hb.count - self._hb_count, True))
+                events.append((hb.at, _HEARTBEAT, -1, hb.count - self._hb_count))
             self._hb_count = hb.count
         for slot, name in self.names.items():
             st = view.slots[slot] if slot < len(view.slots) else None
             if st is not None:
                 self._slot_events(session, slot, name, st, floor, events)
         events.sort()
-        for at, kind, slot, count, timed in events:
-            self._replay(session, at, kind, slot, count, timed, out)
+        for at, kind, slot, count in events:
+            self._replay(session, at, kind, slot, count, out)
+
+    def _count(self, session: Session, view: RecordView, out: Applied, active: bool) -> None:
+        """What the rank completed since the last read, from its counters (torn slots wait
+        for the next read); taken by an ACTIVE session, passed over in any other phase."""
+        for slot, name in self.names.items():
+            st = view.slots[slot] if slot < len(view.slots) else None
+            if st is None:
+                continue
+            count, ns = self._completed.get(slot, (0, 0))
+            if st.completed == count:
+                continue
+            self._completed[slot] = (st.completed, st.completed_ns)
+            if not active:
+                continue
+            n = st.completed - count
+            out.closed.append((name, n, (st.completed_ns - ns) / 1e9))
+            if name == STEP_SECTION:
+                session.steps_closed += n
 
     def _slot_events(self, session: Session, slot: int, name: str, st: SlotState, floor: int,
-                     events: list[tuple[int, int, int, int, bool]]) -> None:
+                     events: list[tuple[int, int, int, int]]) -> None:
         """The events that take the session from what it holds of ``slot`` to ``st``: (time,
-        kind, slot, how many such events it stands for, whether its duration is known)."""
+        kind, slot, how many such events it stands for)."""
         new_opens = st.opens - self._opens.get(slot, 0)
         new_closes = st.closes - self._closes.get(slot, 0)
         self._opens[slot] = st.opens
@@ -162,27 +200,24 @@ class RecordSync:
             if held == since:
                 return
             if held is not None:  # closed (and maybe opened and closed again) since the last read
-                events.append((max(st.closed_at, held), _CLOSE, slot, max(1, new_closes), new_closes == 1))
-            elif new_closes > 0:  # opens and closes before this open, between two reads: counted
+                events.append((max(st.closed_at, held), _CLOSE, slot, max(1, new_closes)))
+            elif new_closes > 0:  # opens and closes before this open, between two reads (`_count` counts them)
                 session.events += new_closes
-                if name == STEP_SECTION:
-                    session.steps_closed += new_closes
-            events.append((since, _OPEN, slot, max(1, new_opens), True))
+            events.append((since, _OPEN, slot, max(1, new_opens)))
         elif held is not None:
             if new_opens == 0 or st.opened_at < floor:
                 # closed; or abandoned at a reset (an in-process restart): closed at the new epoch
                 at = st.closed_at if st.closed_at >= held else max(floor, held)
-                events.append((at, _CLOSE, slot, max(1, new_closes), new_closes <= 1))
+                events.append((at, _CLOSE, slot, max(1, new_closes)))
             else:  # closed, then opened and closed again since the last read: the latest run is timed
-                events.append((st.opened_at, _CLOSE, slot, max(1, new_closes - 1), False))
-                events.append((st.opened_at, _OPEN, slot, new_opens, True))
-                events.append((st.closed_at, _CLOSE, slot, 1, True))
+                events.append((st.opened_at, _CLOSE, slot, max(1, new_closes - 1)))
+                events.append((st.opened_at, _OPEN, slot, new_opens))
+                events.append((st.closed_at, _CLOSE, slot, 1))
         elif new_opens > 0 and cur is None and st.opens and floor <= st.opened_at <= st.closed_at:
-            events.append((st.opened_at, _OPEN, slot, new_opens, True))  # opened and closed between two reads
-            events.append((st.closed_at, _CLOSE, slot, max(1, new_closes), new_closes == 1))
+            events.append((st.opened_at, _OPEN, slot, new_opens))  # opened and closed between two reads
+            events.append((st.closed_at, _CLOSE, slot, max(1, new_closes)))
 
-    def _replay(self, session: Session, at: int, kind: int, slot: int, count: int, timed: bool,
-                out: Applied) -> None:
+    def _replay(self, session: Session, at: int, kind: int, slot: int, count: int, out: Applied) -> None:
         t = at / 1e9
         out.events += count
         if kind == _HEARTBEAT:
@@ -202,14 +237,10 @@ class RecordSync:
                 session.open_section(name, t)
                 self._held[slot] = at
                 session.events += count - 1
-            else:
-                took = session.close_section(name, t)
+            else:  # counted by `_count`, from the rank's counters
+                session.close_section(name, t, count=False)
                 self._held.pop(slot, None)
-                if step:
-                    session.steps_closed += count - 1
                 session.events += count - 1
-                if took is not None and timed:
-                    out.closed.append((name, took))
         except SessionError:
             self._held.pop(slot, None)
 
@@ -234,6 +265,13 @@ class RecordSync:
             if seen is not None and st.opens < seen.opens:
                 raise RecordError(f"section {name!r} (slot {slot}): its open count went back from {seen.opens} to "
                                   f"{st.opens}")
+            if seen is not None and (st.completed < seen.completed or st.completed_ns < seen.completed_ns):
+                raise RecordError(f"section {name!r} (slot {slot}): its completed count or time went back from "
+                                  f"{seen.completed} ({seen.completed_ns} ns) to {st.completed} ({st.completed_ns} ns)")
+            if st.completed_ns > st.completed * max(0, st.closed_at - self.created_ns):
+                raise RecordError(f"section {name!r} (slot {slot}): {st.completed} section(s) completed by "
+                                  f"{st.closed_at} ns cannot have taken {st.completed_ns} ns since the record was "
+                                  f"made at {self.created_ns} ns")
             self._time(f"section {name!r} (slot {slot}) opening", st.opened_at, seen.opened_at if seen else 0, limit)
             self._time(f"section {name!r} (slot {slot}) closing", st.closed_at, seen.closed_at if seen else 0, limit)
             self._seen[slot] = st

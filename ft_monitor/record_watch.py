@@ -7,7 +7,8 @@
 * `sync`: read the record and apply it to the session (record_sync.py). The
   daemon calls it on the fine tick (`tick`), when a deadline comes due, before
   each message of the rank's (so the socket's order holds: a PONG confirms what
-  was stored before the PING) and before answering STATUS.
+  was stored before the PING), before answering STATUS, and once more when the
+  rank's connection closes (what it stored before it exited is counted).
 * A record that no correct writer could have left (record_sync's RecordError)
   is read no more: one ERROR line says why; the session keeps what it had
   applied, so a rank that goes on storing its progress there is timed from its
@@ -137,8 +138,8 @@ def sync(d: MonitorDaemon, rank: RankResources) -> None:
         return
     if applied is None:
         return
-    for name, took in applied.closed:
-        d.section_stats.record(name, took)
+    for name, count, total in applied.closed:
+        d.section_stats.record_many(name, count, total)
     if applied.iteration is not None and (d.iteration_high is None or applied.iteration > d.iteration_high):
         d.iteration_high = applied.iteration
 

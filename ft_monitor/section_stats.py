@@ -1,8 +1,11 @@
 """How long a rank's sections took: a histogram and the recent durations per section (pure).
 
-The daemon already sees every section of its rank open and close (it stamps both
-with its own clock), so it can say how long each took without the client doing
-anything more per event. `SectionStats` keeps, per section name, for the whole
+Through the socket the daemon sees every section of its rank open and close (it
+stamps both with its own clock); through the progress record it reads, on a tick,
+how many sections of each slot the rank completed and their summed time, which the
+rank counts itself (ft_client.record): closes that came and went between two reads
+are counted all the same, at their mean duration (`record_many`), and a read that
+finds one new close times it exactly. `SectionStats` keeps, per section name, for the whole
 life of the daemon (across sessions, so the counts only grow, as Prometheus
 counters must):
 
@@ -54,6 +57,18 @@ class SectionHistogram:
         self.sum_s += seconds
         self.recent.append(seconds)
 
+    def record_many(self, count: int, sum_s: float) -> None:
+        """``count`` durations summing to ``sum_s`` whose values one by one are not known
+        (closes between two reads of a record): counted and summed exactly, each filed at
+        their mean (exact for one)."""
+        if count <= 0:
+            return
+        mean = max(0.0, sum_s / count)
+        self.buckets[bisect.bisect_left(BOUNDS, mean)] += count
+        self.count += count
+        self.sum_s += max(0.0, sum_s)
+        self.recent.extend([mean] * min(count, RECENT))
+
     def median_recent(self) -> float | None:
         return median(self.recent)
 
@@ -100,6 +115,16 @@ class SectionStats:
                 return
             h = self.sections[name] = SectionHistogram()
         h.record(max(0.0, seconds))
+
+    def record_many(self, name: str, count: int, sum_s: float) -> None:
+        """``count`` closes of ``name`` that took ``sum_s`` in all (`SectionHistogram.record_many`)."""
+        h = self.sections.get(name)
+        if h is None:
+            if len(self.sections) >= MAX_TRACKED_SECTIONS:
+                self.untracked += max(0, count)
+                return
+            h = self.sections[name] = SectionHistogram()
+        h.record_many(count, sum_s)
 
     def get(self, name: str) -> SectionHistogram | None:
         return self.sections.get(name)

@@ -92,7 +92,9 @@ class Session:
     iteration_base: int | None = None
     """The iteration this session started from: the first ITERATION report less the steps
     closed before it (the client reports completed steps, counted on from its checkpoint),
-    so ``iteration_base + steps_closed`` is the rank's iteration now, without the report's lag."""
+    so ``iteration_base + steps_closed`` is the rank's iteration now, without the report's lag.
+    With a progress record, set again from each read that changes the record's iteration or
+    step count (record_sync.py), which come from the same read."""
     restart_since: float | None = None
     """While RESTARTING: when the restart began."""
     restart_deadline: float | None = None
@@ -146,8 +148,10 @@ class Session:
         self.out_of_section_since = None
         self.last_progress = now
 
-    def close_section(self, name: str, now: float) -> float | None:
-        """Close ``name``; returns how long it was open (None when the session ignores it)."""
+    def close_section(self, name: str, now: float, *, count: bool = True) -> float | None:
+        """Close ``name``; returns how long it was open (None when the session ignores it).
+        ``count=False``: the close is counted elsewhere (a progress record's counters,
+        record_sync.py), not in `steps_closed`."""
         self.events += 1
         if self.phase is not Phase.ACTIVE:
             return None
@@ -156,7 +160,7 @@ class Session:
             raise SessionError(f"section {name!r} closed while not open")
         if not self.open_sections:
             self.out_of_section_since = now
-        if name == STEP_SECTION:
+        if count and name == STEP_SECTION:
             self.steps_closed += 1
         self.last_progress = now
         return now - sec.opened_at

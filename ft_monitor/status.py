@@ -117,6 +117,10 @@ class MonitorStatus:
     last_restart: InprocessRestart | None = None
     section_stats: SectionStats = field(default_factory=SectionStats)
     """How long the rank's sections took, over the daemon's life (section_stats.py)."""
+    last_iteration: int | None = None
+    """The rank's iteration when its latest session ended (None before one ended, and from
+    an older monitor): a rank that is gone is reported at its real last iteration, not at
+    the last one a poll saw while it was connected."""
 
     @property
     def connected(self) -> bool:
@@ -133,6 +137,7 @@ class MonitorStatus:
             "timeouts": self.timeouts,
             "connected": self.connected,
             "section_stats": self.section_stats.to_wire(),
+            "last_iteration": self.last_iteration,
         }
         r = self.rank
         if r is not None:
@@ -196,6 +201,7 @@ class MonitorStatus:
                 last_hang=None if h is None else HangSummary(h["rank"], h["pid"], h["message"], h["report"]),
                 last_restart=None if lr is None else InprocessRestart.from_wire(lr),
                 section_stats=SectionStats.from_wire(st.get("section_stats")),
+                last_iteration=st.get("last_iteration"),
             )
         except SectionStatsError as e:
             raise StatusError(str(e)) from e
@@ -206,7 +212,8 @@ class MonitorStatus:
 def build_status(*, now: float, monitor_pid: int, socket: str, started_at: float, sessions: int,
                  timeouts: Timeouts, iteration_high: int | None, session: Session | None,
                  hangs: Iterable[HangSummary], last_restart: InprocessRestart | None = None,
-                 section_stats: SectionStats | None = None, progress: str | None = None) -> MonitorStatus:
+                 section_stats: SectionStats | None = None, progress: str | None = None,
+                 last_iteration: int | None = None) -> MonitorStatus:
     """The status at ``now`` (pure); ``progress``: how the connected rank reports it."""
     hangs = list(hangs)
     rank = None
@@ -232,6 +239,7 @@ def build_status(*, now: float, monitor_pid: int, socket: str, started_at: float
         hangs_detected=len(hangs), iteration_high=iteration_high, timeouts=timeouts.to_wire(), rank=rank,
         last_hang=hangs[-1] if hangs else None, last_restart=last_restart,
         section_stats=section_stats or SectionStats(),
+        last_iteration=last_iteration,
     )
 
 
@@ -259,11 +267,12 @@ def format_status(status: MonitorStatus | Mapping[str, Any]) -> str:
              f"{st.sessions} session(s), {st.hangs_detected} hang(s) detected"]
     r = st.rank
     if r is None:
-        lines.append("rank: not connected")
+        lines.append("rank: not connected" + (f" (its last session ended at iteration {st.last_iteration})"
+                                             if st.last_iteration is not None else ""))
     else:
         lines.append(f"rank {r.rank} pid {r.pid} ({r.phase}), connected {_secs(r.session_age_s)} ago, "
                      f"{r.heartbeats} heartbeat(s), last {_secs(r.since_last_heartbeat_s)} ago"
-                     + (f", iteration {r.iteration}" if r.iteration is not None else "")
+                     + (f", iteration {r.iteration_now}" if r.iteration_now is not None else "")
                      + (f", progress through the {PROGRESS_WORDS.get(r.progress, r.progress)}" if r.progress else ""))
         if r.open_sections:
             for sec in r.open_sections:

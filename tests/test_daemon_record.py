@@ -130,6 +130,43 @@ def test_steps_within_their_timeout_are_never_a_hang_and_a_closed_section_is_not
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_every_step_is_counted_and_the_rank_ends_at_its_last_iteration_in_both_modes(tmp_path: Path,
+                                                                                     mode: str) -> None:
+    """200 steps of 1 ms, far shorter than the record's tick: the step histogram counts all
+    of them with their time, and a rank gone without GOODBYE (its last ITERATION report
+    throttled away over the socket, its last stores not yet read from the record) is
+    reported at its real last iteration."""
+    async def body(d: MonitorDaemon, clock: ManualClock, ops: FakeOps) -> None:
+        p = Progress(d, clock, mode)
+        p.hello()
+        reported = -1.0
+        for i in range(200):
+            p.open("step")
+            clock.advance(0.001)
+            p.close("step")
+            if p.writer is not None:
+                p.writer.iteration(i + 1)
+            elif clock.now() - reported >= 0.2:  # the client's throttle (ITERATION_REPORT_INTERVAL)
+                reported = clock.now()
+                p.peer.send(wire.Iteration(i + 1))
+            p.heartbeat()
+            clock.advance(0.001)
+        if mode == "socket":
+            assert d.rank is not None and d.rank.session.steps_closed == 200
+        else:  # the last steps are in the record, not read yet: the connection's end reads them
+            assert d.rank is not None and d.rank.session.steps_closed < 200
+        p.peer.close()  # gone without GOODBYE
+        await settle()
+        step = d.section_stats.get("step")
+        assert step is not None and step.count == 200 and sum(step.buckets) == 200
+        assert step.sum_s == pytest.approx(0.2, abs=1e-6)
+        st = d.status()
+        assert not st.connected and st.last_iteration == 200 and st.iteration_high == 200
+
+    run(body, tmp_path, rank_section_timeouts={"step": 30.0}, **QUIET)
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_heartbeats_and_out_of_section_time_are_judged_in_both_modes(tmp_path: Path, mode: str) -> None:
     async def body(d: MonitorDaemon, clock: ManualClock, ops: FakeOps) -> None:
         p = Progress(d, clock, mode)
@@ -313,7 +350,7 @@ def test_progress_record_off_and_clients_that_do_not_ask_get_none(tmp_path: Path
     run(body, tmp_path, progress_record=False)
 
     async def unasked(d: MonitorDaemon, clock: ManualClock, ops: FakeOps) -> None:
-        for info in ({}, {"record": True}, {"record": 2}):  # an older client, or nonsense
+        for info in ({}, {"record": True}, {"record": 1}):  # an older client (or layout), or nonsense
             p = Peer(d)
             p.send(wire.Hello(wire.PROTOCOL_VERSION, wire.Role.RANK, 0, info))
             ok = p.transport.replies()[-1]

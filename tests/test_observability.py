@@ -21,6 +21,7 @@ from ft_monitor.launcher.slow_ranks import judge
 from ft_monitor.launcher.telemetry import Telemetry
 from ft_monitor.launcher.torch_events import TorchMetrics, routed
 from ft_monitor.live_view import Row, format_table, to_json
+from ft_monitor.policy import iteration_now
 from ft_monitor.report_html import render
 from ft_monitor.section_stats import SectionHistogram, SectionStats
 from ft_monitor.settings import Settings
@@ -176,12 +177,20 @@ class FakeMonitors:
         self.stats = {0: SectionStats(), 1: SectionStats()}
         self.timeouts = Timeouts.from_config(Settings(rank_section_timeouts={"step": 60, "data": 60}))
         self.now = 0.0
+        self.last_iteration: dict[int, int | None] = {0: None, 1: None}
 
     def statuses(self) -> dict[int, Any]:
         return {lr: build_status(now=self.now, monitor_pid=1, socket=f"/m{lr}", started_at=0.0, sessions=1,
                                  timeouts=self.timeouts, iteration_high=None, session=s, hangs=[],
-                                 section_stats=self.stats[lr])
+                                 section_stats=self.stats[lr], last_iteration=self.last_iteration[lr])
                 for lr, s in self.sessions.items()}
+
+    def end_sessions(self) -> None:
+        """The ranks are gone: their monitors say where each session ended."""
+        for lr, s in self.sessions.items():
+            if s is not None:
+                self.last_iteration[lr] = iteration_now(s)
+        self.sessions = dict.fromkeys(self.sessions)
 
 
 def _stepped(mon: FakeMonitors, start_iteration: int, steps: int, slow_data: float = 0.0) -> None:
@@ -239,6 +248,36 @@ def test_telemetry_turns_a_hang_and_its_restart_into_events_metrics_and_goodput(
     assert snap.restart_phases["process", "total"] == (timing.breakdown()["total"],)
     assert snap.goodput is not None and snap.goodput.productive_s == pytest.approx(15 * 0.1 - 0.2)
     assert tel.summary()["slow_ranks"] == [1]
+
+
+def test_the_iteration_reported_at_the_end_is_where_each_rank_ended_not_the_last_poll(tmp_path: Path) -> None:
+    """Polls are a second apart; ranks that finish between two polls are reported (events,
+    metrics, the textfile) at the iteration their sessions ended at."""
+    clock = {"t": 0.0}
+    mon = FakeMonitors()
+    tel = Telemetry(config=Settings(), monitors=mon, host="h", nproc=2, max_restarts=0,
+                    clock=lambda: clock["t"], monotonic=lambda: clock["t"])
+    tel.attempt_started(0, "run", 0, {0: 0, 1: 1}, {}, str(tmp_path))
+    _stepped(mon, 0, 12)
+    clock["t"] = 2.0
+    tel.tick()
+    assert [v.iteration for v in tel.snapshot.ranks] == [12, 12]
+    for lr in (0, 1):  # 18 more steps before the next poll, then the ranks exit
+        s = mon.sessions[lr]
+        assert s is not None
+        for _ in range(18):
+            s.open_section("step", clock["t"])
+            s.close_section("step", clock["t"] + 0.01)
+    mon.end_sessions()
+    clock["t"] = 2.5
+    tel.attempt_ended("SUCCEEDED", {}, 0)
+    tel.finish(0, "")
+    tel.close(None)
+    assert [v.iteration for v in tel.snapshot.ranks] == [30, 30]
+    (end,) = [e for e in read_events(tmp_path / "events.jsonl") if e["kind"] == "attempt_end"]
+    assert end["iteration"] == 30
+    snap = tel.snapshot
+    assert 'ft_rank_iteration{local_rank="0",rank="0"} 30.0' in generate_latest(registry(lambda: snap)).decode()
 
 
 def test_a_crash_restart_is_timed_by_the_telemetry_itself(tmp_path: Path) -> None:

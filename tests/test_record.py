@@ -61,7 +61,7 @@ def test_what_the_writer_stores_reads_back() -> None:
     w.iteration(42)
     v = read(buf)
     assert v.heartbeats == Heartbeats(2, CREATED + 9) and v.iteration == 42
-    assert v.slots[1] == SlotState(3, CREATED + 30, CREATED + 20) and v.slots[1].opens == 2
+    assert v.slots[1] == SlotState(3, CREATED + 30, CREATED + 20, 1, 10) and v.slots[1].opens == 2
     assert v.slots[1].closes == 1 and v.slots[1].open_since(0) == CREATED + 30
     assert v.slots[0].open_since(CREATED + 32) is None  # opened before the epoch: void
     assert v.slots[2] == SlotState(0, 0, 0) and not v.slots[2].is_open
@@ -75,8 +75,8 @@ def test_reset_closes_what_is_open_and_stamps_the_epoch() -> None:
     w.reset(CREATED + 100)
     v = read(buf)
     assert v.epoch_ns == CREATED + 100
-    assert v.slots[0] == SlotState(2, CREATED + 1, CREATED + 100)
-    assert v.slots[2] == SlotState(2, CREATED + 2, CREATED + 3)
+    assert v.slots[0] == SlotState(2, CREATED + 1, CREATED + 100)  # closed, not counted: it did not complete
+    assert v.slots[2] == SlotState(2, CREATED + 2, CREATED + 3, 1, 1)
     assert not w.is_open(0) and not w.is_open(2)
 
 
@@ -94,7 +94,7 @@ def test_a_group_being_written_reads_as_torn() -> None:
 
 @pytest.mark.parametrize(("word", "value", "error"), [
     (record.W_MAGIC, 7, "magic word"),
-    (record.W_VERSION, 2, "layout version 2"),
+    (record.W_VERSION, 1, "layout version 1"),
     (record.W_SLOTS, 3, "slot count 3"),
     (record.W_CREATED, 0, "creation time 0"),
     (record.W_EPOCH, -1, "epoch -1"),
@@ -123,7 +123,7 @@ def test_short_copies_and_slot_counts_out_of_range_are_refused() -> None:
     buf, _ = fresh()
     with pytest.raises(RecordError, match="takes"):
         decode(bytes(buf[:64]), bytes(buf), bytes(buf), 1)
-    with pytest.raises(RecordError, match="a record has 125"):
+    with pytest.raises(RecordError, match=f"a record has {record.SLOTS}"):
         decode(bytes(buf), bytes(buf), bytes(buf), record.SLOTS + 1)
 
 
@@ -241,8 +241,8 @@ def test_the_client_refuses_a_record_from_another_clock_or_unsealed() -> None:
     with pytest.raises(RecordError, match="not sealed"):
         open_record(plain, info, 0, time.monotonic_ns())
     fd, mapping = create_record(time.monotonic_ns())
-    with pytest.raises(RecordError, match="version 2"):
-        open_record(fd, RecordInfo(2, record.SIZE, record.SLOTS), 0, time.monotonic_ns())
+    with pytest.raises(RecordError, match="version 1"):
+        open_record(fd, RecordInfo(1, record.SIZE, record.SLOTS), 0, time.monotonic_ns())
     mapping.close()
 
 
@@ -311,5 +311,5 @@ def test_a_writer_process_hammering_the_record_never_shows_the_reader_a_mixed_st
 
 
 def test_layout_constants_describe_one_page() -> None:
-    assert record.SLOTS == 125 and words_for(record.SLOTS) * 8 <= record.SIZE
+    assert record.SLOTS == 83 and words_for(record.SLOTS) * 8 <= record.SIZE
     assert struct.calcsize("=8q") == 64 and record.slot_word(0) == record.SLOT_BASE

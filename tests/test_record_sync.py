@@ -19,7 +19,9 @@ from ft_client.record import RecordError, RecordWriter
 from ft_client.record_read import RecordView, decode
 from ft_client.timeouts import Timeouts
 from ft_monitor.policy import Reason, check, deadlines
+from ft_monitor.policy import iteration_now as policy_iteration_now
 from ft_monitor.record_sync import MAX_TICK, MIN_TICK, RecordSync, tick_for
+from ft_monitor.section_stats import SectionStats
 from ft_monitor.state import Phase, Session
 
 S = 1_000_000_000  # ns per second
@@ -86,7 +88,7 @@ def test_an_open_section_is_timed_from_its_open_and_a_close_stops_it() -> None:
     assert applied.closed == []
     r.close("data", T0 + 2.5)
     applied = r.apply(s, T0 + 2.51)
-    assert s.open_sections == {} and applied.closed == [("data", 0.5)]
+    assert s.open_sections == {} and applied.closed == [("data", 1, 0.5)]
     assert s.out_of_section_since == T0 + 2.5
 
 
@@ -118,7 +120,7 @@ def test_a_section_closed_and_opened_again_between_reads_is_timed_from_the_new_o
     r.close("data", T0 + 1.5)
     r.open("data", T0 + 1.6)
     applied = r.apply(s, T0 + 1.7)
-    assert s.open_sections["data"].opened_at == T0 + 1.6 and applied.closed == [("data", 0.5)]
+    assert s.open_sections["data"].opened_at == T0 + 1.6 and applied.closed == [("data", 1, 0.5)]
     assert check(s, T0 + 2.59) is None and check(s, T0 + 2.6) is not None
 
 
@@ -201,7 +203,9 @@ def test_times_and_counts_that_go_back_are_refused() -> None:
     r2.apply(s2, T0 + 3)
     memoryview(r2.buf).cast("q")[record.slot_word(1)] = 2  # one write instead of two
     memoryview(r2.buf).cast("q")[record.slot_word(1) + record.CLOSED_AT] = 0
-    with pytest.raises(RecordError, match="open count went back|closing went back"):
+    memoryview(r2.buf).cast("q")[record.slot_word(1) + record.CLOSES] = 0
+    memoryview(r2.buf).cast("q")[record.slot_word(1) + record.SUM_NS] = 0
+    with pytest.raises(RecordError, match="open count went back|closing went back|completed count or time went back"):
         r2.apply(s2, T0 + 3)
 
 
@@ -233,6 +237,7 @@ def test_after_each_read_the_deadlines_are_those_of_every_event_sent_over_the_so
         events: list[tuple[str, int]]) -> None:
     r, via_record, via_socket = Rank(), session(), session()
     is_open: set[str] = set()
+    counted: dict[str, list[float]] = {"record": [0, 0.0], "socket": [0, 0.0]}
     t_ns = CREATED
     t = T0
     for what, ms in events:
@@ -246,17 +251,24 @@ def test_after_each_read_the_deadlines_are_those_of_every_event_sent_over_the_so
             if name in is_open:
                 is_open.discard(name)
                 r.close(name, t)
-                via_socket.close_section(name, t)
+                took = via_socket.close_section(name, t)
+                assert took is not None
+                counted["socket"][0] += 1
+                counted["socket"][1] += took
             else:
                 is_open.add(name)
                 r.open(name, t)
                 via_socket.open_section(name, t)
         else:
-            r.apply(via_record, t)
+            for _, n, total in r.apply(via_record, t).closed:
+                counted["record"][0] += n
+                counted["record"][1] += total
             assert sorted(deadlines(via_record), key=repr) == sorted(deadlines(via_socket), key=repr)
             assert via_record.steps_started == via_socket.steps_started
             assert via_record.steps_closed == via_socket.steps_closed
             assert via_record.heartbeats == via_socket.heartbeats
+            assert counted["record"][0] == counted["socket"][0]  # every close, however many between reads
+            assert counted["record"][1] == pytest.approx(counted["socket"][1], abs=1e-6)
     r.apply(via_record, t)
     assert sorted(deadlines(via_record), key=repr) == sorted(deadlines(via_socket), key=repr)
 
@@ -301,3 +313,100 @@ def test_an_iteration_read_with_a_torn_slot_waits_for_the_next_read() -> None:
     assert r.sync.apply(s, view, T0 + 3).iteration is None and s.iteration is None
     r.apply(s, T0 + 3.1)
     assert s.iteration == 11 and s.iteration_base == 10
+
+
+# -- counts are the rank's, not the reads' ------------------------------------------------------
+def test_steps_far_shorter_than_the_tick_are_all_counted_with_their_time() -> None:
+    """200 steps of 1 ms, the record read every 25 ms (the longest tick): every step is
+    counted and its time summed, as the socket would have, though most come and go
+    between two reads; the section statistics file them at their mean."""
+    r, s = Rank(), session(rank_section_timeouts={"step": 30.0})
+    stats = SectionStats()
+    t = T0
+    next_read = T0 + MAX_TICK
+    for i in range(200):
+        r.open("step", t)
+        r.close("step", t + 0.001)
+        r.w.iteration(i + 1)
+        t += 0.002
+        if t >= next_read:
+            for name, n, total in r.apply(s, t).closed:
+                stats.record_many(name, n, total)
+            next_read += MAX_TICK
+    for name, n, total in r.apply(s, t).closed:
+        stats.record_many(name, n, total)
+    step = stats.get("step")
+    assert step is not None and step.count == 200 and sum(step.buckets) == 200
+    assert step.sum_s == pytest.approx(0.2, abs=1e-6) and step.median_recent() == pytest.approx(0.001)
+    assert s.steps_closed == 200 and s.iteration == 200 and s.iteration_base == 0
+    assert policy_iteration_now(s) == 200
+
+
+def test_closes_that_complete_nothing_are_not_counted() -> None:
+    """``end_all_sections`` and a reset's closes close a slot without completing a section
+    (the socket's CLOSE_ALL counts none either)."""
+    r, s = Rank(), session()
+    r.open("step", T0 + 1)
+    r.w.abandon_word(record.slot_word(0), round((T0 + 2) * S))  # end_all_sections
+    r.open("data", T0 + 3)
+    r.w.reset(round((T0 + 4) * S))
+    view = r.view()
+    assert view.slots[0] is not None and (view.slots[0].closes, view.slots[0].completed) == (1, 0)
+    applied = r.apply(s, T0 + 5)
+    assert applied.closed == [] and s.steps_closed == 0
+
+
+def test_what_the_rank_completes_outside_an_active_session_is_passed_over() -> None:
+    """As the socket's closes are while a session is hung or restarting: not counted then,
+    nor later."""
+    r, s = Rank(), session()
+    r.open("step", T0 + 1)
+    r.close("step", T0 + 1.5)
+    assert r.apply(s, T0 + 2).closed == [("step", 1, 0.5)]
+    s.mark_hung()
+    r.open("step", T0 + 3)
+    r.close("step", T0 + 3.25)
+    assert r.apply(s, T0 + 4).closed == [] and s.steps_closed == 1
+    s.phase = Phase.ACTIVE
+    r.open("step", T0 + 5)
+    r.close("step", T0 + 5.75)
+    assert r.apply(s, T0 + 6).closed == [("step", 1, 0.75)] and s.steps_closed == 2
+
+
+@pytest.mark.parametrize(("completed", "sum_ns", "error"), [
+    (0, 0, "completed count or time went back"),
+    (1, 0, "completed count or time went back"),
+    (1, 10**15, "cannot have taken"),
+])
+def test_counts_that_go_back_or_cannot_be_are_refused(completed: int, sum_ns: int, error: str) -> None:
+    r, s = Rank(), session()
+    r.open("data", T0 + 1)
+    r.close("data", T0 + 2)
+    r.apply(s, T0 + 3)
+    words = memoryview(r.buf).cast("q")
+    words[record.slot_word(1) + record.CLOSES] = completed
+    words[record.slot_word(1) + record.SUM_NS] = sum_ns
+    with pytest.raises(RecordError, match=error):
+        r.apply(s, T0 + 3)
+
+
+def test_an_iteration_read_before_its_step_slot_was_registered_is_mended_by_the_next_read() -> None:
+    """The rank sends SECTION_SLOT, then stores its first step and iteration; a tick may read
+    the record before the daemon has read the SECTION_SLOT: the iteration comes without the
+    step that made it. The read after the registration pairs them again."""
+    r, s = Rank(), session(rank_section_timeouts={"step": 30.0})
+    r.sync = RecordSync(CREATED)  # nothing registered yet
+    r.open("step", T0 + 1)
+    r.close("step", T0 + 1.5)
+    r.w.iteration(11)
+    r.apply(s, T0 + 2)
+    assert s.iteration == 11 and s.steps_closed == 0
+    assert r.sync.register("step", 0) is None
+    r.apply(s, T0 + 2.1)
+    assert s.steps_closed == 1 and policy_iteration_now(s) == 11 and s.iteration_base == 10
+    for i in range(3):
+        r.open("step", T0 + 3 + i)
+        r.close("step", T0 + 3.5 + i)
+        r.w.iteration(12 + i)
+    r.apply(s, T0 + 7)
+    assert s.steps_closed == 4 and policy_iteration_now(s) == 14 and s.iteration_base == 10

@@ -38,6 +38,27 @@ def test_recent_median_follows_the_last_durations_only() -> None:
     assert h.median_recent() == pytest.approx(0.1) and h.count == 100 + RECENT
 
 
+def test_closes_counted_together_are_counted_and_summed_exactly_and_filed_at_their_mean() -> None:
+    """A progress record's read may find many closes since the last one: their count and sum
+    are the rank's, each is filed at the mean; one alone is exactly `record`."""
+    h = SectionHistogram()
+    h.record_many(40, 0.2)
+    assert h.count == 40 and h.sum_s == pytest.approx(0.2) and sum(h.buckets) == 40
+    assert dict(h.cumulative())[0.005] == 40 and dict(h.cumulative())[0.0025] == 0
+    assert len(h.recent) == RECENT and h.median_recent() == pytest.approx(0.005)
+    h.record_many(0, 0.0)
+    assert h.count == 40
+    one, other = SectionHistogram(), SectionHistogram()
+    one.record_many(1, 0.3)
+    other.record(0.3)
+    assert one == other
+    s = SectionStats()
+    for i in range(MAX_TRACKED_SECTIONS):
+        s.record(f"s{i}", 0.01)
+    s.record_many("late", 5, 1.0)
+    assert "late" not in s.sections and s.untracked == 5
+
+
 def test_names_past_the_cap_are_counted_not_timed() -> None:
     s = SectionStats()
     for i in range(MAX_TRACKED_SECTIONS + 3):
@@ -100,4 +121,13 @@ def test_status_from_an_older_daemon_without_stats_still_reads() -> None:
     st = build_status(now=1.0, monitor_pid=1, socket="/s", started_at=0.0, sessions=0, timeouts=Timeouts(),
                       iteration_high=None, session=None, hangs=[]).to_wire()
     del st["section_stats"]
-    assert MonitorStatus.from_wire(st).section_stats.sections == {}
+    del st["last_iteration"]
+    back = MonitorStatus.from_wire(st)
+    assert back.section_stats.sections == {} and back.last_iteration is None
+
+
+def test_status_of_a_rank_gone_says_where_its_session_ended() -> None:
+    st = build_status(now=1.0, monitor_pid=1, socket="/s", started_at=0.0, sessions=1, timeouts=Timeouts(),
+                      iteration_high=30, session=None, hangs=[], last_iteration=30)
+    back = MonitorStatus.from_wire(st.to_wire())
+    assert not back.connected and back.last_iteration == 30

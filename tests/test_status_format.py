@@ -151,6 +151,7 @@ def test_last_hang_while_not_connected() -> None:
                                 "report": "/r/x.json"})
     text = format_status(st)
     assert "rank: not connected" in text
+    assert "rank: not connected (its last session ended at iteration 17)" in format_status({**st, "last_iteration": 17})
     assert "last hang: rank 0 pid 5: no heartbeat for 5.1 s, heartbeat timeout 5.0 s (report /r/x.json)" in text
 
 

@@ -3,7 +3,8 @@
 Definitions (docs/observability.md says the same for the people who read the metrics):
 
 * **step time** of a rank: the sum of its `step` sections' durations, as its monitor
-  timed them (section_stats.py), over the whole run;
+  timed them (section_stats.py; with a progress record, as the rank summed them in it,
+  every step counted), over the whole run;
 * **redone work** of an incident: the iterations the job did again after restarting
   (the highest iteration reached before it, less the iteration the ranks resumed
   from), times the median step time before it;

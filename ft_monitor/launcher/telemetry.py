@@ -314,6 +314,8 @@ class Telemetry:
                     mem.last_progress = now - st.rank.since_last_progress_s
                 if st.rank.iteration_now is not None:
                     mem.iteration = st.rank.iteration_now
+            elif st.last_iteration is not None:  # gone: where its session ended, not where a poll last saw it
+                mem.iteration = st.last_iteration
             self._timeouts_seen(now, mem, st.timeouts)
             mem.sections = dict(st.section_stats.sections)
         return statuses

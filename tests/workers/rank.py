@@ -142,6 +142,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("scenario")
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--step-s", type=float, default=0.01, help="seconds each of the first --steps steps takes")
     p.add_argument("--socket", default=None)
     p.add_argument("--until-file", default=None)
     args = p.parse_args()
@@ -151,7 +152,7 @@ def main() -> None:
     say(f"connected pid={os.getpid()}")
     for _ in range(args.steps):
         with client.section("step"):
-            time.sleep(0.01)
+            time.sleep(args.step_s)
         client.send_heartbeat()
     say("steps done")
 

@@ -49,7 +49,7 @@ from dataclasses import replace
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 
-from ft_client import env, record, wire
+from ft_client import env, exiting, record, wire
 from ft_client.errors import MonitorBrokenError, MonitorClosedError, RankMonitorClientError
 from ft_client.parent_death import die_with_parent
 from ft_client.session_info import SessionInfo, SessionInfoError
@@ -283,6 +283,7 @@ class RankMonitorClient:
             from ft_client.inprocess import events
 
             events.add_restart_listener(self._restart_hook)
+            exiting.watch(self)
             _die_with_launcher()
 
     def _adopt(self, transport: Transport, hello: wire.HelloOk, asked_ns: int) -> Timeouts:
@@ -514,6 +515,19 @@ class RankMonitorClient:
 
             events.remove_restart_listener(self._restart_hook)
             self._restart = None
+        exiting.unwatch(self)
+
+    def _exiting(self, reason: str) -> None:
+        """An uncaught exception ends the process (ft_client.exiting): the monitor stops timing it."""
+        with self._lock:
+            t = self._transport
+            if t is None or self._state is not ConnState.CONNECTED:
+                return
+            try:
+                t.send_event(wire.encode(wire.Exiting(reason)))
+                t.flush()
+            except TransportError:
+                pass
 
     # -- progress --------------------------------------------------------------
     # Each call takes the lock explicitly (cheaper than `with`, which matters at a few

@@ -37,6 +37,8 @@ msgpack. The body is an array whose first element is the message type tag::
                                                        request  -> DUMP_REPLY | ERROR (launcher -> monitor: roll call)
     DUMP_REPLY     [26, snapshot]                      reply
     FR_DUMP        [27, path]                          push (monitor -> rank, control connection)
+    EXITING        [28, reason]                        fire-and-forget (the rank's process is on its way out:
+                                                       an uncaught exception; it is not timed any more)
 
 Nothing here unpickles or evaluates anything: msgpack with ``raw=False`` and
 ``strict_map_key=True`` yields only None, bool, int, float, str, bytes, list, dict.
@@ -94,6 +96,7 @@ class MsgType(IntEnum):
     DUMP_REQUEST = 25
     DUMP_REPLY = 26
     FR_DUMP = 27
+    EXITING = 28
 
 
 class Role:
@@ -193,6 +196,13 @@ class Pong:
 @dataclass(frozen=True, slots=True)
 class Goodbye:
     pass
+
+
+@dataclass(frozen=True, slots=True)
+class Exiting:
+    """The rank's process is exiting (why, e.g. the uncaught exception): not a hang."""
+
+    reason: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -308,7 +318,7 @@ class FrDump:
 
 Message = (
     Hello | HelloOk | Error | Heartbeat | SectionOpen | SectionClose | SectionCloseAll
-    | UpdateConfig | ConfigOk | Status | StatusReply | Ping | Pong | Goodbye | Iteration
+    | UpdateConfig | ConfigOk | Status | StatusReply | Ping | Pong | Goodbye | Exiting | Iteration
     | Control | HangNotice | Ack | Abort | Restarting | Reentered | WorkerStarted
     | SectionSlot | RecordDeclined
     | DumpRequest | DumpReply | FrDump
@@ -372,6 +382,7 @@ _ENCODERS: dict[type, Any] = {
     Ping: lambda m: [MsgType.PING],
     Pong: lambda m: [MsgType.PONG],
     Goodbye: lambda m: [MsgType.GOODBYE],
+    Exiting: lambda m: [MsgType.EXITING, m.reason],
     Iteration: lambda m: [MsgType.ITERATION, m.iteration],
     Control: lambda m: [MsgType.CONTROL, m.action, m.reason],
     HangNotice: lambda m: [MsgType.HANG_NOTICE, m.notice],
@@ -478,6 +489,7 @@ _DECODERS: dict[int, tuple[int, Any]] = {
     MsgType.PING: (0, lambda f: PING),
     MsgType.PONG: (0, lambda f: PONG),
     MsgType.GOODBYE: (0, lambda f: GOODBYE),
+    MsgType.EXITING: (1, lambda f: Exiting(_str(f[0], "reason"))),
     MsgType.ITERATION: (1, lambda f: Iteration(_int(f[0], "iteration"))),
     MsgType.CONTROL: (2, lambda f: Control(_str(f[0], "action"), _str(f[1], "reason"))),
     MsgType.HANG_NOTICE: (1, lambda f: HangNotice(_dict(f[0], "notice"))),

@@ -249,9 +249,22 @@ def _goodbye(d: MonitorDaemon, r: RankResources, msg: wire.Goodbye) -> None:
     if s.open_sections:
         log.warning("rank %d pid %d shut down with section(s) still open: %s",
                     s.rank, s.pid, ", ".join(map(printable, s.open_sections)))
-    s.goodbye()
+    _end_session(d, r)
+
+
+def _end_session(d: MonitorDaemon, r: RankResources) -> None:
+    """The rank said its session is over (GOODBYE, EXITING): not timed any more."""
+    r.session.goodbye()
     r.conn.role = wire.Role.OBSERVER  # what it may still send: STATUS, PING
     d.disconnected(r.conn)
+
+
+def _exiting(d: MonitorDaemon, r: RankResources, msg: wire.Exiting) -> None:
+    """The rank's process is on its way out (an uncaught exception): a crash, not a hang. Its
+    session ends as at GOODBYE; the launcher sees the process exit and restarts for a failure."""
+    log.warning("rank %d pid %d is exiting: %s; no longer timed (a crash, not a hang)", r.session.rank,
+                r.session.pid, printable(msg.reason[:MAX_REASON]))
+    _end_session(d, r)
 
 
 def _restarting(d: MonitorDaemon, r: RankResources, msg: wire.Restarting) -> None:
@@ -292,6 +305,7 @@ _RANK_HANDLERS: dict[type, Callable[[Any, RankResources, Any], None]] = {
     wire.Iteration: _iteration,
     wire.UpdateConfig: _update_config,
     wire.Goodbye: _goodbye,
+    wire.Exiting: _exiting,
     wire.Control: _control,
     wire.Restarting: _restarting,
     wire.Reentered: _reentered,

@@ -16,7 +16,7 @@ import msgpack
 import pytest
 
 from ft_client import RankMonitorClient, RankMonitorClientError, wire
-from tests.procs import ROOT, Daemon, Rank, pid_alive, raw_client, status, wait_until
+from tests.procs import ROOT, Daemon, Rank, pid_alive, raw_client, slack, status, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -226,6 +226,21 @@ def test_exit_without_shutdown_is_logged_as_exit_not_hang(workdir: Path) -> None
         log = d.log()
         assert "disconnected without shutdown_workload_monitoring(); the process exited (exit code 3)" in log
         assert "hang detected" not in log
+    finally:
+        d.stop()
+
+
+def test_a_rank_that_raised_and_is_slow_to_exit_is_a_crash_not_a_hang(workdir: Path, progress: tuple[str, ...]) -> None:
+    # before: the rank stayed an active session while its interpreter ran a 3 s teardown, its 1 s
+    # heartbeat timeout passed, and it was reported and stopped as a hang (a restart spent on a hang)
+    d = Daemon(workdir, "--ft-rank-heartbeat-timeout", "1", "--ft-initial-rank-heartbeat-timeout", "1",
+               "--ft-rank-section-timeouts", "", *FAST, *progress,
+               cmd=[sys.executable, str(ROOT / "tests/workers/rank.py"), "raise-slow-exit"])
+    try:
+        assert d.proc.wait(60 * slack()) == 1  # the rank's own exit code, not SIGTERM's
+        log = d.log()
+        assert "is exiting: RuntimeError: bad batch (test); no longer timed (a crash, not a hang)" in log, log
+        assert "hang detected" not in log and not list(d.report_dir.glob("*-hang.json"))
     finally:
         d.stop()
 

@@ -19,6 +19,7 @@ ALL_MESSAGES: list[wire.Message] = [
     wire.HelloOk(wire.PROTOCOL_VERSION, {"monitor_pid": 99, "timeouts": {"rank_heartbeat_timeout": 5.0}}),
     wire.Error(wire.ErrorCode.BUSY, "a rank is already connected"),
     wire.Heartbeat(),
+    wire.Exiting("ValueError: bad batch"),
     wire.SectionOpen("step"),
     wire.SectionOpen("ünïcødé section ✓"),
     wire.SectionOpen("x" * wire.MAX_NAME_BYTES),

@@ -202,6 +202,12 @@ def main() -> None:
         say("shutdown")
     elif s == "exit3":
         sys.exit(3)
+    elif s == "raise-slow-exit":  # an uncaught exception, then a teardown (atexit) longer than the timeouts
+        import atexit
+
+        atexit.register(time.sleep, 3.0)
+        say("raising")
+        raise RuntimeError("bad batch (test)")
     elif s == "train-until-stdin":  # steps and heartbeats until a line arrives on stdin
         stop = threading.Event()
         threading.Thread(target=lambda: (sys.stdin.readline(), stop.set()), daemon=True).start()

@@ -238,9 +238,22 @@ def _update_config(d: MonitorDaemon, r: RankResources, msg: wire.UpdateConfig) -
         return
     if timeouts != d.timeouts:
         log.info("rank %d: timeouts now %s", r.session.rank, timeouts.to_wire())
+    for name in switched_on(d.config.timeouts(), d.timeouts, timeouts):
+        log.warning("rank %d: the learned %s = %.1f s switches on a timeout the configuration leaves off (set it "
+                    "in the config, or to null there and do not learn it, to choose)", r.session.rank, name,
+                    getattr(timeouts, name))
     d.timeouts = timeouts
     r.session.set_timeouts(timeouts, d.clock.now())
     r.conn.send(wire.ConfigOk(timeouts.to_wire()))
+
+
+OPTIONAL_TIMEOUTS = ("initial_rank_heartbeat_timeout", "rank_heartbeat_timeout", "rank_out_of_section_timeout")
+
+
+def switched_on(configured: Timeouts, before: Timeouts, after: Timeouts) -> list[str]:
+    """The timeouts the configuration leaves off (None) that an update switches on now."""
+    return [n for n in OPTIONAL_TIMEOUTS
+            if getattr(configured, n) is None and getattr(before, n) is None and getattr(after, n) is not None]
 
 
 def _goodbye(d: MonitorDaemon, r: RankResources, msg: wire.Goodbye) -> None:

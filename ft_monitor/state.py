@@ -109,8 +109,9 @@ class Session:
     startup_timeout: float | None = None
 
     def __post_init__(self) -> None:
-        if self.out_of_section_since is None and not self.open_sections:
-            self.out_of_section_since = self.started_at
+        # out-of-section time is judged from the end of the rank's first section, not from the
+        # handshake (nvidia-resiliency-ext's rule): init, loading and the time to the first step
+        # are the startup and heartbeat timeouts' business
         self.timeouts_since = max(self.timeouts_since, self.started_at)
 
     @property
@@ -243,7 +244,7 @@ class Session:
         self.inprocess_restarts += 1
         self.restart_since = self.restart_deadline = None
         self.last_heartbeat = None
-        self.out_of_section_since = now
+        self.out_of_section_since = None  # as at the handshake: judged again after the first section
         self.timeouts_since = max(self.timeouts_since, now)
 
     def end(self) -> None:

@@ -156,7 +156,7 @@ def test_close_unopened_is_an_error() -> None:
     s = session(rank_out_of_section_timeout=5.0)
     with pytest.raises(SessionError, match=r"^section 'ckpt' closed while not open$"):
         s.close_section("ckpt", T0 + 1.0)
-    assert s.out_of_section_since == T0  # unchanged
+    assert s.out_of_section_since is None  # unchanged: not judged before the first section
 
 
 def test_max_open_sections() -> None:
@@ -182,19 +182,38 @@ def test_close_all_sections() -> None:
 
 def test_close_all_with_nothing_open_keeps_the_out_of_section_clock() -> None:
     s = session(rank_out_of_section_timeout=30.0)
+    s.open_section("a", T0 + 1.0)
+    s.close_section("a", T0 + 5.0)
     s.close_all_sections(T0 + 20.0)
-    assert fires_at(s, T0 + 30.0).onset == T0
+    assert fires_at(s, T0 + 35.0).onset == T0 + 5.0
 
 
 # ---------------------------------------------------------------------------
 # Out of section
 
 
-def test_out_of_section_counts_from_the_handshake() -> None:
+def test_out_of_section_is_not_judged_before_the_first_section() -> None:
+    # nvidia-resiliency-ext's rule: init, loading and the way to the first step are not
+    # out-of-section time (before: counted from the handshake, a slow start was killed)
     s = session(rank_out_of_section_timeout=30.0)
-    hang = fires_at(s, T0 + 30.0)
-    assert (hang.reason, hang.section, hang.onset) == (Reason.OUT_OF_SECTION, None, T0)
+    assert deadlines(s) == [] and check(s, T0 + 1000.0) is None
+    s.open_section("step", T0 + 1000.0)
+    s.close_section("step", T0 + 1001.0)
+    hang = fires_at(s, T0 + 1031.0)
+    assert (hang.reason, hang.section, hang.onset) == (Reason.OUT_OF_SECTION, None, T0 + 1001.0)
     assert hang.open_sections == ()
+
+
+def test_out_of_section_is_not_judged_after_an_in_process_reentry_before_the_first_section() -> None:
+    s = session(rank_out_of_section_timeout=30.0)
+    s.open_section("step", T0)
+    s.close_section("step", T0 + 1.0)
+    s.begin_restart(T0 + 2.0, 60.0)
+    s.reentered(1, T0 + 3.0)
+    assert check(s, T0 + 500.0) is None
+    s.open_section("step", T0 + 500.0)
+    s.close_section("step", T0 + 501.0)
+    assert fires_at(s, T0 + 531.0).onset == T0 + 501.0
 
 
 def test_out_of_section_only_while_no_section_is_open() -> None:
@@ -279,6 +298,8 @@ def test_set_timeouts_applies_to_heartbeat_and_out_of_section_now() -> None:
 
 def test_a_tighter_timeout_counts_from_when_it_was_set_not_retroactively() -> None:
     s = session(rank_heartbeat_timeout=100.0, rank_out_of_section_timeout=100.0)
+    s.open_section("data", T0 + 0.5)
+    s.close_section("data", T0 + 1.0)
     s.heartbeat(T0 + 1.0)
     s.set_timeouts(Timeouts(rank_heartbeat_timeout=5.0, rank_out_of_section_timeout=2.0), T0 + 50.0)
     assert check(s, T0 + 51.9) is None  # 50 s since the heartbeat, but the 2 s timeout began at T0+50
@@ -354,6 +375,8 @@ def test_closing_session_is_no_longer_checked() -> None:
 
 def test_iteration_is_reported() -> None:
     s = session(rank_out_of_section_timeout=5.0)
+    s.open_section("data", T0)
+    s.close_section("data", T0)
     assert check(s, T0 + 5.0).iteration is None  # type: ignore[union-attr]
     s.set_iteration(17)
     assert check(s, T0 + 5.0).iteration == 17  # type: ignore[union-attr]
@@ -454,7 +477,7 @@ def test_fresh_session_after_restart_carries_the_timeouts_given_to_it() -> None:
     assert new.phase is Phase.ACTIVE
     assert new.timeouts is learned
     assert (new.last_heartbeat, new.heartbeats, new.open_sections, new.steps_started) == (None, 0, {}, 0)
-    assert new.out_of_section_since == T0 + 500.0
+    assert new.out_of_section_since is None  # judged from the end of its first section
     new.heartbeat(T0 + 501.0)
     new.open_section("step", T0 + 501.0)
     assert fires_at(new, T0 + 508.5).reason is Reason.HEARTBEAT
@@ -495,8 +518,10 @@ def test_check_agrees_with_deadlines(
 ) -> None:
     s = Session(rank=0, pid=1, started_at=0.0, timeouts=t1, num_warmup_iterations=warmup)
     now = 0.0
+    opened = False
     for kind, name, dt in evs:
         now += dt
+        opened = opened or (kind == "open" and name not in s.open_sections)
         if kind == "open":
             if name in s.open_sections:
                 with pytest.raises(SessionError):
@@ -515,8 +540,8 @@ def test_check_agrees_with_deadlines(
             s.close_all_sections(now)
         else:
             s.set_timeouts(t2, now)
-        # the out-of-section clock runs exactly while no section is open
-        assert (s.out_of_section_since is None) == bool(s.open_sections)
+        # the out-of-section clock runs exactly while no section is open, once a first one was
+        assert (s.out_of_section_since is None) == (bool(s.open_sections) or not opened)
     at = now + probe
     ds = deadlines(s)
     hang = check(s, at)
@@ -537,3 +562,12 @@ def test_check_agrees_with_deadlines(
         assert d.timeout > 0
         if d.reason is Reason.SECTION:
             assert d.section in s.open_sections
+
+
+def test_a_learned_value_that_switches_on_an_unconfigured_timeout_is_named() -> None:
+    from ft_monitor.handlers import switched_on
+
+    off, learned = Timeouts(), Timeouts(rank_out_of_section_timeout=5.0, initial_rank_heartbeat_timeout=9.0)
+    assert switched_on(off, off, learned) == ["initial_rank_heartbeat_timeout", "rank_out_of_section_timeout"]
+    assert switched_on(off, learned, learned) == []  # said once, when it is switched on
+    assert switched_on(Timeouts(rank_out_of_section_timeout=60.0), off, learned) == ["initial_rank_heartbeat_timeout"]

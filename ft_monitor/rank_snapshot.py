@@ -34,14 +34,15 @@ from ft_monitor import dump_file
 from ft_monitor.executor import _POLL, wait_for_dump
 from ft_monitor.native_stacks import NativeStacks, PySpy
 from ft_monitor.policy import iteration_now
-from ft_monitor.procinfo import catches_signal
-from ft_monitor.snapshot import MonitorSnapshot
+from ft_monitor.procinfo import ProcessHandle, catches_signal
+from ft_monitor.snapshot import STARTING, MonitorSnapshot
 from ft_monitor.state import Phase
 
 if TYPE_CHECKING:
     from ft_monitor.connection import Connection
     from ft_monitor.daemon import MonitorDaemon
     from ft_monitor.rank import RankResources
+    from ft_monitor.startup_watch import Starting
 
 log = logging.getLogger("ft_monitor.server")
 
@@ -81,7 +82,10 @@ class RankSnapshots:
         d, ex = self.d, self.d.executor
         rank = d.rank
         if rank is None:
-            return MonitorSnapshot(connected=False, notes=["no rank is connected to this monitor"])
+            starting = d.startup_watch.starting()
+            if starting is None:
+                return MonitorSnapshot(connected=False, notes=["no rank is connected to this monitor"])
+            return await self._starting(starting, req, deadline)
         s = rank.session
         self.taken += 1
         notes: list[str] = []
@@ -92,7 +96,7 @@ class RankSnapshots:
             return MonitorSnapshot(**base, alive=True, notes=[  # type: ignore[arg-type]
                 "restarting in-process: not dumped (its threads run Python while it unwinds)"])
         path = rank.dump_path()
-        captured, start_at = await self._stack(rank, path, req.incident, deadline, notes)
+        captured, start_at = await self._stack(s.pid, rank.process, path, req.incident, deadline, notes)
         end_at = ex.ops.file_size(path)
         native = await self._native(rank, req, deadline, notes) if d.config.native_stacks else None
         fr = await self._flight_recorder(rank, req, deadline, notes) if req.flight_recorder else None
@@ -103,7 +107,24 @@ class RankSnapshots:
     def _left(self, deadline: float) -> float:
         return max(0.0, deadline - self.d.clock.now())
 
-    async def _stack(self, rank: RankResources, path: Path, incident: int, deadline: float,
+    async def _starting(self, w: Starting, req: wire.DumpRequest, deadline: float) -> MonitorSnapshot:
+        """The worker has not connected yet (it may wait in ``init_process_group`` for a peer, or be
+        the peer that never got there): its stack through the start-up hook's faulthandler, in the
+        file its start-up deadline would use, so the verdict can tell the waiting from the stuck."""
+        self.taken += 1
+        notes: list[str] = ["not connected yet: dumped through the start-up hook"]
+        base = dict(connected=False, rank=w.rank, pid=w.pid, phase=STARTING)
+        if not self.d.executor.ops.alive(w.process):
+            return MonitorSnapshot(**base, alive=False, notes=[*notes, "its process has exited"])  # type: ignore[arg-type]
+        if w.dump_path is None:
+            return MonitorSnapshot(**base, alive=True, notes=[  # type: ignore[arg-type]
+                *notes, "no stack dump: it has no handler for the dump signal (not started through the hook)"])
+        captured, start_at = await self._stack(w.pid, w.process, w.dump_path, req.incident, deadline, notes)
+        end_at = self.d.executor.ops.file_size(w.dump_path)
+        return MonitorSnapshot(**base, alive=True, stack_dump=str(w.dump_path), stack_from=start_at,  # type: ignore[arg-type]
+                               stack_to=end_at if captured else start_at, stack_captured=captured, notes=notes)
+
+    async def _stack(self, pid: int, process: ProcessHandle, path: Path, incident: int, deadline: float,
                      notes: list[str]) -> tuple[bool, int]:
         """Whether the dump came, and where in ``path`` it starts (after its header)."""
         ex = self.d.executor
@@ -112,13 +133,13 @@ class RankSnapshots:
         if timeout <= 0:
             notes.append("stack dump skipped (stack_dump_timeout is 0, or no time left)")
             return False, ex.ops.file_size(path)
-        if self.catches(rank.session.pid, sig) is False:
+        if self.catches(pid, sig) is False:
             notes.append(f"stack dump skipped: the rank has no handler for signal {sig} (it would die of it)")
             return False, ex.ops.file_size(path)
-        header = dump_file.announce(path, dump_file.header(rank.session.pid, sig, f"roll call {incident}"))
+        header = dump_file.announce(path, dump_file.header(pid, sig, f"roll call {incident}"))
         before = ex.ops.file_size(path)
-        if ex.ops.send(rank.process, sig):
-            if await wait_for_dump(ex.ops, self.d.clock, path, before, timeout, rank.process):
+        if ex.ops.send(process, sig):
+            if await wait_for_dump(ex.ops, self.d.clock, path, before, timeout, process):
                 return True, before
             notes.append(f"no stack dump within {timeout:.1f}s")
         else:

@@ -25,6 +25,11 @@ class SnapshotError(FtError, ValueError):
     """A DUMP_REPLY whose fields do not follow the rules."""
 
 
+STARTING = "starting"
+"""The phase of a worker that has not connected to its monitor yet (dumped through the
+start-up hook's faulthandler: it may wait in ``init_process_group`` or never get there)."""
+
+
 @dataclass(frozen=True, slots=True)
 class MonitorSnapshot:
     connected: bool

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import signal
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -51,11 +52,22 @@ class _Watched:
         self.timer: Timer | None = None
 
 
+@dataclass(frozen=True)
+class Starting:
+    """A worker that has not connected as the rank: watched, or its start-up hang being handled."""
+
+    rank: int
+    pid: int
+    process: ProcessHandle
+    dump_path: Path | None
+    """Where the start-up hook's faulthandler writes its stacks (None: it has no handler)."""
+
+
 class StartupWatch:
     def __init__(self, daemon: MonitorDaemon) -> None:
         self.d = daemon
         self.watched: _Watched | None = None
-        self.handling: set[int] = set()
+        self.handling: dict[int, Starting] = {}
         """Pids whose start-up hang is being acted on: they may not connect as the rank."""
         self.catches: Callable[[int, int], bool | None] = catches_signal
         """Whether a pid handles a signal (the seam in-process tests replace)."""
@@ -99,6 +111,18 @@ class StartupWatch:
                  "connect" if cfg.startup_until == "handshake" else "send a heartbeat or start a step")
         return "timed"
 
+    def starting(self) -> Starting | None:
+        """The worker this monitor's rank is still starting as (for a roll call), if any."""
+        w = self.watched
+        if w is not None:
+            return Starting(w.worker.rank, w.worker.pid, w.process, self._dump_path(w.worker))
+        return next(iter(self.handling.values()), None)
+
+    def _dump_path(self, worker: startup.Spawned) -> Path:
+        """Where the worker's start-up hook has faulthandler write (both compute it from the spec)."""
+        spec = startup.dump_spec(self.d.config, self.d.report_dir)
+        return Path(spec.dump_path(worker.rank, worker.pid, worker.error_file))
+
     def refusal(self, pid: int) -> str | None:
         """Why ``pid`` may not connect as the rank now, or None."""
         if pid in self.handling:
@@ -122,8 +146,7 @@ class StartupWatch:
     def _exited(self, w: _Watched) -> None:
         if self.watched is w:
             log.info("rank %d: worker pid %d exited before connecting", w.worker.rank, w.worker.pid)
-            spec = startup.dump_spec(self.d.config, self.d.report_dir)  # its start-up hook's file, never dumped
-            dump_file.remove_if_empty(Path(spec.dump_path(w.worker.rank, w.worker.pid, w.worker.error_file)))
+            dump_file.remove_if_empty(self._dump_path(w.worker))  # its start-up hook's file, never dumped
             self._drop()
 
     def close(self) -> None:
@@ -142,17 +165,17 @@ class StartupWatch:
             w.timer = self.d.clock.call_later(max(0.0, startup.deadline(w.worker).at - now), self._due)
             return
         self.watched = None  # the hang task owns the process handle from here
-        self.handling.add(w.worker.pid)
         cfg = self.d.config
         spec = startup.dump_spec(cfg, self.d.report_dir)
         directory = Path(spec.dump_dir(w.worker.error_file))  # the rank's reports go there too
-        case = HangCase(hang, w.process, directory / report_name(hang.rank, hang.pid),
-                        Path(spec.dump_path(hang.rank, hang.pid, w.worker.error_file)), error_file=w.worker.error_file)
+        case = HangCase(hang, w.process, directory / report_name(hang.rank, hang.pid), self._dump_path(w.worker),
+                        error_file=w.worker.error_file)
         if self.catches(w.worker.pid, int(cfg.stack_dump_signal)) is False:
             case.dump_path = None
             case.actions.append(f"no stack dump: pid {hang.pid} has no handler for "
                                 f"{signal.Signals(cfg.stack_dump_signal).name} (not started through the start-up "
                                 "hook, or not running Python yet)")
+        self.handling[w.worker.pid] = Starting(w.worker.rank, w.worker.pid, w.process, case.dump_path)
         self.d.hangs.append(HangSummary(hang.rank, hang.pid, hang.describe(), str(case.report_path)))
         self.d.spawn(self._handle(case))
 
@@ -162,7 +185,7 @@ class StartupWatch:
         finally:
             if case.dump_path is not None and not case.process.alive():
                 dump_file.remove_if_empty(case.dump_path)
-            self.handling.discard(case.hang.pid)
+            self.handling.pop(case.hang.pid, None)
             self.d.exits.forget(case.process)
             case.process.close()
 

@@ -646,7 +646,7 @@ def test_a_worker_that_never_connects_is_dumped_and_stopped_at_its_startup_deadl
         report = json.loads((tmp_path / "reports" / f"rank2-pid{ME}-hang.json").read_text())
         assert report["reason"] == "startup" and report["terminated_by"] == "SIGTERM"
         assert report["stack_dump"] == str(tmp_path / "reports" / f"rank2-pid{ME}-stack.txt")
-        assert d.startup_watch.handling == set() and isinstance(Peer(d).hello_rank(), wire.HelloOk)
+        assert d.startup_watch.handling == {} and isinstance(Peer(d).hello_rank(), wire.HelloOk)
 
     run(body, tmp_path, **STARTUP)
 

@@ -192,3 +192,31 @@ def test_real_py_spy_reads_a_process_it_may_attach_to() -> None:
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_worker_not_connected_yet_is_dumped_through_its_start_up_hook(tmp_path: Path) -> None:
+    # before: "no rank is connected to this monitor", and a rank waiting in init_process_group for
+    # a peer that never came had no stack to tell it from the peer (the verdict blamed the waiting one)
+    async def body(d: MonitorDaemon, clock: ManualClock, ops: FakeOps) -> None:
+        d.startup_watch.catches = d.snapshots.catches = lambda pid, sig: True  # the start-up hook armed it
+        assert d.startup_watch.worker_started(ME, 2) == "timed"
+        d.launcher_pid = ME
+        launcher = Peer(d)
+        launcher.send(wire.Hello(wire.PROTOCOL_VERSION, wire.Role.LAUNCHER, 1, {}))
+        size = {"stack": 0}
+
+        def send(proc: ProcessHandle, sig: int) -> bool:
+            size["stack"] += 2048 if sig == signal.SIGUSR2 else 0
+            return True
+
+        ops.send = send  # type: ignore[method-assign]
+        ops.file_size = lambda path: size["stack"] if str(path).endswith("-stack.txt") else 0  # type: ignore[method-assign]
+        launcher.send(wire.DumpRequest(1, 2.0, False))
+        await settle()
+        snap = _reply(launcher)
+        assert (snap.connected, snap.phase, snap.rank, snap.pid, snap.alive) == (False, "starting", 2, ME, True)
+        assert snap.stack_captured and snap.stack_dump == str(tmp_path / "reports" / f"rank2-pid{ME}-stack.txt")
+        assert snap.stack_to > snap.stack_from
+        assert d.hangs == []  # a roll call is no verdict: the start-up deadline still runs
+
+    run(body, tmp_path, startup_timeout=5.0, stack_dump_timeout=0.05, termination_grace_time=1.0)

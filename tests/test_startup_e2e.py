@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from ft_monitor.launcher import exit_codes
-from tests.procs import ROOT, WORKERS, Daemon
+from tests.procs import ROOT, WORKERS, Daemon, slack
 
 pytestmark = pytest.mark.e2e
 
@@ -63,7 +63,9 @@ def test_a_dump_file_holds_one_header_and_the_dump_after_it(workdir: Path) -> No
 
 def test_launcher_restarts_workers_hung_before_init_each_dumped_where_it_hung(workdir: Path) -> None:
     """Attempt 0: rank 1 asleep before anything; 1: rank 0 in init_process_group waiting
-    for a peer that never joins; 2: rank 0 stuck importing a module; 3: all finish."""
+    for rank 1, connected but never joining; 2: rank 0 stuck importing a module; 3: all finish.
+    In attempt 1 rank 0's start-up deadline fires, but the roll call dumps it (not connected:
+    through the start-up hook) waiting in init_process_group, and names rank 1 (before: rank 0)."""
     summary_path = workdir / "summary.json"
     argv = [sys.executable, "-m", "ft_monitor.launcher.main", "--standalone", "--nproc-per-node", "2",
             "--max-restarts", "3", "--log-dir", str(workdir / "logs"), "--ft-summary-json", str(summary_path),
@@ -72,7 +74,7 @@ def test_launcher_restarts_workers_hung_before_init_each_dumped_where_it_hung(wo
     with open(log, "w") as f:
         proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
     try:
-        rc = proc.wait(100)
+        rc = proc.wait(100 * slack())
     finally:
         if proc.poll() is None:  # SIGTERM stops its workers too (they run in sessions of their own)
             proc.send_signal(signal.SIGTERM)
@@ -84,12 +86,16 @@ def test_launcher_restarts_workers_hung_before_init_each_dumped_where_it_hung(wo
     output = log.read_text()
     assert rc == exit_codes.SUCCESS, output
     hangs = json.loads(summary_path.read_text())["hangs"]
-    assert [(h["attempt"], h["rank"], h["reason"]) for h in hangs] == [(0, 1, "startup"), (1, 0, "startup"),
+    assert [(h["attempt"], h["rank"], h["reason"]) for h in hangs] == [(0, 1, "startup"), (1, 1, "startup"),
                                                                       (2, 0, "startup")], hangs
-    where = ["in sleep_before_init", "in init_process_group", "stuck_at_import.py"]
+    where = ["in sleep_before_init", "in wait_to_be_stopped", "stuck_at_import.py"]
     for hang, place in zip(hangs, where):
         assert hang["stack_dump_captured"], hang
         assert place in Path(hang["stack_dump"]).read_text(), (place, Path(hang["stack_dump"]).read_text())
         error = json.loads(Path(hang["error_file"]).read_text())
-        assert "RankHang: not connected to its monitor 8.0 s after it started" in error["message"]["message"]
+        assert "not connected to its monitor 8.0 s after it started" in error["message"]["message"]
+    assert hangs[1]["reported_by"]["rank"] == 0 and "rank 0 waits in init_process_group" in hangs[1]["message"]
+    assert "reported_by" not in hangs[0] and "reported_by" not in hangs[2]
+    hung_lines = [line for line in output.splitlines() if ") hung: " in line and "ft-launcher: rank" in line]
+    assert [line.split("ft-launcher: ")[1].split(" (")[0] for line in hung_lines] == ["rank 1", "rank 1", "rank 0"]
     assert output.count("] finished") == 2

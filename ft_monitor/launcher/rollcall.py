@@ -50,7 +50,7 @@ from ft_monitor.launcher.diagnosis import (
 )
 from ft_monitor.launcher.store_auth import RollCallAnswer, RollCallRequest, StoreChannel, StoreMessageError
 from ft_monitor.rank_snapshot import FR_NOTE
-from ft_monitor.snapshot import MonitorSnapshot, SnapshotError
+from ft_monitor.snapshot import STARTING, MonitorSnapshot, SnapshotError
 
 log = logging.getLogger("ft_monitor.launcher")
 
@@ -105,7 +105,7 @@ def evidence_from(rank: Rank, host: str, snap: MonitorSnapshot | None, why: str 
         return RankEvidence(rank.global_rank, host, status, rank.local_rank, rank.pid,
                             notes=[why or "no answer"] if status == NO_ANSWER else
                             ["its process had exited before the roll call"])
-    if not snap.connected or snap.pid != rank.pid:
+    if (not snap.connected and snap.phase != STARTING) or snap.pid != rank.pid:
         running = procinfo.running(rank.pid)
         return RankEvidence(rank.global_rank, host, NOT_CONNECTED if running else NOT_RUNNING, rank.local_rank,
                             rank.pid, notes=[*snap.notes, "the worker is running but not connected to its monitor"

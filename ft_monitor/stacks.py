@@ -23,12 +23,13 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from ft_client.collectives import waits_for_peers
+
 _THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-fA-F]+)[^\n]*\(most recent call first\):\s*$")
 _STACK = re.compile(r"^Stack \(most recent call first\):\s*$")
 _FRAME = re.compile(r'^\s+File "(.*)", line (\d+|\?\?\?) in (.*)$')
 LIBRARY_PARTS = ("/site-packages/", "/dist-packages/", "/lib/python3", "<frozen ")
 """Paths of frames that are not the user's own code (installed packages, the standard library)."""
-COLLECTIVE_PARTS = ("/torch/distributed/", "/torch/autograd/", "/torch/nn/parallel/")
 MAX_THREADS = 256
 MAX_FRAMES = 200
 
@@ -110,7 +111,7 @@ def innermost(thread: Thread | None) -> str | None:
 
 def in_collective(thread: Thread | None) -> bool:
     """Inside torch.distributed (or autograd's backward or DDP, where gradients are all-reduced)."""
-    return thread is not None and any(p in f.file for f in thread.frames for p in COLLECTIVE_PARTS)
+    return thread is not None and waits_for_peers(f.file for f in thread.frames)
 
 
 def collective_call(thread: Thread | None) -> str | None:

@@ -67,6 +67,32 @@ def test_a_hang_restarts_in_the_same_processes_and_training_goes_on_from_the_res
     assert _final_losses(out) == _final_losses(clean.output()) and len(_final_losses(out)) == 2
 
 
+def test_an_inprocess_hang_reported_first_by_a_waiting_rank_names_the_rank_outside_every_collective(
+        workdir: Path) -> None:
+    # rank 1 hangs between steps, outside every section; rank 0 waits for it in its next step's
+    # all-reduce and its learned step timeout fires first. Before: the fault record, the row, the
+    # launcher's line and the hang event named rank 0 (and one incident printed two "hung" lines)
+    la = Launcher(workdir, "--max-restarts", "1", *INPROCESS,
+                  train_args=("--inprocess", "--hang", "rank=1,step=12,attempt=0", "--hang-where", "between"))
+    try:
+        assert la.wait() == exit_codes.SUCCESS, la.output()
+    finally:
+        la.kill()
+    out, summary = la.output(), la.summary()
+    (pids,) = _attempt_pids(summary)
+    (row,) = summary["inprocess_restarts"]
+    assert row["rank"] == 1 and "rank 1 was outside every collective" in row["message"], row
+    assert "rank 0" in row["message"]  # who reported first stays in the message
+    hung_lines = [line for line in out.splitlines() if line.startswith("[ft-launcher]") and " hung: " in line]
+    assert len(hung_lines) == 1 and "ft-launcher: rank 1 hung: rank 1 was outside" in hung_lines[0], hung_lines
+    events = read_events(Path(summary["observability"]["events"]))
+    assert [e["rank"] for e in events if e["kind"] == "hang"] == [1]
+    assert [e["rank"] for e in events if e["kind"] == "restart"] == [1]
+    assert [i["rank"] for i in summary["observability"]["incidents"]] == [1]
+    for rank in (0, 1):
+        assert f"[rank {rank}] attempt 0 iteration 1: finished 30 steps" in out
+
+
 @pytest.mark.parametrize("mode", ["gil", "swallow"])
 def test_a_rank_that_cannot_be_interrupted_falls_back_to_the_process_restart(workdir: Path, mode: str) -> None:
     """Holding the GIL, the hung rank cannot take the ABORT; swallowing the interrupt, it

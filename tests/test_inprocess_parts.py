@@ -325,3 +325,16 @@ def test_the_reference_wrappers_options_are_taken_ignored_or_refused_with_the_re
     def by_keyword(x: int, call: object = None) -> None: ...
     assert w._call_wrapper_param(by_annotation) == "state" and w._call_wrapper_param(by_keyword) == "call"
     assert Wrapper(enabled=False)(by_keyword) is by_keyword
+
+
+def test_a_hang_verdict_on_a_waiting_rank_names_the_rank_outside_every_collective() -> None:
+    from ft_client.inprocess.store import FaultRecord
+    from ft_client.inprocess.wrapper import _culprit
+
+    reported = FaultRecord("section 'step' open for 2.0 s", 0, "monitor", 0, 100.0)
+    moved = _culprit(reported, 1)
+    assert (moved.rank, moved.source, moved.time) == (1, "monitor", 100.0)
+    assert moved.reason.startswith("rank 1 was outside every collective") and reported.reason in moved.reason
+    assert _culprit(reported, None) is reported and _culprit(reported, 0) is reported
+    raised = FaultRecord("rank 1: ValueError: bad batch", 1, "exception", 1, 100.0)
+    assert _culprit(raised, 0) is raised  # an exception names its own rank

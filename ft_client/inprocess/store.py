@@ -175,13 +175,32 @@ class RestartStore:
                 if not is_timeout(e):
                     raise
 
+    def claim_outside(self, iteration: int, rank: int, *, reporter: bool) -> None:
+        """This rank was outside every collective when the restart interrupted it: claim the
+        iteration's ``outside`` key (the rank whose own monitor reported the fault overwrites;
+        the others only take it while empty). One store operation, only for such a rank."""
+        value = str(rank).encode()
+        if reporter:
+            self.base.set(self.key(iteration, "outside"), value)
+        else:
+            self.base.compare_set(self.key(iteration, "outside"), b"", value)
+
+    def outside(self, iteration: int) -> int | None:
+        """The rank that claimed ``outside`` (read after the restart barrier), or None."""
+        key = self.key(iteration, "outside")
+        if not self.base.check([key]):
+            return None
+        raw = bytes(self.base.get(key))
+        return int(raw) if raw.isdigit() and len(raw) < 10 else None
+
     def forget(self, iteration: int) -> None:
         """Delete an iteration's keys (every rank is past it): ours, and the address keys
         that torch's gloo process group init wrote on the iteration's user store (torch
         2.13's key names; a key that is not there is no error)."""
         user = self.user_store(iteration)
         for store, key in [*((self.base, self.key(iteration, name)) for name in
-                             ("outcome", "completed", "barrier", "barrier_done", "exit", "exit_done")),
+                             ("outcome", "completed", "barrier", "barrier_done", "exit", "exit_done",
+                              "outside")),
                            *((user, f"{GLOO_DEFAULT_GROUP_KEY}{r}") for r in range(self.world_size))]:
             try:
                 store.delete_key(key)

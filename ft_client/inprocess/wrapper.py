@@ -43,10 +43,13 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any, TypeVar
 
+from ft_client.collectives import waits_for_peers
 from ft_client.errors import FtError
 from ft_client.inprocess import abort as aborting
 from ft_client.inprocess import events, timeline
@@ -187,9 +190,13 @@ class _Run:
         """Wall-clock end of each phase of the restart under way (timeline.PHASES)."""
         self.restart: events.Restart | None = None
         """The restart that led into the current iteration (None in iteration 0)."""
+        self.waiting = True
+        """Where the fault found the main thread: waiting for other ranks (in torch.distributed or
+        backward, or done with the function), or outside every collective (see `_culprit`)."""
 
     def new_iteration(self) -> None:
         self.fault = None
+        self.waiting = True
         self.handled = False
         self.fault_seen.clear()
         self.left_function.clear()
@@ -381,9 +388,11 @@ class Wrapper:
                 run.last_ping = None  # out of the function: nothing to time until the next iteration
                 run.left_function.set()
                 run.times.setdefault("left", time.time())
-        except RestartInterrupt:
+        except RestartInterrupt as e:
+            run.waiting = _waited(e)
             return _RESTART
         except BaseException as e:  # out of the training function: a fault
+            run.waiting = _waited(e)  # e.g. a collective that the abort made fail
             if isinstance(e, (KeyboardInterrupt, SystemExit)) and not run.fault_seen.is_set():
                 run.report(f"rank {run.rank} left the Wrapper: {type(e).__name__}", run.rank, "exit")
                 raise
@@ -443,7 +452,11 @@ class Wrapper:
             raise RestartLimitError(f"rank {run.rank}: max_iterations = {self.max_iterations} in-process restarts "
                                     f"used; last fault: {fault.reason}")
         try:
+            if not run.waiting and fault.source in HANG_SOURCES:
+                run.store.claim_outside(run.iteration, run.rank, reporter=fault.rank == run.rank)
             arrived = run.store.barrier(run.iteration, "barrier", self.barrier_timeout)
+            if arrived is None:
+                fault = _culprit(fault, run.store.outside(run.iteration))
         except Exception as e:
             raise InProcessError(f"rank {run.rank}: the in-process restart store is unreachable: {e}") from e
         if arrived is not None:
@@ -545,6 +558,24 @@ class Wrapper:
 
 
 _RESTART = object()
+HANG_SOURCES = ("monitor", "timeout")
+"""Faults that are a verdict on a rank's progress (its monitor's, or its own ping timeout)."""
+
+
+def _waited(e: BaseException) -> bool:
+    """Whether the exception that ended the function was raised while waiting for other ranks
+    (inside torch.distributed or backward: the interrupt, or a collective the abort failed)."""
+    return waits_for_peers(f.f_code.co_filename for f, _ in traceback.walk_tb(e.__traceback__))
+
+
+def _culprit(fault: FaultRecord, outside: int | None) -> FaultRecord:
+    """The fault as every rank records it (REENTERED, the launcher's row): a hang verdict on a
+    rank that was waiting in a collective names the rank that was outside every one instead
+    (with a heartbeat timeout, a rank waiting for the hung one can be reported first)."""
+    if fault.source not in HANG_SOURCES or outside is None or outside == fault.rank:
+        return fault
+    return replace(fault, rank=outside, reason=f"rank {outside} was outside every collective while the others "
+                                              f"waited in one; reported first: {fault.reason}")
 
 
 def _collect() -> None:

@@ -106,6 +106,11 @@ same rendezvous round: ranks waiting in a collective for a hung rank on another 
 time out too, and only the earliest onset is the hung rank."""
 
 
+HANG_REASONS = ("monitor", "timeout", "heartbeat", "initial_heartbeat", "section", "out_of_section", "startup")
+"""In-process rows whose reason is a verdict on progress (a monitor's hang reason, or the Wrapper's
+fault sources for one), as opposed to an exception or a peer that exited."""
+
+
 class TorchVersionError(FtError, RuntimeError):
     """torch's elastic internals are not what this launcher was built against."""
 
@@ -337,12 +342,16 @@ class FtLocalElasticAgent(_lea.LocalElasticAgent):
                                    f"rank {event.rank} asked to exclude this node: {event.reason}", event.rank)
 
     def _record_inprocess(self, notice: HangNotice) -> None:
-        """A monitor asked its rank to restart in-process: a summary row, no restart here."""
+        """A monitor asked its rank to restart in-process: a summary row, no restart here. The
+        rank at fault is named once, when the ranks are back (`_inprocess_done`): the monitor
+        that fired first may be that of a rank waiting for the hung one."""
+        first = (self._attempt(), notice.restart_iteration or 0) not in self.ft.inprocess.rows
         self.ft.inprocess.on_notice(notice, self._attempt())
         self._inprocess_checked = 0.0  # look for the ranks' return at the next tick
-        log.warning("ft-launcher: rank %d (pid %d) hung: %s; the ranks restart in-process as iteration %s (same "
-                    "processes; not counted against --max-restarts)", notice.rank, notice.pid,
-                    printable(notice.message), notice.restart_iteration)
+        log.log(logging.WARNING if first else logging.INFO,
+                "ft-launcher: rank %d's monitor reported no progress (%s)%s", notice.rank, printable(notice.message),
+                f"; the ranks restart in-process as iteration {notice.restart_iteration} (same processes; not "
+                "counted against --max-restarts)" if first else " too: part of the same in-process restart")
 
     def _note_inprocess(self) -> None:
         """Complete the rows of in-process restarts every local rank is back from."""
@@ -358,9 +367,10 @@ class FtLocalElasticAgent(_lea.LocalElasticAgent):
     def _inprocess_done(self, row: dict[str, Any]) -> None:
         """Every local rank is back from an in-process restart (the summary row is complete)."""
         b = row["phases"] or {}
-        log.warning("ft-launcher: all ranks back in their step loop %.2fs after rank %s's fault, in the same processes "
-                    "(in-process iteration %d; %s): %s", b.get("total") or 0.0, row["rank"], row["iteration"],
-                    timeline.describe(b), printable(row["message"] or "-"))
+        what = "hung" if row["reason"] in HANG_REASONS else "failed"
+        log.warning("ft-launcher: rank %s %s: %s; all ranks back in their step loop %.2fs after it, in the same "
+                    "processes (in-process iteration %d; %s)", row["rank"], what, printable(row["message"] or "-"),
+                    b.get("total") or 0.0, row["iteration"], timeline.describe(b))
 
     def _on_hang(self, wg: WorkerGroup, notice: HangNotice) -> RunResult | None:
         """Gather the inputs of decide.py's verdict (store, files, daemons), then carry it out."""

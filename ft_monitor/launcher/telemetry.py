@@ -91,6 +91,9 @@ class Telemetry:
         self.restart_counts: dict[str, int] = {"process": 0, "inprocess": 0}
         self._inprocess_incidents: dict[tuple[int, int], int] = {}
         """(attempt, Wrapper iteration) -> index in `incidents` of a hang recovered in place."""
+        self._inprocess_hangs: dict[tuple[int, int], dict[str, Any]] = {}
+        """The earliest hang notice of each in-process restart under way: its "hang" event is emitted
+        once the ranks are back and the row names the culprit (`inprocess_restart`)."""
         self.phases: dict[tuple[str, str], list[float]] = {}
         """(restart kind, phase) -> seconds, one per restart."""
         self.incidents: list[Incident] = []
@@ -187,11 +190,12 @@ class Telemetry:
             onset = notice.get("onset_time")
             if onset is not None and float(onset) < inc.onset:
                 self.incidents[index] = replace(inc, rank=int(notice["rank"]), onset=float(onset))
+                self._inprocess_hangs[key] = dict(notice)
             return
         self._count_hang(notice)
-        self.events.emit("hang", now, **_hang_fields(notice, "inprocess"))
         self._incident(notice, now)
         self._inprocess_incidents[key] = len(self.incidents) - 1
+        self._inprocess_hangs[key] = dict(notice)  # its "hang" event waits for the ranks' word on the culprit
         self._publish()
 
     def inprocess_restart(self, row: Mapping[str, Any]) -> None:
@@ -206,7 +210,17 @@ class Telemetry:
             if value is not None:
                 self.phases.setdefault(("inprocess", phase), []).append(value)
         lost = None
-        index = self._inprocess_incidents.pop((int(row.get("attempt") or 0), int(row.get("iteration") or 0)), None)
+        key = (int(row.get("attempt") or 0), int(row.get("iteration") or 0))
+        index = self._inprocess_incidents.pop(key, None)
+        notice = self._inprocess_hangs.pop(key, None)
+        culprit = row.get("rank")
+        if notice is not None:
+            if culprit is not None and culprit != notice.get("rank"):  # the rank reported first waited for it
+                notice = {**notice, "rank": culprit, "pid": row.get("pid") or 0, "message": row.get("message") or "",
+                          "local_rank": None, "report": None, "stack_dump": None}
+            self.events.emit("hang", now, **_hang_fields(notice, "inprocess"))
+        if index is not None and culprit is not None:
+            self.incidents[index] = replace(self.incidents[index], rank=int(culprit))
         if index is not None and phases.get("total") is not None and row.get("detected_time") is not None:
             inc = replace(self.incidents[index], running_again=float(row["detected_time"]) + float(phases["total"]))
             self.incidents[index] = inc

@@ -183,11 +183,14 @@ def _step_table(stats: Mapping[str, Any] | None) -> str:
 def _incident_rows(events: Sequence[Mapping[str, Any]]) -> str:
     rows = []
     restarts = [e for e in events if e["kind"] == "restart"]
+    diagnoses = [e for e in events if e["kind"] == "diagnosis"]
     for h in (e for e in events if e["kind"] == "hang"):
         r = next((x for x in restarts if x["rank"] == h["rank"] and x["time"] >= h["time"]), None)
         phases = "-" if r is None else ", ".join(f"{k} {v:.3f} s" for k, v in r["phases"].items()
                                                  if v is not None and k != "total")
-        rows.append(f"<tr class=\"incident\"><td>{h['attempt']}</td><td>{h['rank']}</td><td>{_e(h['message'])}</td>"
+        d = next((x for x in diagnoses if x["attempt"] == h["attempt"] and x["rank"] == h["rank"]), None)
+        what = _e(h["message"]) + ("" if d is None else f'<div class="verdict">verdict: {_e(d["verdict"])}</div>')
+        rows.append(f"<tr class=\"incident\"><td>{h['attempt']}</td><td>{h['rank']}</td><td>{what}</td>"
                     f"<td>{_e(h['action'])}</td><td>{_fmt(None if r is None else r['phases'].get('total'))}</td>"
                     f"<td>{_e(phases)}</td><td>{_fmt(None if r is None else r['lost_s'])}</td></tr>")
     if not rows:

@@ -346,6 +346,19 @@ def test_the_report_escapes_what_ranks_wrote() -> None:
     assert "<script>" not in page and "&lt;script&gt;" in page and "&lt;t&gt;" in page
 
 
+def test_the_report_shows_the_verdict_of_the_incident() -> None:
+    verdict = "rank 1 is not in a collective (train.py:64 in write_metrics); rank 0 waits in <backward>"
+    log_events = [
+        {"v": 1, "seq": 0, "time": 0.0, "kind": "attempt_start", "host": "h", "launcher_pid": 1, "attempt": 0},
+        {"v": 1, "seq": 1, "time": 1.9, "kind": "diagnosis", "host": "h", "launcher_pid": 1, "attempt": 0, "rank": 1,
+         "verdict": verdict, "basis": "stacks", "behind": [1], "path": "/d.json", "action": "kill", "roll_call_s": 0.05},
+        {"v": 1, "seq": 2, "time": 2.0, "kind": "hang", "host": "h", "launcher_pid": 1, "attempt": 0, "rank": 1,
+         "message": "m", "onset_time": 0.5, "detected_time": 1.5, "action": "kill"},
+    ]
+    page = render(log_events)
+    assert '<div class="verdict">verdict: rank 1 is not in a collective' in page and "&lt;backward&gt;" in page
+
+
 def _run_folder(log_dir: Path, name: str) -> Path:
     run = log_dir / name
     run.mkdir(parents=True)

@@ -30,13 +30,21 @@ def pids(summary: dict[str, Any]) -> list[str]:
             for a in summary.get("attempts", [])]
 
 
+PHASES = ("notify", "to_stop", "stop", "rendezvous", "worker_start", "first_step")
+"""A process restart's phases, as the summary's restarts rows carry them (docs/launcher.md)."""
+
+
 def describe(summary: dict[str, Any]) -> None:
     if not summary["hangs"] and not summary.get("inprocess_restarts") and not summary.get("diagnoses"):
         print("no hang was detected")
-    for hang, restart in zip(summary["hangs"], summary["restarts"]):
+    for failure in (r for r in summary["restarts"] if r.get("cause") == "failure"):
+        print(f"failed      : {failure['message']} in attempt {failure['attempt']}; the group restarted")
+    for hang, restart in zip(summary["hangs"], (r for r in summary["restarts"] if r.get("cause", "hang") == "hang")):
         late_ms = (hang["elapsed_s"] - hang["timeout_s"]) * 1000
         print(f"hung rank   : rank {hang['rank']} (pid {hang['pid']}) in attempt {hang['attempt']}")
         print(f"what        : {hang['message']}")
+        if hang.get("reported_by"):
+            print(f"reported by : rank {hang['reported_by']['rank']}'s monitor, whose rank waited for it")
         if hang.get("stack_dump_captured"):
             print(f"where       : {innermost_frame(Path(hang['stack_dump']).read_text())}")
             print(f"stack dump  : {hang['stack_dump']}")
@@ -45,7 +53,7 @@ def describe(summary: dict[str, Any]) -> None:
             print(f"verdict     : {hang['verdict']}")
             print(f"diagnosis   : {hang['diagnosis']}")
         if restart.get("total") is not None:
-            parts = ", ".join(f"{k} {v:.2f}s" for k, v in restart.items() if k != "total" and v is not None)
+            parts = ", ".join(f"{k} {restart[k]:.2f}s" for k in PHASES if restart.get(k) is not None)
             print(f"restart     : all ranks back in their step loop {restart['total']:.2f} s after detection ({parts})")
         print(f"root cause  : {hang['error_file']}")
     for row in summary.get("diagnoses", []):

@@ -110,6 +110,8 @@ _UNSENT = -1
 _SOCKET = -2
 """`_open` route of a section reported over the socket; a route >= 0 is a record slot (as the
 index of its SEQ word, `record.slot_word`)."""
+EXITING_LOCK_WAIT = 1.0
+"""Seconds the uncaught-exception hook waits for the client's lock before it gives up on EXITING."""
 _now_ns = time.monotonic_ns
 _HB_SEQ, _HB_AT, _ITERATION = record.W_HB_SEQ, record.W_HB_AT, record.W_ITERATION
 _OPENED_AT, _CLOSED_AT, _CLOSES, _SUM_NS = record.OPENED_AT, record.CLOSED_AT, record.CLOSES, record.SUM_NS
@@ -518,8 +520,12 @@ class RankMonitorClient:
         exiting.unwatch(self)
 
     def _exiting(self, reason: str) -> None:
-        """An uncaught exception ends the process (ft_client.exiting): the monitor stops timing it."""
-        with self._lock:
+        """An uncaught exception ends the process (ft_client.exiting): the monitor stops timing it.
+        Bounded: a thread that holds the client's lock (a reconnection) never keeps the process
+        from exiting; then the monitor learns of the exit when the connection closes."""
+        if not self._lock.acquire(timeout=EXITING_LOCK_WAIT):
+            return
+        try:
             t = self._transport
             if t is None or self._state is not ConnState.CONNECTED:
                 return
@@ -528,6 +534,8 @@ class RankMonitorClient:
                 t.flush()
             except TransportError:
                 pass
+        finally:
+            self._lock.release()
 
     # -- progress --------------------------------------------------------------
     # Each call takes the lock explicitly (cheaper than `with`, which matters at a few

@@ -51,7 +51,7 @@ from ft_monitor.server_log import printable
 from ft_monitor.settings import Settings
 from ft_monitor.startup_watch import StartupWatch
 from ft_monitor.state import Phase, Session
-from ft_monitor.status import HangSummary, InprocessRestart, MonitorStatus, build_status
+from ft_monitor.status import ExitSummary, HangSummary, InprocessRestart, MonitorStatus, build_status
 
 log = logging.getLogger("ft_monitor.server")
 
@@ -100,6 +100,8 @@ class MonitorDaemon:
         self.iteration_high: int | None = None
         """The highest training iteration any session reported or ended at (progress across restarts)."""
         self.last_iteration: int | None = None
+        self.last_exit: ExitSummary | None = None
+        """The latest session's EXITING (handlers.py), for STATUS."""
         """The rank's iteration when its latest session ended (`policy.iteration_now` then):
         what STATUS says of a rank that is gone, so the launcher's last word is not a poll's."""
         self.section_stats = SectionStats()
@@ -485,5 +487,5 @@ class MonitorDaemon:
             started_at=self.started_at, sessions=self.sessions_started, timeouts=self.timeouts,
             iteration_high=self.iteration_high, session=self.rank.session if self.rank else None,
             hangs=self.hangs, last_restart=self.last_restart, section_stats=self.section_stats,
-            progress=progress, last_iteration=self.last_iteration,
+            progress=progress, last_iteration=self.last_iteration, last_exit=self.last_exit,
         )

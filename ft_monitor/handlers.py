@@ -25,7 +25,7 @@ from ft_monitor.connection import Connection
 from ft_monitor.rank import RankResources, error_file_from_hello
 from ft_monitor.server_log import printable
 from ft_monitor.state import Phase, Session, SessionError
-from ft_monitor.status import InprocessRestart
+from ft_monitor.status import ExitSummary, InprocessRestart
 
 if TYPE_CHECKING:
     from ft_monitor.daemon import MonitorDaemon
@@ -277,6 +277,7 @@ def _exiting(d: MonitorDaemon, r: RankResources, msg: wire.Exiting) -> None:
     session ends as at GOODBYE; the launcher sees the process exit and restarts for a failure."""
     log.warning("rank %d pid %d is exiting: %s; no longer timed (a crash, not a hang)", r.session.rank,
                 r.session.pid, printable(msg.reason[:MAX_REASON]))
+    d.last_exit = ExitSummary(r.session.pid, msg.reason[:MAX_REASON], d.clock.now())
     _end_session(d, r)
 
 

@@ -51,6 +51,30 @@ class HangSummary:
 
 
 @dataclass(frozen=True, slots=True)
+class ExitSummary:
+    """The rank's process said it was exiting (EXITING: an uncaught exception)."""
+
+    pid: int
+    reason: str
+    at: float
+    """When, on the host's monotonic clock (comparable between the monitors of one node)."""
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"pid": self.pid, "reason": self.reason, "at": self.at}
+
+    @classmethod
+    def from_wire(cls, d: Any) -> ExitSummary | None:
+        """None for anything that is not one (an older monitor sends none)."""
+        if not isinstance(d, dict):
+            return None
+        pid, reason, at = d.get("pid"), d.get("reason"), d.get("at")
+        if isinstance(pid, bool) or not isinstance(pid, int) or not isinstance(reason, str) \
+                or isinstance(at, bool) or not isinstance(at, (int, float)):
+            return None
+        return cls(pid, reason[:4096], float(at))
+
+
+@dataclass(frozen=True, slots=True)
 class InprocessRestart:
     """The rank's last in-process restart, as its REENTERED said."""
 
@@ -121,6 +145,9 @@ class MonitorStatus:
     """The rank's iteration when its latest session ended (None before one ended, and from
     an older monitor): a rank that is gone is reported at its real last iteration, not at
     the last one a poll saw while it was connected."""
+    last_exit: ExitSummary | None = None
+    """The latest session's process said it was exiting, and why (None otherwise): the launcher
+    orders the workers that failed together by it (the rank that raised first)."""
 
     @property
     def connected(self) -> bool:
@@ -138,6 +165,7 @@ class MonitorStatus:
             "connected": self.connected,
             "section_stats": self.section_stats.to_wire(),
             "last_iteration": self.last_iteration,
+            "last_exit": None if self.last_exit is None else self.last_exit.to_wire(),
         }
         r = self.rank
         if r is not None:
@@ -202,6 +230,7 @@ class MonitorStatus:
                 last_restart=None if lr is None else InprocessRestart.from_wire(lr),
                 section_stats=SectionStats.from_wire(st.get("section_stats")),
                 last_iteration=st.get("last_iteration"),
+                last_exit=ExitSummary.from_wire(st.get("last_exit")),
             )
         except SectionStatsError as e:
             raise StatusError(str(e)) from e
@@ -213,7 +242,7 @@ def build_status(*, now: float, monitor_pid: int, socket: str, started_at: float
                  timeouts: Timeouts, iteration_high: int | None, session: Session | None,
                  hangs: Iterable[HangSummary], last_restart: InprocessRestart | None = None,
                  section_stats: SectionStats | None = None, progress: str | None = None,
-                 last_iteration: int | None = None) -> MonitorStatus:
+                 last_iteration: int | None = None, last_exit: ExitSummary | None = None) -> MonitorStatus:
     """The status at ``now`` (pure); ``progress``: how the connected rank reports it."""
     hangs = list(hangs)
     rank = None
@@ -239,7 +268,7 @@ def build_status(*, now: float, monitor_pid: int, socket: str, started_at: float
         hangs_detected=len(hangs), iteration_high=iteration_high, timeouts=timeouts.to_wire(), rank=rank,
         last_hang=hangs[-1] if hangs else None, last_restart=last_restart,
         section_stats=section_stats or SectionStats(),
-        last_iteration=last_iteration,
+        last_iteration=last_iteration, last_exit=last_exit,
     )
 
 

@@ -163,3 +163,16 @@ def test_status_from_a_real_timeouts_map() -> None:
     text = format_status(idle_status(timeouts=t))
     assert "  initial heartbeat off, heartbeat 5s, out of section off" in text
     assert "  section 'step': 10s (learned)" in text
+
+
+def test_the_last_exit_travels_in_status_and_anything_else_there_is_none() -> None:
+    from ft_client.timeouts import Timeouts
+    from ft_monitor.status import ExitSummary, MonitorStatus, build_status
+
+    exit_ = ExitSummary(4242, "RuntimeError: bad batch", 123.5)
+    st = build_status(now=200.0, monitor_pid=1, socket="/s", started_at=100.0, sessions=1, timeouts=Timeouts(),
+                      iteration_high=None, session=None, hangs=[], last_exit=exit_)
+    assert MonitorStatus.from_wire(st.to_wire()).last_exit == exit_
+    for bad in ("x", {"pid": True, "reason": "r", "at": 1.0}, {"pid": 1, "reason": 7, "at": 1.0},
+                {"pid": 1, "reason": "r", "at": "soon"}, None):
+        assert MonitorStatus.from_wire({**st.to_wire(), "last_exit": bad}).last_exit is None

@@ -575,15 +575,23 @@ class FtLocalElasticAgent(_lea.LocalElasticAgent):
         """An attempt failed (torch saw a worker exit): stop restarting if restarts make no progress;
         a restart that goes on is timed and listed like a hang's (`RestartTiming`, cause failure)."""
         attempt = self._attempt()
-        self._end_attempt(decide_attempt_end(iteration_high(self.ft.monitors.statuses()), self.ft.tracker.state,
+        statuses = self.ft.monitors.statuses()
+        self._end_attempt(decide_attempt_end(iteration_high(statuses), self.ft.tracker.state,
                                              self.ft.tracker.policy, self._remaining_restarts))
         if self._remaining_restarts > 0 and failures:
-            # torch reports every failed worker at once, the ones it stopped itself (SIGTERM) among them:
-            # the first is a rank that failed on its own, killed by another signal before one that exited
-            # (its peers then fail of the broken connection), then the earliest error file, then the rank
-            order = sorted(failures, key=lambda r: (failures[r].exitcode == -signal.SIGTERM,
+            # torch reports every failed worker at once, the ones it stopped itself (SIGTERM) among them,
+            # and a rank whose peer raised may die of its own teardown (SIGABRT) before the one that
+            # raised has exited. First: the ranks whose monitors heard them exit (EXITING), earliest
+            # first; then one killed by a signal other than SIGTERM, one that exited, the earliest
+            # error file, the rank
+            exits = {r: e for r, f in failures.items() for st in [statuses.get(f.local_rank)]
+                     if st is not None for e in [st.last_exit] if e is not None and e.pid == f.pid}
+            order = sorted(failures, key=lambda r: (r not in exits, exits[r].at if r in exits else 0.0,
+                                                    failures[r].exitcode == -signal.SIGTERM,
                                                     failures[r].exitcode >= 0, failures[r].timestamp, r))
-            what = [f"rank {r} (pid {failures[r].pid}) {_how(failures[r].exitcode)}" for r in order]
+            what = [f"rank {r} (pid {failures[r].pid}) "
+                    + (f"raised {exits[r].reason[:200]} and " if r in exits else "") + _how(failures[r].exitcode)
+                    for r in order]
             message = what[0] + (f" (then {', '.join(what[1:])})" if len(what) > 1 else "")
             now = time.time()
             self.ft.restarts.append(RestartTiming(order[0], now, now, cause="failure", attempt=attempt,

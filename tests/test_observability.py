@@ -434,3 +434,18 @@ def test_notices_of_ranks_that_waited_for_the_hung_one_are_one_inprocess_hang(tm
     (restart,) = (e for e in events if e["kind"] == "restart")
     assert restart["lost_s"] == pytest.approx(50.0 + 0.22 - 48.0)  # from the hung rank's onset
     assert len(tel.incidents) == 1 and tel.incidents[0].rank == 1
+
+
+def test_an_inprocess_hang_whose_ranks_never_come_back_is_still_an_event(tmp_path: Path) -> None:
+    # the fallback to the process restart: the row never completes, so the hang event (which waits
+    # for the ranks' word on the culprit) is emitted when the attempt ends
+    tel = Telemetry(config=Settings(), monitors=FakeMonitors(), host="h", nproc=2, max_restarts=1,
+                    clock=lambda: 50.0, monotonic=lambda: 50.0)
+    tel.attempt_started(0, "run", 0, {0: 0, 1: 1}, {0: 100, 1: 101}, str(tmp_path))
+    tel.inprocess_hang({"rank": 1, "pid": 101, "reason": "section", "section": "step", "message": "m",
+                        "elapsed_s": 2.0, "timeout_s": 2.0, "onset_time": 48.0, "detected_time": 50.0,
+                        "iteration": 12, "attempt": 0, "report": "/r.json", "restart_iteration": 1})
+    tel.attempt_ended("FAILED", {1: SimpleNamespace(exitcode=-15, message="")}, 1)
+    tel.close(None)
+    kinds = [(e["kind"], e.get("rank")) for e in read_events(tmp_path / "events.jsonl")]
+    assert ("hang", 1) in kinds and kinds.index(("hang", 1)) < kinds.index(("attempt_end", None))

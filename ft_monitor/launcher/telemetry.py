@@ -250,6 +250,9 @@ class Telemetry:
         from ft_monitor.launcher.agent import RestartTiming
 
         now = self.clock()
+        for key in [k for k in self._inprocess_hangs if k[0] == self.attempt]:  # never back in place: the
+            # fallback stopped the processes; the hang is the one its monitor reported
+            self.events.emit("hang", now, **_hang_fields(self._inprocess_hangs.pop(key), "inprocess"))
         statuses = self._poll(now)
         high = max((m.iteration for m in self.ranks.values() if m.iteration is not None), default=None)
         self.events.emit("attempt_end", now, attempt=self.attempt, state=state, iteration=high,

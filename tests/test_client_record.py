@@ -141,7 +141,8 @@ def test_a_monitor_that_dies_is_noticed_without_any_send(sock: Path, daemons: li
     wait_until(lambda: c.connection_state is ConnState.LOST, 5, "the watcher to notice")  # no progress call made
     daemons.append(second := ThreadDaemon(sock, **QUIET))
     wait_until(lambda: c.connection_state is ConnState.CONNECTED, 10, "the client to reconnect")
-    assert c._record is not None  # a new record from the new monitor
+    with c._lock:  # the reconnection says CONNECTED, then maps the new record, all under this lock
+        assert c._record is not None  # a new record from the new monitor
     c.send_heartbeat()
     wait_until(lambda: second.status().get("heartbeats") == 1, 5, "the new monitor to read it")
     c.shutdown_workload_monitoring()

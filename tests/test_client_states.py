@@ -166,7 +166,8 @@ def test_a_lost_monitor_makes_the_client_lost_and_it_reconnects_off_the_training
     c.send_heartbeat()  # progress calls keep working while lost
     daemons.append(second := ThreadDaemon(sock, **QUIET))
     wait_until(lambda: c.connection_state is ConnState.CONNECTED, 10, "the client to reconnect")
-    assert c.lost_reason is None
+    with c._lock:  # the reconnection says CONNECTED first, then clears the reason, under this lock
+        assert c.lost_reason is None
     wait_until(lambda: [s["name"] for s in second.status().get("open_sections", [])] == ["step"], 5,
                "the new daemon to learn of the open section")
     c.end_section("step")

@@ -54,6 +54,7 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from ft_client import env as ft_env
 from ft_client.errors import FtError
 from ft_client.inprocess import timeline
+from ft_client.inprocess.wrapper import HANG_SOURCES
 from ft_client.process_group import PROCESS_GROUP_TIMEOUT_ENV
 from ft_client.startup import worker_env as startup_env
 from ft_client.workload import WorkloadAction
@@ -83,6 +84,7 @@ from ft_monitor.launcher.rollcall import Rank, RollCaller, diagnosis_path, write
 from ft_monitor.launcher.rootcause import read_stack, write_error_file
 from ft_monitor.launcher.store_auth import SECRET_ENV, HangRecord, ShutdownRequest, StoreChannel, StoreMessageError
 from ft_monitor.notices import HangNotice
+from ft_monitor.policy import Reason
 from ft_monitor.procinfo import descends_from
 from ft_monitor.server_log import printable
 from ft_monitor.settings import Settings
@@ -106,7 +108,7 @@ same rendezvous round: ranks waiting in a collective for a hung rank on another 
 time out too, and only the earliest onset is the hung rank."""
 
 
-HANG_REASONS = ("monitor", "timeout", "heartbeat", "initial_heartbeat", "section", "out_of_section", "startup")
+HANG_REASONS = frozenset({r.value for r in Reason} | set(HANG_SOURCES))
 """In-process rows whose reason is a verdict on progress (a monitor's hang reason, or the Wrapper's
 fault sources for one), as opposed to an exception or a peer that exited."""
 

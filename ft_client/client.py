@@ -49,7 +49,7 @@ from dataclasses import replace
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 
-from ft_client import env, exiting, record, wire
+from ft_client import env, exit_teardown, exiting, record, wire
 from ft_client.errors import MonitorBrokenError, MonitorClosedError, RankMonitorClientError
 from ft_client.parent_death import die_with_parent
 from ft_client.session_info import SessionInfo, SessionInfoError
@@ -286,6 +286,7 @@ class RankMonitorClient:
 
             events.add_restart_listener(self._restart_hook)
             exiting.watch(self)
+            exit_teardown.install()
             _die_with_launcher()
 
     def _adopt(self, transport: Transport, hello: wire.HelloOk, asked_ns: int) -> Timeouts:

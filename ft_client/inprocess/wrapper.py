@@ -49,6 +49,7 @@ from dataclasses import replace
 from datetime import timedelta
 from typing import Any, TypeVar
 
+from ft_client import exit_teardown
 from ft_client.collectives import waits_for_peers
 from ft_client.errors import FtError
 from ft_client.inprocess import abort as aborting
@@ -335,6 +336,7 @@ class Wrapper:
             raise InProcessError("a Wrapper must be called from the main thread (it is interrupted by a signal)")
         rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
         run = _Run(self._store(rank, world), rank, world)
+        exit_teardown.install()  # the function's gloo group, left to the interpreter, could abort the exit
         gc.freeze()  # see _collect
         previous = signal.signal(self.interrupt_signal, functools.partial(_on_interrupt, run))
         events.set_fault_handler(functools.partial(self._on_reported_fault, run))

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 import types
 from pathlib import Path
 from typing import Any
@@ -193,3 +194,44 @@ def test_install_registers_once(monkeypatch: pytest.MonkeyPatch) -> None:
     exit_teardown.install()
     exit_teardown.install()
     assert registered == [exit_teardown._at_exit]
+
+
+def _task(root: Path, tid: int, comm: str, state: str, switches: tuple[int, int] = (5, 1)) -> None:
+    d = root / str(tid)
+    d.mkdir(exist_ok=True)
+    (d / "comm").write_text(comm + "\n")
+    (d / "status").write_text(f"Name:\t{comm}\nState:\t{state}\nvoluntary_ctxt_switches:\t{switches[0]}\n"
+                              f"nonvoluntary_ctxt_switches:\t{switches[1]}\n")
+
+
+def test_worker_activity_reads_only_gloo_workers(tmp_path: Path) -> None:
+    _task(tmp_path, 1, "python", "R (running)")
+    _task(tmp_path, 2, exit_teardown.WORKER_NAME, "S (sleeping)", (7, 2))
+    _task(tmp_path, 3, exit_teardown.WORKER_NAME, "R (running)")
+    (tmp_path / "4").mkdir()  # a thread that ended while it was read
+    assert exit_teardown.worker_activity(str(tmp_path)) == {"2": (7, 2), "3": None}
+
+
+def test_settled_when_every_worker_sits_still(tmp_path: Path) -> None:
+    _task(tmp_path, 2, exit_teardown.WORKER_NAME, "S (sleeping)")
+    _task(tmp_path, 3, "python", "R (running)")  # not a worker: never waited for
+    assert exit_teardown.settle(time.monotonic() + 5, look=0.001, task_dir=str(tmp_path))
+
+
+def test_a_running_worker_is_waited_for_until_the_deadline(tmp_path: Path) -> None:
+    _task(tmp_path, 2, exit_teardown.WORKER_NAME, "R (running)")
+    assert not exit_teardown.settle(time.monotonic() + 0.05, look=0.001, task_dir=str(tmp_path))
+
+
+def test_a_worker_that_moved_is_looked_at_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    # it took the GIL during the first look (its context switches moved), then sat still
+    seen = iter([{"2": (1, 1)}, {"2": (2, 1)}, {"2": (2, 1)}, {"2": (2, 1)}])
+    looks: list[float] = []
+    monkeypatch.setattr(exit_teardown, "worker_activity", lambda task_dir: next(seen))
+    monkeypatch.setattr(exit_teardown.time, "sleep", looks.append)
+    assert exit_teardown.settle(time.monotonic() + 5)
+    assert looks == [exit_teardown.LOOK, exit_teardown.LOOK]
+
+
+def test_a_process_without_gloo_workers_settles_at_once() -> None:
+    assert exit_teardown.settle(time.monotonic() + 5)  # this process's own threads

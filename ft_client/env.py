@@ -14,6 +14,9 @@ LAUNCHER_SOCKET = "FT_LAUNCHER_IPC_SOCKET"
 """Path of the launcher's socket, where daemons report hangs (set by ft-launcher)."""
 LAUNCHER_PID = "FT_LAUNCHER_PID"
 """The launcher's pid: a worker started by it dies with it (parent-death signal)."""
+INPROCESS_STORE = "FT_INPROCESS_STORE"
+"""``host:port`` of the store the in-process Wrapper coordinates through: ft-launcher's
+rendezvous store, which is already listening (a port derived from MASTER_PORT may not be free)."""
 FT_RANK_MONITOR_IPC_SOCKET_ENV_VAR = RANK_MONITOR_SOCKET
 FT_LAUNCHER_IPC_SOCKET_ENV_VAR = LAUNCHER_SOCKET
 """The same two names as nvidia-resiliency-ext spells them (its ``fault_tolerance.data``)."""

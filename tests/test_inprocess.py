@@ -128,6 +128,28 @@ def test_an_exception_on_one_rank_restarts_all_in_the_same_processes(workdir: Pa
         assert _finished(j.output(r)) == _finished(ok.output(r))
 
 
+def test_the_store_a_launcher_names_is_used_when_master_port_plus_one_is_taken(workdir: Path,
+                                                                               jobs: list[Job]) -> None:
+    """ft-launcher names its rendezvous store (FT_INPROCESS_STORE): MASTER_PORT + 1 is
+    nobody's to reserve, and on a busy machine another connection once held it, rank 0 failed
+    with EADDRINUSE and the job lost a process restart."""
+    from torch.distributed import TCPStore
+
+    named = TCPStore("127.0.0.1", 0, 3, True, wait_for_workers=False)  # as ft-launcher's rendezvous store
+    with socket.socket() as squatter:
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        port = _free_port()
+        squatter.bind(("127.0.0.1", port + 1))
+        squatter.listen()
+        env = {r: {"MASTER_PORT": str(port), "FT_INPROCESS_STORE": f"127.0.0.1:{named.port}"} for r in (0, 1)}
+        jobs.append(j := Job(workdir, "ok", env=env))
+        assert j.wait() == [0, 0], j.output(0)[-2000:]
+    assert named.num_keys() > 0  # the ranks coordinated there
+    jobs.append(bad := Job(workdir, "ok", env={r: {"FT_INPROCESS_STORE": "no-port"} for r in (0, 1)}))
+    assert bad.wait() == [3, 3]  # the worker prints the exception and exits 3
+    assert "StoreAddressError: FT_INPROCESS_STORE='no-port': not a host:port" in bad.output(0)
+
+
 def test_a_rank_blocked_in_a_collective_is_freed_when_its_peer_hangs(workdir: Path, jobs: list[Job]) -> None:
     # rank 1 sleeps at step 5 without ping(); rank 0 waits in DDP's all_reduce for it
     jobs.append(j := Job(workdir, "hang", "--soft-timeout", "5"))

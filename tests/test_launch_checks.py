@@ -204,3 +204,24 @@ def test_timeout_order_defaults_are_torchs() -> None:
 
     assert torch_support.process_group_default().seconds == constants.default_pg_timeout.total_seconds() == 1800
     assert timeout_order.TORCH_SHUTDOWN_TIMEOUT == 30.0
+
+
+def test_the_workers_are_told_the_rendezvous_stores_address() -> None:
+    from torch.distributed import HashStore, PrefixStore, TCPStore
+
+    from ft_monitor.launcher.agent import store_address
+
+    store = TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
+    assert store_address(PrefixStore("torch.rendezvous.x.0", PrefixStore("y", store))) == f"127.0.0.1:{store.port}"
+    assert store_address(HashStore()) is None
+
+
+def test_a_named_store_address_is_parsed_or_refused_in_our_family() -> None:
+    from ft_client.errors import FtError
+    from ft_client.inprocess.store import store_address
+
+    assert store_address("node-0:29400") == ("node-0", 29400)
+    assert store_address("[::1]:7") == ("::1", 7)
+    for bad in ("", "node-0", ":1", "h:0", "h:65536", "h:x", "h:-1"):
+        with pytest.raises(FtError, match="FT_INPROCESS_STORE"):
+            store_address(bad)

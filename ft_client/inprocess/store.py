@@ -15,9 +15,14 @@ Per iteration:
   writes ``barrier_done``, the others wait for it.
 * ``user/``: the `CallWrapper.store` of the iteration (e.g. for ``init_process_group``).
 
-The base store is torchrun's agent store when there is one (ft-launcher and
-torchrun set ``TORCHELASTIC_USE_AGENT_STORE``), else a TCPStore hosted by rank 0
-at ``MASTER_PORT + 1``, or an in-process HashStore for a single rank.
+The base store is, in this order: the store ft-launcher names in ``FT_INPROCESS_STORE``
+(its rendezvous store); torchrun's agent store (torchrun sets
+``TORCHELASTIC_USE_AGENT_STORE``); an in-process HashStore for a single rank; else a
+TCPStore hosted by rank 0 at ``MASTER_PORT + 1`` (as the reference does). That last port
+is not reserved by anyone: ft-launcher, which gives every attempt a fresh worker store
+(docs/launcher.md), names its own store instead, because on a busy machine
+``MASTER_PORT + 1`` was once taken by another connection and rank 0 failed with
+EADDRINUSE, costing a process restart.
 """
 
 from __future__ import annotations
@@ -29,6 +34,9 @@ import time
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any
+
+from ft_client import env
+from ft_client.errors import FtError
 
 KEY_ROOT = "ft_inprocess"
 STORE_PORT_OFFSET = 1
@@ -208,15 +216,32 @@ class RestartStore:
                 pass
 
 
+class StoreAddressError(FtError, ValueError):
+    """``FT_INPROCESS_STORE`` does not hold a ``host:port``."""
+
+
+def store_address(text: str) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port`` too) from ``FT_INPROCESS_STORE``; StoreAddressError if malformed."""
+    host, sep, port = text.strip().rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise StoreAddressError(f"{env.INPROCESS_STORE}={text[:100]!r}: not a host:port")
+    return host, int(port)
+
+
 def base_store(rank: int, world_size: int, timeout: float) -> tuple[Any, bool]:
     """(store, hosted by a rank) for a Wrapper without a store_factory."""
     from torch._C._distributed_c10d import HashStore, TCPStore
 
+    t = timedelta(seconds=timeout)
+    named = os.environ.get(env.INPROCESS_STORE)
+    if named:  # ft-launcher's rendezvous store
+        host, port = store_address(named)
+        return TCPStore(host, port, world_size, False, timeout=t, wait_for_workers=False), False
     if world_size <= 1 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return HashStore(), False
     host = os.environ.get("MASTER_ADDR", "127.0.0.1")
     port = int(os.environ.get("MASTER_PORT", "29500"))
-    t = timedelta(seconds=timeout)
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun's agent hosts a store
         return TCPStore(host, port, world_size, False, timeout=t, wait_for_workers=False), False
     return TCPStore(host, port + STORE_PORT_OFFSET, world_size, rank == 0, timeout=t, wait_for_workers=False), True

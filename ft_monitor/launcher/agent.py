@@ -183,6 +183,8 @@ class FtRuntime:
     """Each attempt's workers: ``{"attempt": n, "pids": {global rank: pid}}`` (summary JSON)."""
     diagnoses: list[dict[str, Any]] = field(default_factory=list)
     """Each roll call's diagnosis: attempt, hung rank, path of diagnosis.json, verdict line (summary JSON)."""
+    inprocess_store: str | None = None
+    """``host:port`` of the rendezvous store, given to the workers for the in-process Wrapper."""
 
     def is_worker(self, pid: int) -> bool:
         """A current worker, or a process it started (a workload request may come from either)."""
@@ -194,6 +196,8 @@ class FtRuntime:
             ft_env.LAUNCHER_SOCKET: self.server.path,
             ft_env.LAUNCHER_PID: str(os.getpid()),
         }
+        if self.inprocess_store is not None:
+            out[ft_env.INPROCESS_STORE] = self.inprocess_store
         if self.config.startup_timeout is not None:  # the start-up hook: a stack dump before init
             report_dir = self.config.report_dir_for(self.monitors.socket(local_rank))
             out.update(startup_env(dump_spec(self.config, report_dir), os.environ))
@@ -212,6 +216,19 @@ class FtRuntime:
             if not isinstance(error_file, str) or error_file == os.devnull:
                 error_file = None
             self.monitors.announce(local_rank, pid, global_rank, error_file)
+
+
+def store_address(store: object) -> str | None:
+    """``host:port`` of the TCPStore under torch's PrefixStore wrappers, or None (another kind)."""
+    for _ in range(8):
+        inner = getattr(store, "underlying_store", None)
+        if inner is None:
+            break
+        store = inner
+    host, port = getattr(store, "host", None), getattr(store, "port", None)
+    if not isinstance(host, str) or not host or not isinstance(port, int) or not 0 < port < 65536:
+        return None
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _how(exitcode: int) -> str:
@@ -274,6 +291,7 @@ class FtLocalElasticAgent(_lea.LocalElasticAgent):
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         self.ft.monitors.check()
+        self.ft.inprocess_store = store_address(worker_group.store)
         with _worker_env(self.ft):
             pids: dict[int, Any] = super()._start_workers(worker_group)
         self.ft.groups.close()

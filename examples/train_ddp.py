@@ -95,6 +95,9 @@ def main() -> None:
     p.add_argument("--wait-for", default=None, metavar="FILE",
                    help="every rank waits (up to 100 s) until FILE exists before it trains: a test puts "
                         "something in place (a forged store value) before anything can read it")
+    p.add_argument("--linger-until", default=None, metavar="FILE",
+                   help="after the last step every rank keeps heartbeating (up to 100 s) until FILE exists: "
+                        "a test reads the live view of ranks that are still running")
     p.add_argument("--inprocess", action="store_true",
                    help="run the training function under ft_client.inprocess.Wrapper (use with --ft-on-hang "
                         "inprocess)")
@@ -221,6 +224,11 @@ def train(args: argparse.Namespace, client: RankMonitorClient, memory: dict[int,
                 dist.barrier()
     print(f"[rank {rank}] {where}: finished {args.steps} steps, loss {loss.item():.4f} (pid {os.getpid()})",
           flush=True)
+    if args.linger_until:
+        end = time.monotonic() + 100
+        while not os.path.exists(args.linger_until) and time.monotonic() < end:
+            client.send_heartbeat()
+            time.sleep(0.05)
     dist.destroy_process_group()
     if call is None:
         client.shutdown_workload_monitoring()

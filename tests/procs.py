@@ -7,6 +7,7 @@ bench/harness.py: see ft_monitor/testing.py."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import select
@@ -30,6 +31,32 @@ T = TypeVar("T")
 
 
 MAX_SLACK = 5.0
+_next_port = itertools.count()
+
+
+def free_port(span: int = 1) -> int:
+    """A port that is free now, with its ``span - 1`` successors (the in-process Wrapper's
+    store is at MASTER_PORT + 1), for a server a test's child binds later. Below the kernel's
+    ephemeral range (32768 on): a port from ``bind(0)`` is one that outgoing connections and
+    torch's own listeners draw from too, and one was taken before a child bound it. Each xdist
+    worker and process parity has a block of its own: a store's listener allows address
+    reuse, so two jobs that picked the same port would quietly share one store."""
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
+    base = 21000 + 400 * worker + 200 * (os.getpid() % 2)
+    for _ in range(100):
+        port = base + (2 * next(_next_port)) % 200
+        try:
+            socks = [socket.socket() for _ in range(span)]
+            try:
+                for i, sk in enumerate(socks):
+                    sk.bind(("127.0.0.1", port + i))
+            finally:
+                for sk in socks:
+                    sk.close()
+            return port
+        except OSError:
+            continue
+    raise AssertionError(f"no {span} free consecutive ports in {base}..{base + 199}")
 
 
 def slack() -> float:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from ft_monitor.launcher import exit_codes
-from tests.procs import ROOT, slack, wait_until
+from tests.procs import ROOT, free_port, slack, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -23,11 +23,6 @@ FT_FLAGS = ["--ft-cfg-path", str(ROOT / "examples" / "ft.yaml"), "--ft-terminati
 JOB_SECRET = {"FT_JOB_SECRET": "test-job-secret-" + "0123456789abcdef"}
 """Multi-node tests sign the launchers' store messages (store_auth) with this."""
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Launcher:
@@ -73,7 +68,7 @@ class Launcher:
 def two_nodes(workdir: Path, rdzv_id: str, *args: str, train_args: tuple[str, ...]) -> tuple[Launcher, Launcher]:
     """Two ft-launchers on one c10d rendezvous (one machine playing two nodes), run to the
     end; both must succeed."""
-    common = ("--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
+    common = ("--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
               "--rdzv-id", rdzv_id)
     a, b = (Launcher(workdir, *args, train_args=train_args, name=name, launcher_flags=common, env=JOB_SECRET)
             for name in ("node0", "node1"))
@@ -314,7 +309,7 @@ def test_forged_store_messages_are_ignored_and_the_job_completes(workdir: Path) 
     # get a 30 s floor on their learned timeouts: they never report a hang of their own, so the
     # forged record at node 0's hang key is still there when node 1 reads it (with the same
     # timeouts they could publish first and overwrite it, ~50 ms after rank 3's detection).
-    port = _free_port()
+    port = free_port()
     common = ("--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
               "--rdzv-id", "ft-forged")
     train = ("--hang", "rank=3,step=12,attempt=0", "--wait-for", str(workdir / "forged"))
@@ -358,7 +353,7 @@ def _listening(port: int) -> bool:
 
 
 def test_excluded_node_leaves_and_the_other_continues(workdir: Path) -> None:
-    port = _free_port()
+    port = free_port()
     common = ("--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
               "--rdzv-id", "ft-exclude")
     # node A starts first and hosts the rendezvous store (a node hosting it cannot leave)

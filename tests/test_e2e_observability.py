@@ -25,8 +25,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ft_monitor.launcher import exit_codes
 from ft_monitor.launcher.events import read_events
-from tests.procs import ROOT, cleanup_dir, short_tmpdir, wait_until
-from tests.test_e2e_launcher import Launcher, _free_port
+from tests.procs import ROOT, cleanup_dir, free_port, short_tmpdir, wait_until
+from tests.test_e2e_launcher import Launcher
 
 pytestmark = pytest.mark.e2e
 
@@ -77,11 +77,15 @@ def _run_dir(output: str) -> str | None:
 @pytest.fixture(scope="module")
 def hang_run() -> Iterator[HangRun]:
     workdir = short_tmpdir()
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}/metrics"
     textfile = workdir / "ft.prom"
+    # The ranks linger (heartbeating) after their last step until the live views below were
+    # read: on a busy machine attempt 1 once finished before `status` had started.
+    seen = workdir / "views-read"
     la = Launcher(workdir, "--max-restarts", "2", "--ft-metrics-port", str(port), "--ft-metrics-textfile",
-                  str(textfile), train_args=("--hang", "rank=1,step=12,attempt=0", "--steps", "80"))
+                  str(textfile), train_args=("--hang", "rank=1,step=12,attempt=0", "--steps", "80",
+                                             "--linger-until", str(seen)))
     try:
         # before the hang: the ranks are stepping and the metrics say so
         before = wait_until(lambda: (s := scrape(url)) and value(s, "ft_rank_iteration", rank="0", local_rank="0")
@@ -97,6 +101,7 @@ def hang_run() -> Iterator[HangRun]:
         ls = subprocess.run([sys.executable, "-m", "ft_monitor.launcher.main", "status", run_dir, "--watch", "0.1",
                              "--count", "2"], capture_output=True, text=True, timeout=60, cwd=ROOT)
         assert ls.returncode == 0, ls.stderr
+        seen.touch()
         code = la.wait()
         yield HangRun(la, url, textfile, before, during, run_dir, json.loads(st.stdout), ls.stdout, code)
     finally:

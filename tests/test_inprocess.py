@@ -7,7 +7,6 @@ and waits for what they print. Restarts must happen in the same processes.
 
 from __future__ import annotations
 
-import itertools
 import os
 import re
 import signal
@@ -21,38 +20,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.procs import ROOT, WORKERS, Daemon, slack
+from tests.procs import ROOT, WORKERS, Daemon, free_port, slack
 
 pytestmark = pytest.mark.e2e
 WORKER = WORKERS / "inprocess_worker.py"
 
 
-_next_port = itertools.count()
-
-
-def _free_port() -> int:
-    """A port whose successor is free too (the Wrapper's store is at MASTER_PORT + 1), below
-    the kernel's ephemeral range (gloo's listeners take ports from there) and in a block of
-    its own per xdist worker: the store's listener allows address reuse, so two jobs that
-    picked the same port would quietly share one store."""
-    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
-    base = 21000 + 400 * worker + 200 * (os.getpid() % 2)
-    for _ in range(100):
-        port = base + (2 * next(_next_port)) % 200
-        try:
-            with socket.socket() as s, socket.socket() as s2:
-                s.bind(("127.0.0.1", port))
-                s2.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
-    raise AssertionError("no two free consecutive ports")
-
-
 class Job:
     def __init__(self, workdir: Path, scenario: str, *args: str, world: int = 2,
                  env: dict[int, dict[str, str]] | None = None) -> None:
-        port = _free_port()
+        port = free_port(2)
         self.logs = [workdir / f"{scenario}-rank{r}.log" for r in range(world)]
         self.procs = []
         for r in range(world):
@@ -138,7 +115,7 @@ def test_the_store_a_launcher_names_is_used_when_master_port_plus_one_is_taken(w
     named = TCPStore("127.0.0.1", 0, 3, True, wait_for_workers=False)  # as ft-launcher's rendezvous store
     with socket.socket() as squatter:
         squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        port = _free_port()
+        port = free_port(2)
         squatter.bind(("127.0.0.1", port + 1))
         squatter.listen()
         env = {r: {"MASTER_PORT": str(port), "FT_INPROCESS_STORE": f"127.0.0.1:{named.port}"} for r in (0, 1)}

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.procs import ROOT, Daemon, cleanup_dir, short_tmpdir, status
+from tests.procs import ROOT, Daemon, cleanup_dir, free_port, short_tmpdir, status
 
 pytestmark = pytest.mark.e2e
 
@@ -23,11 +22,6 @@ CONFIG = ("--ft-rank-section-timeouts", "step:100,ckpt:100", "--ft-rank-out-of-s
           "--ft-rank-heartbeat-timeout", "100", "--ft-initial-rank-heartbeat-timeout", "100",
           "--ft-stack-dump-timeout", "2", "--ft-termination-grace-time", "2", "--ft-min-learned-timeout", "1")
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture
@@ -48,7 +42,7 @@ def cluster() -> Iterator[tuple[Path, list[Daemon]]]:
 
 
 def _run(d: Path, daemons: list[Daemon], run: str, state_in: str | None, *extra: str) -> list[subprocess.Popen[str]]:
-    port = _free_port()
+    port = free_port()
     procs = []
     for r in range(WORLD):
         env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(WORLD), "LOCAL_RANK": str(r),

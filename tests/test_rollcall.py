@@ -129,19 +129,16 @@ def test_a_monitors_answer_is_read_into_evidence(tmp_path: Path) -> None:
 
 
 def test_the_rank_writes_its_trace_or_why_there_is_none(tmp_path: Path) -> None:
-    import socket
     import subprocess
     import sys
 
     from ft_monitor.fr_digest import digest
     from tests.procs import ROOT
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    # A file rendezvous: a port picked free here was once taken before the child bound it.
     with_torch = tmp_path / "fr.json"
     code = ("import sys, torch, torch.distributed as dist\n"
-            f"dist.init_process_group('gloo', init_method='tcp://127.0.0.1:{port}', rank=0, world_size=1)\n"
+            f"dist.init_process_group('gloo', init_method='file://{tmp_path / 'rdzv'}', rank=0, world_size=1)\n"
             "dist.all_reduce(torch.ones(2)); dist.barrier()\n"
             "from ft_client.flight_recorder import write_trace\n"
             f"print(write_trace({str(with_torch)!r}))\n")

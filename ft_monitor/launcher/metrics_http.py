@@ -51,8 +51,9 @@ RESTART_FD_RESERVE = 256
 """Descriptors the endpoint never takes: what the launcher needs beyond those it holds when
 the endpoint starts, to stop and start the job again (each worker's pipes, log files and
 pidfd, its monitor's connection and pidfd, torch's store and rendezvous sockets, the hang
-report and dumps it reads). A two-rank job's launcher holds about 30 at start; 256 covers a
-restart of eight local ranks several times over."""
+report and dumps it reads). A two-rank job's launcher holds about 20 once its workers run
+(19 in tests/test_metrics_http.py's flood test), so 256 leaves room for many more ranks and
+for what a restart opens before it closes the old ones."""
 MAX_REQUEST_BYTES = 8192
 """The request line and headers together (Prometheus sends about 300 bytes)."""
 READ_TIMEOUT_S = 5.0

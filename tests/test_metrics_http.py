@@ -26,6 +26,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OPENMETRICS
 from prometheus_client.parser import text_string_to_metric_families
@@ -243,6 +244,34 @@ def test_an_idle_connection_and_a_slowloris_are_cut_at_the_read_timeout_from_the
             assert 0.9 <= took <= 1.0 + 2 * slack()
         got = scrape(server.url)
         assert got is not None and got["ft_metrics_connections_timed_out_total"] == 2
+
+
+def test_a_client_that_never_takes_its_answer_is_cut_at_the_write_timeout() -> None:
+    class Big:
+        """About 8 MB of exposition: more than the socket buffers of both ends hold."""
+
+        def collect(self) -> Iterator[GaugeMetricFamily]:
+            g = GaugeMetricFamily("big", "Large.", labels=["i"])
+            for i in range(7000):
+                g.add_metric([f"{i}{'x' * 1200}"], i)
+            yield g
+
+    with serving(write_timeout=1.0) as server:
+        server.reg.register(Big())  # type: ignore[arg-type]
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.settimeout(10 * slack())
+            s.connect(("127.0.0.1", server.port))
+            s.sendall(b"GET /metrics HTTP/1.1\r\n\r\n")
+            wait_until(lambda: server.timed_out == 1, 30, "the write deadline")
+            wait_until(lambda: server.connections == 0, 10, "the connection released")
+            got = 0
+            try:
+                while chunk := s.recv(1 << 20):
+                    got += len(chunk)
+            except ConnectionResetError:
+                pass
+            assert 0 < got < 7000 * 1200  # cut off: the server did not wait for the rest to be taken
 
 
 def test_stop_closes_every_connection_ends_the_thread_and_frees_the_port() -> None:

@@ -334,7 +334,7 @@ def _flood(port: int, count: int, report: int, hold: int) -> None:
             os.setgroups([])
             os.setgid(NOBODY)
             os.setuid(NOBODY)
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # an unprivileged user may
         held: list[socket.socket] = []
         failures = 0
@@ -411,7 +411,7 @@ def test_idle_connections_of_another_user_neither_exhaust_the_launcher_nor_stop_
         admitted = after["ft_metrics_connections_accepted_total"] - before["ft_metrics_connections_accepted_total"]
         refused = after["ft_metrics_connections_refused_total"] - before["ft_metrics_connections_refused_total"]
         assert held == 1100 and admitted + refused == held + tries and refused > 0
-        # then the hang: the launcher must still restart the job (before: EMFILE, exit 2)
+        # then the hang: the launcher must still restart the job (the issue saw EMFILE and exit 2 here)
         go.touch()
         assert la.wait() == exit_codes.SUCCESS, la.output()
     finally:

@@ -228,13 +228,14 @@ def launch(args: argparse.Namespace, config: Settings | FaultToleranceConfig, su
 
 def _start_metrics(config: Settings, telemetry: Any) -> Any:
     """/metrics (``metrics_port``) and the node-exporter textfile (``metrics_textfile``), if asked for."""
-    from ft_monitor.launcher.metrics import MetricsServer, registry, write_textfile
+    from ft_monitor.launcher.metrics import registry, write_textfile
+    from ft_monitor.launcher.metrics_http import MetricsServer
 
     reg = registry(lambda: telemetry.snapshot)
     server = None
     if config.metrics_port is not None:
         server = MetricsServer(reg, config.metrics_address, config.metrics_port)
-        log.info("ft-launcher: metrics on %s", server.url)
+        log.info("ft-launcher: metrics on %s (at most %d connections)", server.url, server.max_connections)
     textfile = config.metrics_textfile
     if textfile is not None:
         telemetry.write_textfile = functools.partial(write_textfile, textfile, reg)

@@ -3,8 +3,8 @@
 Everything exported is read from one immutable `Snapshot` that the telemetry
 (telemetry.py) replaces as the run goes; `FtCollector` turns the current one into
 metric families with prometheus-client's own types, and prometheus-client writes
-the exposition format (``/metrics`` over HTTP, `serve`; node-exporter's textfile,
-`write_textfile`). Names, labels and units follow Prometheus conventions and are
+the exposition format (``/metrics`` over HTTP, served by metrics_http.py; node-exporter's
+textfile, `write_textfile`). Names, labels and units follow Prometheus conventions and are
 listed in docs/observability.md; ``rank`` is the global rank, ``local_rank`` the
 rank on this node. The section histograms are the monitors' own (their bucket counts
 travel in STATUS), not re-observed here.
@@ -18,7 +18,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from prometheus_client import CollectorRegistry, start_http_server, write_to_textfile
+from prometheus_client import CollectorRegistry, write_to_textfile
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -170,21 +170,6 @@ def registry(source: Any) -> CollectorRegistry:
     reg = CollectorRegistry(auto_describe=False)
     reg.register(FtCollector(source))
     return reg
-
-
-class MetricsServer:
-    """``/metrics`` on ``address:port`` (a daemon thread of prometheus-client's)."""
-
-    def __init__(self, reg: CollectorRegistry, address: str, port: int) -> None:
-        self._server, self._thread = start_http_server(port, address, reg)
-        self.port = int(self._server.server_port)
-        host = f"[{address}]" if ":" in address else address
-        self.url = f"http://{host}:{self.port}/metrics"
-
-    def stop(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(5.0)
 
 
 def write_textfile(path: str, reg: CollectorRegistry) -> None:

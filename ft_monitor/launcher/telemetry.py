@@ -494,7 +494,7 @@ class Telemetry:
 
     def summary(self) -> dict[str, Any]:
         """For the launcher's summary JSON: goodput as of the job's end (job_end), not counting
-        the launcher's own teardown after it (the /metrics server's stop alone waits up to 0.5 s)."""
+        the launcher's own teardown after it (stopping the monitors and the /metrics server)."""
         gp = self._goodput(self.finished_at if self.finished_at is not None else self.clock())
         return {"events": None if self.events.path is None else str(self.events.path),
                 "metrics_url": self.metrics_url, "metrics_textfile": self.textfile,

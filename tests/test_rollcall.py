@@ -243,3 +243,14 @@ def test_a_rank_is_running_until_it_exits_a_zombie_is_not() -> None:
         child.kill()
         child.wait(10)
     assert not procinfo.running(child.pid)
+
+
+def test_the_round_is_torchs_rendezvous_round_else_the_count_of_rendezvous() -> None:
+    from types import SimpleNamespace
+
+    from ft_monitor.launcher.agent import rendezvous_round
+
+    dynamic = SimpleNamespace(_state_holder=SimpleNamespace(state=SimpleNamespace(round=3)))
+    assert rendezvous_round(dynamic, 0) == 3
+    assert rendezvous_round(SimpleNamespace(), 2) == 2  # a static rendezvous: one store for every attempt
+    assert rendezvous_round(SimpleNamespace(_state_holder=SimpleNamespace(state=SimpleNamespace(round=True))), 1) == 1

@@ -22,7 +22,7 @@ builtin base that callers caught before (``ValueError`` for bad values,
     ├── UnsafeFileError                 a path others could tamper with
     ├── NoFlightRecorderError           this process has no Flight Recorder trace to write
     └── ft_monitor's: ConfigError, SettingsError, UsageError, ListenerError, SessionError,
-        NoticeError, StatusError, ReportError, SecretError, StoreMessageError, MonitorStartError,
+        NoticeError, StatusError, ReportError, SecretError, StoreMessageError (SealError), MonitorStartError,
         SnapshotError, EvidenceError
 
 Closed and broken are types (as trio's ClosedResourceError and

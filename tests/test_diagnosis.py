@@ -203,9 +203,9 @@ def test_evidence_round_trips_and_bad_evidence_is_refused() -> None:
 
 def test_roll_call_store_messages_are_signed_and_checked() -> None:  # an answer may exceed 16 KiB: its own bound
     ch = StoreChannel(b"s" * 32, "run-1")
-    req = RollCallRequest(3, 1, "node0", 0, 5.0)
+    req = RollCallRequest(3, 1, "node0", 0, 5.0, round=2)
     assert ch.decode("k", ch.encode("k", req), RollCallRequest) == req
-    answer = RollCallAnswer(3, "node1", 1, [ev(2, trace(5, 4)).to_wire()])
+    answer = RollCallAnswer(3, "node1", 1, "c2VhbGVk" * 300_000, round=2, asker=0)  # sealed evidence: rollcall_wire
     raw = ch.encode("a", answer)
     assert ch.decode("a", raw, RollCallAnswer) == answer
     with pytest.raises(StoreMessageError, match="bad signature"):

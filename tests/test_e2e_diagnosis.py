@@ -17,8 +17,10 @@ from typing import Any
 import pytest
 
 from ft_monitor.launcher import exit_codes
+from ft_monitor.launcher.rollcall_wire import BELL_KEY
 from tests.procs import ROOT, wait_until
-from tests.test_e2e_launcher import Launcher, job_processes, two_nodes
+from tests.test_e2e_launcher import JOB_SECRET, Launcher, _free_port, _listening, job_processes, two_nodes
+from tests.test_rollcall_attacks import forge
 
 pytestmark = pytest.mark.e2e
 
@@ -86,6 +88,33 @@ def test_two_launchers_one_diagnosis_holds_every_ranks_stack(workdir: Path) -> N
     assert doc["verdict"]["behind"] == [3] and doc["verdict"]["basis"] == "flight_recorder"
     assert len(doc["roll_call"]["nodes_answered"]) == 2
     assert "roll call 1 from" in (a.output() + b.output())  # the other node answered through the store
+
+
+def test_two_launchers_a_counter_added_to_by_another_user_misses_no_node(workdir: Path) -> None:
+    """Issue 24 item 4: another user's `add` of 100 to ft_launcher/roll_call_count (the counter
+    the incident came from) made the other node poll the wrong incident: its ranks were missing
+    from diagnosis.json. The ranks train only once the forger is done (--wait-for)."""
+    port = _free_port()
+    common = ("--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+              "--rdzv-id", "ft-roll-call-forged")
+    train = ("--hang", "rank=3,step=12,attempt=0", "--wait-for", str(workdir / "forged"))
+    a, b = (Launcher(workdir, "--max-restarts", "1", *FR, train_args=train, name=name, launcher_flags=common,
+                     env=JOB_SECRET) for name in ("node0", "node1"))
+    try:
+        wait_until(lambda: _listening(port), 60, "the rendezvous store")
+        forge(port, [["add", f"torch.rendezvous.ft-roll-call-forged.{r}/{key}", 100]
+                     for r in range(2) for key in ("ft_launcher/roll_call_count", BELL_KEY)])
+        (workdir / "forged").touch()
+        assert a.wait() == exit_codes.SUCCESS, a.output()
+        assert b.wait() == exit_codes.SUCCESS, b.output()
+    finally:
+        a.kill()
+        b.kill()
+    (row,) = a.summary()["diagnoses"] + b.summary()["diagnoses"]
+    doc = json.loads(Path(row["diagnosis"]).read_text())
+    _check_document(doc, 4)  # every rank of both nodes answered, none missing
+    assert len(doc["roll_call"]["nodes_answered"]) == 2 and doc["verdict"]["behind"] == [3]
+    assert "roll call 1 from" in (a.output() + b.output())
 
 
 def _launcher(workdir: Path, *args: str, scenario: str) -> tuple[subprocess.Popen[bytes], Path, Path]:

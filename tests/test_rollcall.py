@@ -3,6 +3,7 @@ with fake local evidence; what a monitor's answer says once its files are read."
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import os
@@ -14,20 +15,23 @@ from pathlib import Path
 
 import pytest
 
+from ft_monitor.fr_digest import digest
 from ft_monitor.launcher.diagnosis import ANSWERED, NO_ANSWER, NOT_RUNNING, HungRank, RankEvidence
 from ft_monitor.launcher.rollcall import Rank, RollCaller, evidence_from
-from ft_monitor.launcher.store_auth import StoreChannel
+from ft_monitor.launcher.rollcall_wire import answer_key, read_answer, request_key
+from ft_monitor.launcher.sealed import Sealer, SealError
+from ft_monitor.launcher.store_auth import RollCallAnswer, RollCallRequest, StoreChannel, StoreMessageError
 from ft_monitor.snapshot import MonitorSnapshot
 from tests.test_diagnosis import STACK_IN_ALL_REDUCE, STACK_SLEEPING, trace
 
-CHANNEL = StoreChannel(b"k" * 32, "run")
+SECRET = b"k" * 32
+CHANNEL = StoreChannel(SECRET, "run")
 HUNG = HungRank(1, "a", 101, "section 'step' open for 4.0 s, timeout 4.0 s", "section", "step")
 
 
 class FakeStore:
     def __init__(self) -> None:
         self.data: dict[str, bytes] = {}
-        self.count = 0
         self.lock = threading.Lock()
 
     def set(self, key: str, value: bytes) -> None:
@@ -44,16 +48,21 @@ class FakeStore:
 
     def add(self, key: str, n: int) -> int:
         with self.lock:
-            self.count += n
-            return self.count
+            value = int(self.data.get(key, b"0")) + n
+            self.data[key] = str(value).encode()
+            return value
 
 
 class Node(RollCaller):
+    """A launcher's roll caller whose monitors are a list of evidence (it counts their dumps)."""
+
     def __init__(self, host: str, evidence: list[RankEvidence], timeout: float = 3.0) -> None:
-        super().__init__(lambda lr: Path("/nonexistent"), host, timeout, False)
+        super().__init__(lambda lr: Path("/nonexistent"), host, timeout, False, sealer=Sealer(SECRET))
         self.evidence = evidence
+        self.dumped = 0
 
     def local(self, ranks: list[Rank], incident: int, budget: float) -> list[RankEvidence]:
+        self.dumped += 1
         return self.evidence
 
 
@@ -65,14 +74,17 @@ def test_the_owner_gets_the_other_nodes_ranks_through_the_store() -> None:
                    RankEvidence(3, "b", ANSWERED, stack=STACK_IN_ALL_REDUCE)])
     answered: list[bool] = []
     helper = threading.Thread(target=lambda: answered.append(
-        b.answer_pending([], store=store, channel=CHANNEL, group_rank=1, wait=5.0)))
+        b.answer_pending([], store=store, channel=CHANNEL, group_rank=1, group_world_size=2, wait=5.0)))
     helper.start()
     d = a.run(HUNG, [], store=store, channel=CHANNEL, group_rank=0, group_world_size=2, world_size=4, attempt=0)
     helper.join(10)
     assert answered == [True] and b.answered_recently()
     assert [e.rank for e in d.evidence] == [0, 1, 2, 3] and d.missing_ranks == []
     assert d.roll_call.nodes_answered == ["a", "b"] and d.verdict.behind == [1] and d.verdict.waiting == [0, 2, 3]
-    assert not a.answer_pending([], store=store, channel=CHANNEL, group_rank=0)  # its own request: skipped
+    # its own request is not for it; and b takes a's incident 1 once
+    assert not a.answer_pending([], store=store, channel=CHANNEL, group_rank=0, group_world_size=2)
+    assert not b.answer_pending([], store=store, channel=CHANNEL, group_rank=1, group_world_size=2, wait=0.3)
+    assert b.dumped == 1 and b.answered == {0: 1}
 
 
 def test_a_node_that_never_answers_costs_the_bound_and_no_more() -> None:
@@ -84,25 +96,86 @@ def test_a_node_that_never_answers_costs_the_bound_and_no_more() -> None:
     assert d.missing_ranks == [0, 2, 3] and d.roll_call.nodes_answered == ["a"]
 
 
-def test_a_forged_request_is_ignored_and_does_not_block_the_next() -> None:
+def test_a_forged_request_is_said_once_and_the_genuine_one_after_it_is_answered(
+        caplog: pytest.LogCaptureFixture) -> None:
     store = FakeStore()
-    store.set("ft_launcher/roll_call/1", b'{"v":1,"kind":"roll_call","mac":"00"}')
+    store.set(request_key(0), b'{"v":1,"kind":"roll_call","mac":"00"}')
     b = Node("b", [])
-    assert not b.answer_pending([], store=store, channel=CHANNEL, group_rank=1)
-    assert b.answered == 1
+    with caplog.at_level(logging.WARNING, logger="ft_monitor.launcher"):
+        assert not b.answer_pending([], store=store, channel=CHANNEL, group_rank=1, group_world_size=2, wait=0.3)
+    assert sum("ignored a roll call request" in r.getMessage() for r in caplog.records) == 1  # not every 50 ms
+    store.set(request_key(0), CHANNEL.encode(request_key(0), RollCallRequest(1, 1, "a", 0, 3.0)))
+    assert b.answer_pending([], store=store, channel=CHANNEL, group_rank=1, group_world_size=2, wait=1.0)
 
 
 def test_a_forged_answer_is_said_once_and_the_node_counts_as_silent(caplog: pytest.LogCaptureFixture) -> None:
-    from ft_monitor.launcher.rollcall import ANSWER_KEY
-
     store = FakeStore()
-    store.set(ANSWER_KEY.format(1, 1), b'{"v":1,"kind":"roll_call_answer","mac":"00"}')
+    store.set(answer_key(0, 1, 1), b'{"v":1,"kind":"roll_call_answer","mac":"00"}')
     a = Node("a", [RankEvidence(1, "a", ANSWERED, stack=STACK_SLEEPING)], timeout=0.4)
     with caplog.at_level(logging.WARNING, logger="ft_monitor.launcher"):
         d = a.run(HUNG, [], store=store, channel=CHANNEL, group_rank=0, group_world_size=2, world_size=2,
                   attempt=0)
     assert d.roll_call.nodes_answered == ["a"] and d.missing_ranks == [0]
     assert sum("ignored a roll call answer" in r.getMessage() for r in caplog.records) == 1  # not every 50 ms
+
+
+def test_a_request_replayed_in_the_same_round_is_refused_and_dumps_nothing(caplog: pytest.LogCaptureFixture) -> None:
+    store = FakeStore()
+    a, b = Node("a", [], timeout=0.5), Node("b", [RankEvidence(2, "b", ANSWERED, stack=STACK_IN_ALL_REDUCE)])
+    first = []
+    for _ in range(2):  # incidents 1 and 2, each answered once
+        helper = threading.Thread(target=lambda: b.answer_pending([], store=store, channel=CHANNEL, group_rank=1,
+                                                                  group_world_size=2, wait=5.0))
+        helper.start()
+        a.run(HUNG, [], store=store, channel=CHANNEL, group_rank=0, group_world_size=2, world_size=3, attempt=0)
+        helper.join(10)
+        first.append(store.get(request_key(0)))
+    assert b.dumped == 2 and b.answered == {0: 2}
+    store.set(request_key(0), first[0])  # incident 1's genuine request, stored again
+    with caplog.at_level(logging.WARNING, logger="ft_monitor.launcher"):
+        assert not b.answer_pending([], store=store, channel=CHANNEL, group_rank=1, group_world_size=2, wait=0.3)
+    assert b.dumped == 2
+    assert [r.getMessage() for r in caplog.records if "ignored a roll call request" in r.getMessage()] == [
+        f"ft-launcher: ignored a roll call request in the rendezvous store at {request_key(0)}: incident 1 of node 0, "
+        "answered already (replayed)"]
+
+
+def test_answers_are_sealed_in_the_store_and_altered_or_moved_ones_do_not_open() -> None:
+    store = FakeStore()
+    secret_stack = STACK_SLEEPING + "  File \"/secret/train.py\", line 7 in hidden_function\n"
+    b_rank = RankEvidence(2, "b", ANSWERED, local_rank=0, pid=987654321, stack=secret_stack,
+                          native="Thread 987654321 (idle): native_frame_xyz", fr=digest(trace(5, 4)),
+                          files={"stack_dump": "/private/evidence/rank2-stack.txt"}, notes=["note-qwerty"])
+    a, b = Node("a", []), Node("b", [b_rank])
+    helper = threading.Thread(target=lambda: b.answer_pending([], store=store, channel=CHANNEL, group_rank=1,
+                                                              group_world_size=2, wait=5.0))
+    helper.start()
+    d = a.run(HUNG, [], store=store, channel=CHANNEL, group_rank=0, group_world_size=2, world_size=3, attempt=0)
+    helper.join(10)
+    assert [e for e in d.evidence if e.rank == 2] == [b_rank]  # it crossed the store whole
+    raw = store.get(answer_key(0, 1, 1))
+    for clear in ("hidden_function", "987654321", "native_frame_xyz", "/private/evidence", "note-qwerty",
+                  "last_enqueued", "all_reduce", "stack"):
+        assert clear.encode() not in raw, clear
+    envelope = json.loads(raw)
+    read = dict(asker=0, incident=1, group_rank=1, round=0, refused=lambda why: None)
+    assert read_answer(CHANNEL, Sealer(SECRET), raw, **read)[1] == [b_rank]  # type: ignore[arg-type]
+    # one bit of the ciphertext changed, under a valid signature (as only a holder of the key could sign)
+    sealed = base64.b64decode(envelope["body"]["sealed"])
+    altered = base64.b64encode(sealed[:20] + bytes([sealed[20] ^ 1]) + sealed[21:]).decode()
+    body = {**envelope["body"], "sealed": altered}
+    resigned = CHANNEL.encode(answer_key(0, 1, 1), RollCallAnswer.from_body(body))
+    with pytest.raises(SealError, match="does not open"):
+        read_answer(CHANNEL, Sealer(SECRET), resigned, **read)  # type: ignore[arg-type]
+    # the genuine ciphertext moved to another incident, its envelope signed for it
+    moved = CHANNEL.encode(answer_key(0, 2, 1), RollCallAnswer.from_body({**envelope["body"], "incident": 2}))
+    with pytest.raises(SealError, match="does not open"):
+        read_answer(CHANNEL, Sealer(SECRET), moved, **{**read, "incident": 2})  # type: ignore[arg-type]
+    with pytest.raises(SealError, match="does not open"):  # another job's key
+        read_answer(CHANNEL, Sealer(b"x" * 32), raw, **read)  # type: ignore[arg-type]
+    with pytest.raises(StoreMessageError, match="bad signature"):  # the stored value altered in place
+        read_answer(CHANNEL, Sealer(SECRET), raw.replace(envelope["body"]["sealed"][:8].encode(), b"AAAAAAAA"),
+                    **read)  # type: ignore[arg-type]
 
 
 def test_a_monitors_answer_is_read_into_evidence(tmp_path: Path) -> None:
@@ -167,3 +240,14 @@ def test_a_rank_is_running_until_it_exits_a_zombie_is_not() -> None:
         child.kill()
         child.wait(10)
     assert not procinfo.running(child.pid)
+
+
+def test_the_round_is_torchs_rendezvous_round_else_the_count_of_rendezvous() -> None:
+    from types import SimpleNamespace
+
+    from ft_monitor.launcher.agent import rendezvous_round
+
+    dynamic = SimpleNamespace(_state_holder=SimpleNamespace(state=SimpleNamespace(round=3)))
+    assert rendezvous_round(dynamic, 0) == 3
+    assert rendezvous_round(SimpleNamespace(), 2) == 2  # a static rendezvous: one store for every attempt
+    assert rendezvous_round(SimpleNamespace(_state_holder=SimpleNamespace(state=SimpleNamespace(round=True))), 1) == 1

@@ -82,6 +82,7 @@ from ft_monitor.launcher.monitors import MonitorPool
 from ft_monitor.launcher.progress import ProgressTracker
 from ft_monitor.launcher.rollcall import Rank, RollCaller, diagnosis_path, write_diagnosis
 from ft_monitor.launcher.rootcause import read_stack, write_error_file
+from ft_monitor.launcher.sealed import Sealer
 from ft_monitor.launcher.store_auth import SECRET_ENV, HangRecord, ShutdownRequest, StoreChannel, StoreMessageError
 from ft_monitor.notices import HangNotice
 from ft_monitor.policy import Reason
@@ -111,6 +112,18 @@ time out too, and only the earliest onset is the hung rank."""
 HANG_REASONS = frozenset({r.value for r in Reason} | set(HANG_SOURCES))
 """In-process rows whose reason is a verdict on progress (a monitor's hang reason, or the Wrapper's
 fault sources for one), as opposed to an exception or a peer that exited."""
+
+
+def rendezvous_round(handler: Any, joined: int) -> int:
+    """The rendezvous round just joined, the same number on every node: torch's dynamic
+    handler's own (its store prefix names it too); else (a static rendezvous, whose one store
+    every attempt shares, and whose nodes all restart together) ``joined``, the count of
+    rendezvous this agent has done before."""
+    state = getattr(getattr(handler, "_state_holder", None), "state", None)
+    number = getattr(state, "round", None)
+    if isinstance(number, int) and not isinstance(number, bool) and 0 <= number < 2**31:
+        return number
+    return joined
 
 
 class TorchVersionError(FtError, RuntimeError):
@@ -279,13 +292,16 @@ class FtLocalElasticAgent(_lea.LocalElasticAgent):
         self._bad_store_values: set[bytes] = set()
         self._no_secret_warned = False
         self._inprocess_checked = 0.0
+        self._rounds = 0
         self.rollcall = RollCaller(ft.monitors.socket, socket.gethostname(), ft.config.roll_call_timeout,
-                                   ft.config.flight_recorder_entries > 0)
+                                   ft.config.flight_recorder_entries > 0,
+                                   sealer=Sealer(ft.job_secret) if ft.job_secret is not None else None)
 
     # -- start ---------------------------------------------------------------
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         super()._rendezvous(worker_group)
-        self.rollcall.new_round()
+        self._rounds += 1
+        self.rollcall.new_round(rendezvous_round(worker_group.spec.rdzv_handler, self._rounds - 1))
         if self.ft.restarts and self.ft.restarts[-1].rendezvous_done is None:
             self.ft.restarts[-1].rendezvous_done = time.time()
 
@@ -427,7 +443,7 @@ class FtLocalElasticAgent(_lea.LocalElasticAgent):
                 if self.rollcall.answered_recently():
                     return decision
                 self.rollcall.answer_pending(self._ranks(wg), store=wg.store, channel=channel,
-                                             group_rank=wg.group_rank or 0,
+                                             group_rank=wg.group_rank or 0, group_world_size=wg.group_world_size or 1,
                                              wait=self.ft.config.roll_call_timeout + ATTRIBUTION_WINDOW)
                 return decision
             found = self._roll_call(wg, channel, notice, decision.worker.local_rank)
@@ -504,7 +520,7 @@ class FtLocalElasticAgent(_lea.LocalElasticAgent):
             return
         try:
             self.rollcall.answer_pending(self._ranks(wg), store=wg.store, channel=self._channel(wg),
-                                         group_rank=wg.group_rank or 0)
+                                         group_rank=wg.group_rank or 0, group_world_size=wg.group_world_size or 1)
         except Exception:  # noqa: BLE001 - answering is best effort
             log.exception("ft-launcher: answering another node's roll call failed")
 

@@ -122,7 +122,8 @@ class RankEvidence:
             fr=FrDigest.from_wire(fr) if isinstance(fr, Mapping) else None, fr_note=_opt_text(d, "fr_note"),
             files={str(k)[:64]: str(v)[:MAX_TEXT] for k, v in list(files.items())[:8]}
             if isinstance(files, Mapping) else {},
-            took_s=float(took) if isinstance(took, (int, float)) and not isinstance(took, bool) else None,
+            took_s=float(took) if isinstance(took, (int, float)) and not isinstance(took, bool)
+            and 0 <= took < 1e9 else None,
             notes=[str(n)[:MAX_TEXT] for n in notes[:MAX_NOTES]] if isinstance(notes, list) else [],
         )
 

@@ -7,9 +7,11 @@ of the rank that hung first, decide.first_hang) asks:
   stack dump, py-spy's native stacks with ``native_stacks``, then with
   ``flight_recorder_entries`` the rank's Flight Recorder trace; rank_snapshot.py), and
   reads the files they name;
-* every other node, through the rendezvous store (a signed `RollCallRequest`); each
-  other launcher does the same with its monitors and stores its ranks' evidence (a
-  signed `RollCallAnswer`: stacks and Flight Recorder digests, not the raw traces).
+* every other node, through the rendezvous store (a signed `RollCallRequest` at its own
+  key, naming the round and its incident); each other launcher does the same with its
+  monitors and stores its ranks' evidence (a signed `RollCallAnswer`: stacks and Flight
+  Recorder digests, not the raw traces, sealed with AES-GCM under the job's key). Keys,
+  bindings and readers: rollcall_wire.py; the sealing: sealed.py.
 
 Everything is bounded by ``roll_call_timeout``, counted from the verdict's arrival at
 the launcher: a monitor or node that has not answered by then is listed as such, and
@@ -19,6 +21,7 @@ the kill goes on. `RollCaller` performs these effects; what they mean is diagnos
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -42,21 +45,28 @@ from ft_monitor.launcher.diagnosis import (
     NOT_CONNECTED,
     NOT_RUNNING,
     Diagnosis,
-    EvidenceError,
     HungRank,
     RankEvidence,
     RollCallFacts,
     diagnose,
 )
-from ft_monitor.launcher.store_auth import RollCallAnswer, RollCallRequest, StoreChannel, StoreMessageError
+from ft_monitor.launcher.rollcall_wire import (
+    BELL_KEY,
+    SCAN_INTERVAL,
+    answer_key,
+    encode_answer,
+    read_answer,
+    read_request,
+    request_key,
+)
+from ft_monitor.launcher.sealed import Sealer
+from ft_monitor.launcher.store_auth import RollCallRequest, StoreChannel, StoreMessageError
 from ft_monitor.rank_snapshot import FR_NOTE
+from ft_monitor.server_log import printable
 from ft_monitor.snapshot import STARTING, MonitorSnapshot, SnapshotError
 
 log = logging.getLogger("ft_monitor.launcher")
 
-REQUEST_KEY = "ft_launcher/roll_call/{}"
-ANSWER_KEY = "ft_launcher/roll_call/{}/{}"
-COUNT_KEY = "ft_launcher/roll_call_count"
 POLL_INTERVAL = 0.25
 """Seconds between this node's looks for another node's roll call request (and for answers)."""
 MARGIN = 0.2
@@ -165,16 +175,24 @@ class RollCaller:
     """roll_call_timeout."""
     flight_recorder: bool
     clock: Callable[[], float] = time.monotonic
+    sealer: Sealer | None = None
+    """Seals this node's answers and opens the others' (the job secret's; None: no roll call across nodes)."""
     incidents: int = 0
-    """Roll calls started here (the incident number, single node)."""
-    answered: int = 0
-    """The last other node's roll call this node answered (per rendezvous round)."""
+    """Roll calls started here in this rendezvous round (the incident number, in this node's request)."""
+    round: int = 0
+    """The rendezvous round: every request and answer names it, and one of another round is refused."""
+    answered: dict[int, int] = field(default_factory=dict)
+    """Asking node -> the last of its incidents this node answered (this round)."""
     answered_at: float | None = None
     """When (``clock``) this node last answered another node's roll call."""
     last_started: float | None = None
     """Wall clock of the last roll call this node started or answered (on_hang: dump groups
     later notices with it, and ignores the other nodes' hang records from before it)."""
     _polled: float = field(default=-1e18)
+    _scanned: float = field(default=-1e18)
+    _bell: int | None = None
+    _seen: dict[int, bytes] = field(default_factory=dict)
+    """Asking node -> the value of its request key last read (answered, or refused and said once)."""
 
     # -- this node's monitors ---------------------------------------------------------
     def local(self, ranks: list[Rank], incident: int, budget: float) -> list[RankEvidence]:
@@ -207,23 +225,27 @@ class RollCaller:
         t0 = self.clock()
         deadline = t0 + self.timeout
         others = [g for g in range(group_world_size) if g != group_rank] \
-            if store is not None and channel is not None else []
-        incident = self._next_incident(store, channel, bool(others))
+            if store is not None and channel is not None and self.sealer is not None else []
+        self.incidents += 1
+        incident = self.incidents
         asked: list[str] = []
         if others:
             assert channel is not None
             try:
-                key = REQUEST_KEY.format(incident)
+                key = request_key(group_rank)
                 store.set(key, channel.encode(key, RollCallRequest(incident, hung.rank, self.host, group_rank,
-                                                                   self.timeout)))
+                                                                   self.timeout, self.round)))
                 asked = [f"node {g}" for g in others]
             except Exception as e:  # noqa: BLE001 - the store may be gone; this node's ranks still count
                 log.warning("ft-launcher: could not ask the other nodes for their ranks' stacks: %s", e)
                 others = []
+            else:
+                with contextlib.suppress(Exception):  # only a hint: the others read every request key anyway
+                    store.add(BELL_KEY, 1)
         evidence = self.local(ranks, incident, deadline - self.clock())
         answered = [self.host]
         if others:
-            remote, hosts = self._collect(store, channel, incident, others, deadline)
+            remote, hosts = self._collect(store, channel, group_rank, incident, others, deadline)
             evidence += remote
             answered += hosts
         self.last_started = started
@@ -231,89 +253,113 @@ class RollCaller:
                               [self.host, *asked], answered)
         return diagnose(hung, evidence, facts, world_size=world_size, attempt=attempt)
 
-    def _next_incident(self, store: Any, channel: StoreChannel | None, shared: bool) -> int:
-        self.incidents += 1
-        if shared:
-            try:
-                return int(store.add(COUNT_KEY, 1))
-            except Exception:  # noqa: BLE001
-                pass
-        return self.incidents
-
-    def _collect(self, store: Any, channel: StoreChannel | None, incident: int, others: list[int],
-                 deadline: float) -> tuple[list[RankEvidence], list[str]]:
-        assert channel is not None
-        pending = {ANSWER_KEY.format(incident, g) for g in others}
+    def _collect(self, store: Any, channel: StoreChannel | None, group_rank: int, incident: int,
+                 others: list[int], deadline: float) -> tuple[list[RankEvidence], list[str]]:
+        """Every other node's answer until ``deadline``; one that is refused (forged, replayed, altered)
+        is said once and waited for further: the others' are collected all the same."""
+        assert channel is not None and self.sealer is not None
+        pending = set(others)
         evidence: list[RankEvidence] = []
         hosts: list[str] = []
-        warned: set[tuple[str, str]] = set()  # a forged value is read again every 50 ms: said once
+        warned: set[tuple[int, str]] = set()  # a forged value is read again every 50 ms: said once
+
+        def refuse(g: int, why: str) -> None:
+            if (g, why) not in warned:
+                warned.add((g, why))
+                log.warning("ft-launcher: ignored a roll call answer in the rendezvous store at %s: %s",
+                            answer_key(group_rank, incident, g), printable(why))
+
         while pending and self.clock() < deadline:
-            for key in sorted(pending):
+            for g in sorted(pending):
+                key = answer_key(group_rank, incident, g)
                 try:
                     if not store.check([key]):
                         continue
-                    answer = channel.decode(key, store.get(key), RollCallAnswer)
-                except StoreMessageError as e:
-                    if (key, str(e)) not in warned:
-                        warned.add((key, str(e)))
-                        log.warning("ft-launcher: ignored a roll call answer in the rendezvous store at %s: %s",
-                                    key, e)
-                    continue
+                    raw = store.get(key)
                 except Exception as e:  # noqa: BLE001 - the store may be gone
                     log.warning("ft-launcher: could not read the other nodes' roll call answers: %s", e)
                     return evidence, hosts
-                pending.discard(key)
-                hosts.append(answer.host)
-                for raw in answer.evidence:
-                    try:
-                        evidence.append(RankEvidence.from_wire(raw))
-                    except EvidenceError as e:
-                        log.warning("ft-launcher: ignored a rank in %s's roll call answer: %s", answer.host, e)
+                try:
+                    host, ranks = read_answer(channel, self.sealer, raw, asker=group_rank, incident=incident,
+                                              group_rank=g, round=self.round, refused=_ignored_rank)
+                except StoreMessageError as e:
+                    refuse(g, str(e))
+                    continue
+                pending.discard(g)
+                hosts.append(host)
+                evidence += ranks
             if pending:
                 time.sleep(min(0.05, max(0.0, deadline - self.clock())))
         return evidence, hosts
 
     # -- the other nodes ----------------------------------------------------------------
-    def new_round(self) -> None:
-        """A new rendezvous round: its store keys start afresh."""
-        self.answered = 0
+    def new_round(self, round: int) -> None:
+        """A new rendezvous round (``round``: its number, the same on every node): what was
+        answered and asked starts afresh, and only this round's messages are taken."""
+        self.round = round
+        self.answered = {}
         self.answered_at = None
         self.incidents = 0
+        self._seen = {}
+        self._bell = None
+        self._scanned = -1e18
 
     def answer_pending(self, ranks: list[Rank], *, store: Any, channel: StoreChannel | None, group_rank: int,
-                       wait: float = 0.0) -> bool:
+                       group_world_size: int, wait: float = 0.0) -> bool:
         """Answer another node's roll call if one is waiting (looking at most every POLL_INTERVAL,
         or for up to ``wait`` seconds); True when one was answered."""
-        if store is None or channel is None:
+        if store is None or channel is None or self.sealer is None:
             return False
         end = self.clock() + wait
         while True:
             now = self.clock()
             if now - self._polled >= POLL_INTERVAL or wait:
                 self._polled = now
-                request = self._request(store, channel, self.answered + 1)
-                if request is not None and request.group_rank != group_rank:
+                request = self._pending_request(store, channel, group_rank, group_world_size, force=bool(wait))
+                if request is not None:
                     self._answer(request, ranks, store, channel, group_rank)
                     return True
-                if request is not None:
-                    self.answered += 1  # our own
-                    continue
             if self.clock() >= end:
                 return False
             time.sleep(min(0.05, max(0.0, end - self.clock())))
 
-    def _request(self, store: Any, channel: StoreChannel, incident: int) -> RollCallRequest | None:
-        key = REQUEST_KEY.format(incident)
+    def _pending_request(self, store: Any, channel: StoreChannel, group_rank: int, group_world_size: int,
+                         force: bool) -> RollCallRequest | None:
+        """The first other node's request this node has not answered yet, read from its own key
+        when the bell rang, every SCAN_INTERVAL, or always with ``force``."""
         try:
-            if not store.check([key]):
-                return None
-            return channel.decode(key, store.get(key), RollCallRequest)
-        except StoreMessageError as e:
-            log.warning("ft-launcher: ignored a roll call request in the rendezvous store at %s: %s", key, e)
-            self.answered = incident  # a forged request must not block the ones after it
-            return None
+            bell = int(store.add(BELL_KEY, 0))
         except Exception:  # noqa: BLE001 - the store host may be gone
             return None
+        now = self.clock()
+        if not force and bell == self._bell and now - self._scanned < SCAN_INTERVAL:
+            return None
+        self._bell, self._scanned = bell, now
+        for asker in range(group_world_size):
+            if asker == group_rank:
+                continue
+            key = request_key(asker)
+            try:
+                if not store.check([key]):
+                    continue
+                raw = store.get(key)
+            except Exception:  # noqa: BLE001 - the store host may be gone
+                return None
+            if self._seen.get(asker) == raw:
+                continue  # answered, or refused and said
+            self._seen[asker] = raw
+            try:
+                request = read_request(channel, raw, asker=asker, round=self.round)
+            except StoreMessageError as e:
+                log.warning("ft-launcher: ignored a roll call request in the rendezvous store at %s: %s", key,
+                            printable(str(e)))
+                continue
+            if request.incident <= self.answered.get(asker, 0):
+                log.warning("ft-launcher: ignored a roll call request in the rendezvous store at %s: incident %d of "
+                            "node %d, answered already (replayed)", key, request.incident, asker)
+                continue
+            return request
+        return None
 
     def answered_recently(self) -> bool:
         """This node's ranks were dumped for another node's roll call within the last bound
@@ -322,19 +368,23 @@ class RollCaller:
 
     def _answer(self, request: RollCallRequest, ranks: list[Rank], store: Any, channel: StoreChannel,
                 group_rank: int) -> None:
-        self.answered = request.incident
+        assert self.sealer is not None
+        self.answered[request.group_rank] = request.incident
         self.answered_at = self.clock()
         self.last_started = time.time()
         budget = max(0.2, request.budget_s - 2 * POLL_INTERVAL - MARGIN)
         log.warning("ft-launcher: roll call %d from %s (rank %d hung): dumping this node's %d rank(s)",
-                    request.incident, request.host, request.hung_rank, len(ranks))
+                    request.incident, printable(request.host), request.hung_rank, len(ranks))
         evidence = self.local(ranks, request.incident, budget)
-        key = ANSWER_KEY.format(request.incident, group_rank)
         try:
-            store.set(key, channel.encode(key, RollCallAnswer(request.incident, self.host, group_rank,
-                                                              [e.to_wire() for e in evidence])))
+            key, value = encode_answer(channel, self.sealer, request, self.host, group_rank, evidence)
+            store.set(key, value)
         except Exception as e:  # noqa: BLE001
             log.warning("ft-launcher: could not store this node's roll call answer: %s", e)
+
+
+def _ignored_rank(why: str) -> None:
+    log.warning("ft-launcher: ignored %s", printable(why))
 
 
 def diagnosis_path(attempt_dir: Path) -> Path:

@@ -172,21 +172,28 @@ class StepTimes:
 
 @dataclass(frozen=True, slots=True)
 class RollCallRequest:
-    """The node that owns a hang's verdict asks every other node to dump its ranks (rollcall.py)."""
+    """The node that owns a hang's verdict asks every other node to dump its ranks (rollcall.py).
+
+    Stored at the asking node's own key (``ft_launcher/roll_call/request/<group_rank>``);
+    ``incident`` and ``round`` are what binds it: an answering node takes it once, only in
+    ``round``, and only when ``incident`` is newer than the asker's last one it answered."""
 
     incident: int
+    """The asking node's roll call number in this round (1, 2, ...)."""
     hung_rank: int
     host: str
     group_rank: int
     """The asking node's rank in the rendezvous (so it is not asked to answer itself)."""
     budget_s: float
     """Seconds the asking node waits for the answers, counted from its request."""
+    round: int = 0
+    """The rendezvous round it was asked in (a request copied into another round is refused)."""
 
     KIND = "roll_call"
 
     def body(self) -> dict[str, Any]:
         return {"incident": self.incident, "hung_rank": self.hung_rank, "host": self.host,
-                "group_rank": self.group_rank, "budget_s": self.budget_s}
+                "group_rank": self.group_rank, "budget_s": self.budget_s, "round": self.round}
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> RollCallRequest:
@@ -194,7 +201,7 @@ class RollCallRequest:
         if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget <= 3600:
             raise StoreMessageError("field budget_s must be a number of seconds > 0")
         return cls(_rank(body, "incident"), _rank(body, "hung_rank"), _text(body, "host"),  # type: ignore[arg-type]
-                   _rank(body, "group_rank"), float(budget))  # type: ignore[arg-type]
+                   _rank(body, "group_rank"), float(budget), _rank(body, "round"))  # type: ignore[arg-type]
 
 
 MAX_ROLL_CALL_RANKS = 1024
@@ -202,30 +209,35 @@ MAX_ROLL_CALL_RANKS = 1024
 
 @dataclass(frozen=True, slots=True)
 class RollCallAnswer:
-    """One node's ranks, as its roll call found them (diagnosis.RankEvidence, in wire form:
-    checked again, field by field, by the node that reads it)."""
+    """One node's ranks, as its roll call found them, for one request (``asker``, ``round``,
+    ``incident``). The evidence (diagnosis.RankEvidence in wire form: stacks, native stacks,
+    Flight Recorder digests, pids, paths) is ``sealed`` (sealed.py: AES-GCM under the job's
+    key, bound to the same fields and the store key): the store shows who answered, not what."""
 
     incident: int
     host: str
     group_rank: int
-    evidence: list[dict[str, Any]]
+    sealed: str
+    """base64 of nonce + ciphertext + tag of the JSON list of the ranks' evidence."""
+    round: int = 0
+    asker: int = 0
+    """The group rank of the node whose request this answers."""
 
     KIND = "roll_call_answer"
-    MAX_BYTES = 8 * 1024 * 1024
-    """Stacks travel in it (at most 32 KiB per rank, and native ones as much again)."""
+    MAX_BYTES = 12 * 1024 * 1024
+    """Stacks travel in it (at most 32 KiB per rank, and native ones as much again), in base64."""
 
     def body(self) -> dict[str, Any]:
         return {"incident": self.incident, "host": self.host, "group_rank": self.group_rank,
-                "evidence": self.evidence}
+                "sealed": self.sealed, "round": self.round, "asker": self.asker}
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> RollCallAnswer:
-        evidence = body.get("evidence")
-        if not isinstance(evidence, list) or len(evidence) > MAX_ROLL_CALL_RANKS \
-                or not all(isinstance(e, dict) for e in evidence):
-            raise StoreMessageError(f"field evidence must be a list of at most {MAX_ROLL_CALL_RANKS} maps")
+        sealed = body.get("sealed")
+        if not isinstance(sealed, str):
+            raise StoreMessageError("field sealed must be text (the evidence, encrypted)")
         return cls(_rank(body, "incident"), _text(body, "host"), _rank(body, "group_rank"),  # type: ignore[arg-type]
-                   evidence)
+                   sealed, _rank(body, "round"), _rank(body, "asker"))  # type: ignore[arg-type]
 
 
 Message = ShutdownRequest | HangRecord | StepTimes | RollCallRequest | RollCallAnswer

@@ -365,8 +365,10 @@ class Wrapper:
             base, hosted = self.store_factory(**self.store_kwargs), False
         else:
             base, hosted = base_store(rank, world, max(self.barrier_timeout, self.completion_timeout, 30.0))
+        from torch._C._distributed_c10d import HashStore
+
         run = run_id()
-        if type(base).__name__ == "HashStore":  # in this process only: no one else can write to it
+        if isinstance(base, HashStore):  # in this process only: no one else can write to it
             key = jobkey.JobKey(os.urandom(32), "a random key (the store is in this process)")
         else:
             key = jobkey.inprocess_key(os.environ, run)

@@ -57,7 +57,8 @@ class Job:
         self.procs = []
         for r in range(world):
             e = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r),
-                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **((env or {}).get(r, {}))}
+                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "FT_KEY_DIR": str(workdir / "keys"),
+                 **((env or {}).get(r, {}))}
             out = open(self.logs[r], "w")
             self.procs.append(subprocess.Popen([sys.executable, str(WORKER), scenario, *args], env=e, cwd=ROOT,
                                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True))

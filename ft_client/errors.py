@@ -20,9 +20,11 @@ builtin base that callers caught before (``ValueError`` for bad values,
     ├── TimeoutsError, StateDictError   a timeouts map, a request to learn timeouts (safety factor,
     │                                   sections) or a checkpointed state is invalid
     ├── UnsafeFileError                 a path others could tamper with
+    ├── StoreMessageError               a store value that is not an authentic message of this job (signed.py)
+    ├── SecretError                     the job secret or a job key cannot be used (jobkey.py)
     ├── NoFlightRecorderError           this process has no Flight Recorder trace to write
     └── ft_monitor's: ConfigError, SettingsError, UsageError, ListenerError, SessionError,
-        NoticeError, StatusError, ReportError, SecretError, StoreMessageError (SealError), MonitorStartError,
+        NoticeError, StatusError, ReportError, SealError (a StoreMessageError), MonitorStartError,
         SnapshotError, EvidenceError
 
 Closed and broken are types (as trio's ClosedResourceError and

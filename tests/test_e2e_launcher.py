@@ -303,7 +303,8 @@ def test_two_nodes_hang_on_one_restarts_both_and_completes(workdir: Path) -> Non
 def test_forged_store_messages_are_ignored_and_the_job_completes(workdir: Path) -> None:
     # before: any process reaching the rendezvous port ended the job (exit 4, "do not
     # requeue") with a plain shutdown value, and a malformed hang record made both
-    # launchers exit 2 at the next real hang
+    # launchers exit 2 at the next real hang (also, with a job secret, a non-ASCII mac or
+    # 16 KiB of '[' at round 0's hang keys: TypeError / RecursionError out of decode)
     # The ranks train only once everything is forged (--wait-for), so every read of the store
     # comes after the forger's writes. Node 0's ranks, which wait in the all-reduce for rank 3,
     # get a 30 s floor on their learned timeouts: they never report a hang of their own, so the

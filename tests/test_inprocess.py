@@ -29,12 +29,13 @@ WORKER = WORKERS / "inprocess_worker.py"
 class Job:
     def __init__(self, workdir: Path, scenario: str, *args: str, world: int = 2,
                  env: dict[int, dict[str, str]] | None = None) -> None:
-        port = free_port(2)
+        self.port = port = free_port(2)
         self.logs = [workdir / f"{scenario}-rank{r}.log" for r in range(world)]
         self.procs = []
         for r in range(world):
             e = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r),
-                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **((env or {}).get(r, {}))}
+                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "FT_KEY_DIR": str(workdir / "keys"),
+                 **((env or {}).get(r, {}))}
             out = open(self.logs[r], "w")
             self.procs.append(subprocess.Popen([sys.executable, str(WORKER), scenario, *args], env=e, cwd=ROOT,
                                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
@@ -170,6 +171,48 @@ def test_a_fault_reported_by_the_monitor_restarts_every_rank(workdir: Path, jobs
     assert j.wait() == [0, 0]
     for r in (0, 1):
         assert "in-process restart 1 after: test fault from the monitor" in j.output(r)
+
+
+def _forge(workdir: Path, job: Job, attack: str) -> None:
+    """Run the store forger (tests/workers/inprocess_forger.py: a separate process of this
+    user without the job's key; the tests run as root and the interpreter is not readable
+    by uid 65534) against ``job``'s store at MASTER_PORT + 1, and wait until it has written."""
+    out = workdir / f"forged-{attack}"
+    forger = subprocess.run([sys.executable, str(WORKERS / "inprocess_forger.py"), str(job.port + 1),
+                             "ft_inprocess/local/0/", attack, str(out)], cwd=ROOT, capture_output=True, text=True,
+                            timeout=90 * slack())
+    assert forger.returncode == 0 and out.exists(), forger.stderr[-2000:]
+
+
+def test_forged_outcomes_restart_no_rank(workdir: Path, jobs: list[Job]) -> None:
+    # before: `forged` at iterations 0..9 made every rank restart 5 times in 0.1 s, then both
+    # exited with RestartLimitError ("unreadable fault record")
+    mark = workdir / "forged-outcomes"
+    jobs.append(j := Job(workdir, "ok", "--max-iterations", "5", "--wait-for", str(mark)))
+    _forge(workdir, j, "outcomes")
+    assert j.wait() == [0, 0], j.output(0)[-3000:] + j.output(1)[-3000:]
+    for r in (0, 1):
+        out = j.output(r)
+        assert [(it, step) for _, it, step in _starts(out)] == [(0, 0)], out[-2000:]
+        assert "in-process restart 1" not in out and "RestartLimitError" not in out
+    both = j.output(0) + j.output(1)
+    assert both.count("ignored a value in the in-process restart store at ft_inprocess/local/0/iter/0/outcome") \
+        in (1, 2), both[-3000:]  # once per rank that read it, however often it was read
+
+
+def test_a_forged_done_neither_ends_a_rank_early_nor_hides_the_real_fault(workdir: Path, jobs: list[Job]) -> None:
+    # before: {"done": true} at iteration 0 made rank 0 return as if training had completed
+    # (exit 0) while rank 1 died at the restart barrier
+    mark = workdir / "forged-done"
+    jobs.append(j := Job(workdir, "raise", "--wait-for", str(mark)))
+    _forge(workdir, j, "done")
+    assert j.wait() == [0, 0], j.output(0)[-3000:] + j.output(1)[-3000:]
+    for r in (0, 1):
+        out = j.output(r)
+        assert [(it, step) for _, it, step in _starts(out)] == [(0, 0), (1, 5)], out[-2000:]
+        assert "in-process restart 1 after: rank 1: ValueError: bad batch (test)" in out
+        steps = [int(s) for s in re.findall(r"iteration \d+ step (\d+) loss", out)]
+        assert steps == list(range(12)), steps
 
 
 def test_twenty_restarts_leak_no_threads_descriptors_groups_store_keys_or_memory(workdir: Path,

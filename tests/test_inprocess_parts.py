@@ -13,7 +13,8 @@ from torch.distributed import HashStore
 
 from ft_client import RankMonitorClient
 from ft_client.inprocess import events, timeline
-from ft_client.inprocess.store import DONE, FaultRecord, RestartStore, namespace
+from ft_client.inprocess.store import FaultRecord, RestartStore, namespace
+from ft_client.signed import Signer
 from ft_monitor.launcher.inprocess import InprocessLedger
 from ft_monitor.notices import HangNotice
 from ft_monitor.status import InprocessRestart
@@ -50,35 +51,44 @@ def test_a_phase_stamped_out_of_order_counts_zero_and_an_unfinished_rank_leaves_
 # -- the store protocol ------------------------------------------------------------------
 
 
+SIGNER = Signer(b"k" * 32, "local")
+
+
+def rstore(world: int = 2, rank: int = 0, base: object | None = None) -> RestartStore:
+    return RestartStore(HashStore() if base is None else base, world, SIGNER, rank=rank, prefix="t/")
+
+
 def test_the_first_fault_wins_and_a_done_iteration_takes_no_fault() -> None:
-    s = RestartStore(HashStore(), 2, prefix="t/")
+    s = rstore()
     first = FaultRecord("rank 1: ValueError: x", 1, "exception", 1, 5.0)
     assert s.report(0, first) == (True, first)
     won, current = s.report(0, FaultRecord("rank 0: later", 0, "timeout", 0, 6.0))
-    assert not won and current == first and s.outcome(0, 0) == first
+    assert not won and current == first and s.outcome(0) == first
     s.complete(1)
-    assert s.outcome(1, 0) is None  # one of two ranks done
-    s.complete(1)
-    assert s.outcome(1, 0) is True and s.base.get("t/iter/1/outcome") == DONE
+    assert s.outcome(1) is None  # one of two ranks done
+    RestartStore(s.base, 2, SIGNER, rank=1, prefix="t/").complete(1)
+    assert s.outcome(1) is True
     assert s.report(1, first) == (False, None)
 
 
-def test_a_garbage_outcome_is_still_a_fault() -> None:
-    s = RestartStore(HashStore(), 1, prefix="t/")
+def test_a_garbage_outcome_is_refused_not_a_fault() -> None:
+    # before: any unreadable value was a fault of unknown cause, and every rank restarted on it
+    s = rstore(1)
     s.base.set("t/iter/0/outcome", b"\xff not json")
-    record = s.outcome(0, 3)
-    assert isinstance(record, FaultRecord) and record.source == "unknown" and record.by == 3
-    assert record.reason.startswith("unreadable fault record")
+    assert s.outcome(0) is None
+    record = FaultRecord("real", 0, "exception", 0, 1.0)
+    assert s.report(0, record) == (True, record)  # the writer replaces the refused value
+    assert s.outcome(0) == record
 
 
 def test_waits_are_bounded_and_a_waiter_wakes_on_the_outcome() -> None:
-    s = RestartStore(HashStore(), 2, prefix="t/")
-    assert s.wait_outcome(0, 0, 0.05) is None
+    s = rstore()
+    assert s.wait_outcome(0, 0.05) is None
     assert s.barrier(0, "barrier", 0.05) == 1  # one of two arrived: who to blame is in the error
     watcher = s.clone()
     assert watcher is not None
     got: list[object] = []
-    t = threading.Thread(target=lambda: got.append(watcher.wait_outcome(2, 0, 10)))
+    t = threading.Thread(target=lambda: got.append(watcher.wait_outcome(2, 10)))
     t.start()
     s.report(2, FaultRecord("r", None, "monitor", 1, 1.0))
     t.join(10)
@@ -89,7 +99,7 @@ def test_keys_are_per_attempt(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job7")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
     assert namespace() == "ft_inprocess/job7/2/"
-    assert RestartStore(HashStore(), 1).key(3, "outcome") == "ft_inprocess/job7/2/iter/3/outcome"
+    assert RestartStore(HashStore(), 1, SIGNER).key(3, "outcome") == "ft_inprocess/job7/2/iter/3/outcome"
 
 
 # -- the launcher's rows (pure) -----------------------------------------------------------
@@ -214,7 +224,7 @@ class _Listener:
 def test_the_interrupt_waits_while_the_client_is_mid_frame_or_in_atomic() -> None:
     from ft_client.inprocess.wrapper import RestartInterrupt, _on_interrupt, _Run
 
-    run = _Run(RestartStore(HashStore(), 1, prefix="t/"), 0, 1)
+    run = _Run(rstore(1), 0, 1)
     run.interruptible = True
     _on_interrupt(run, 0, None)  # no fault seen yet: nothing
     run.fault_seen.set()
@@ -297,7 +307,7 @@ def test_a_fault_that_cannot_reach_the_store_is_still_this_ranks_fault() -> None
         def clone(self) -> object:
             raise RuntimeError("Connection reset by peer")
 
-    run = _Run(RestartStore(Gone(), 2, prefix="t/"), 1, 2)
+    run = _Run(rstore(2, 1, Gone()), 1, 2)
     assert run.report("rank 1: ValueError: x", 1, "exception")
     assert run.fault is not None and run.fault.source == "store" and "unreachable" in run.fault.reason
     assert run.wake.is_set()

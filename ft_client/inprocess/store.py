@@ -10,9 +10,17 @@ Per iteration:
   writer wins): a `FaultRecord` (restart) or ``done`` (every rank completed).
   Every rank's watcher thread blocks on it (`wait_outcome`), so learning of a
   fault costs the store nothing while all is well.
-* ``completed``: count of ranks whose function returned; the last one writes ``done``.
-* ``barrier`` / ``barrier_done``: the restart barrier; the last rank to arrive
-  writes ``barrier_done``, the others wait for it.
+* ``completed``, ``completed/<rank>``: the ranks whose function returned (a signed key
+  each, then a count); the last one checks every rank's key and writes ``done``.
+* ``barrier``, ``barrier/<rank>``, ``barrier_done``: the restart barrier, the same way;
+  the last rank to arrive writes ``barrier_done``, the others wait for it.
+* ``exit``, ``exit/<rank>``, ``exit_done``: the ranks that left the Wrapper (the host waits).
+* ``outside``: the rank that was outside every collective when a hang was reported.
+
+Every value but the counts is signed (ft_client.signed) with the job's in-process key
+(ft_client.jobkey) and bound to its key, run, attempt and iteration; anything else
+found there (the store has no authentication) is refused, logged once, and never acted
+on. Counts are not trusted: they only tell a rank when to check the signed keys.
 * ``user/``: the `CallWrapper.store` of the iteration (e.g. for ``init_process_group``).
 
 The base store is, in this order: the store ft-launcher names in ``FT_INPROCESS_STORE``
@@ -27,24 +35,47 @@ EADDRINUSE, costing a process restart.
 
 from __future__ import annotations
 
-import json
+import logging
 import math
 import os
+import threading
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from ft_client import env
 from ft_client.errors import FtError
+from ft_client.signed import Signer, StoreMessageError
+
+log = logging.getLogger("ft_client.inprocess")
 
 KEY_ROOT = "ft_inprocess"
 STORE_PORT_OFFSET = 1
 """Without an agent store, rank 0 hosts the Wrapper's store at MASTER_PORT + this."""
-DONE = b'{"done": true}'
 GLOO_DEFAULT_GROUP_KEY = "0//cpu//0/"
 """+ rank: where a gloo default group's rank publishes its address (torch 2.13)."""
 MAX_REASON = 4096
+MAX_SOURCE = 64
+POLL_INTERVAL = 0.05
+"""Seconds between reads of a key that holds a refused (forged) value, until an authentic one replaces it."""
+MAX_CLAIMS = 16
+"""Forged values a writer replaces at one key before it gives up on the store (and acts on its own record)."""
+MAX_REFUSALS_LOGGED = 100
+
+OUTCOME, ARRIVAL, ALL_ARRIVED, OUTSIDE = "inprocess_outcome", "inprocess_arrival", "inprocess_all_arrived", \
+    "inprocess_outside"
+"""The kinds of signed value (ft_client.signed) the Wrapper stores."""
+
+
+def _rank_field(body: Mapping[str, Any], name: str, *, optional: bool = False) -> int | None:
+    v = body.get(name)
+    if v is None and optional:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 2**31:
+        raise StoreMessageError(f"field {name} must be a rank (a whole number >= 0)")
+    return v
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,29 +88,51 @@ class FaultRecord:
     by: int
     time: float
 
-    def to_bytes(self) -> bytes:
-        return json.dumps(asdict(self)).encode()
+    def body(self) -> dict[str, Any]:
+        return {"done": False, "reason": self.reason, "rank": self.rank, "source": self.source, "by": self.by,
+                "time": self.time}
 
     @classmethod
-    def from_bytes(cls, raw: bytes, by: int) -> FaultRecord:
-        """Read a stored value; anything unreadable is still a fault (of unknown cause)."""
-        try:
-            d = json.loads(raw)
-            reason, rank, source, writer, when = d["reason"], d["rank"], d["source"], d["by"], d["time"]
-        except (ValueError, TypeError, KeyError) as e:
-            return cls(f"unreadable fault record {raw[:80]!r} ({e})", None, "unknown", by, time.time())
-        if not (isinstance(reason, str) and isinstance(source, str) and isinstance(writer, int)
-                and (rank is None or isinstance(rank, int)) and isinstance(when, (int, float))
-                and math.isfinite(when)):
-            return cls(f"unreadable fault record {raw[:80]!r} (a field of the wrong type)", None, "unknown", by,
-                       time.time())
-        return cls(reason[:MAX_REASON], rank, source[:64], writer, float(when))
+    def from_body(cls, body: Mapping[str, Any]) -> FaultRecord:
+        """The fault of an authentic outcome's body; StoreMessageError for a field of the wrong type."""
+        reason, source, when = body.get("reason"), body.get("source"), body.get("time")
+        if not isinstance(reason, str) or not isinstance(source, str):
+            raise StoreMessageError("fields reason and source must be text")
+        if isinstance(when, bool) or not isinstance(when, (int, float)) or not math.isfinite(when):
+            raise StoreMessageError("field time must be a finite number")
+        return cls(reason[:MAX_REASON], _rank_field(body, "rank", optional=True), source[:MAX_SOURCE],
+                   _rank_field(body, "by"), float(when))  # type: ignore[arg-type]
+
+
+DONE_BODY: dict[str, Any] = {"done": True}
+Outcome = FaultRecord | bool
+"""A fault, or True: every rank completed the iteration."""
+
+
+def parse_outcome(body: Mapping[str, Any]) -> Outcome:
+    """An authentic outcome's body: the iteration is done, or its fault."""
+    done = body.get("done")
+    if done is True:
+        if len(body) != 1:
+            raise StoreMessageError("a done outcome holds nothing else")
+        return True
+    if done is not False:
+        raise StoreMessageError("field done must be true or false")
+    return FaultRecord.from_body(body)
+
+
+def run_id(environ: Mapping[str, str] | None = None) -> str:
+    env = os.environ if environ is None else environ
+    return env.get("TORCHELASTIC_RUN_ID") or "local"
+
+
+def attempt(environ: Mapping[str, str] | None = None) -> str:
+    env = os.environ if environ is None else environ
+    return env.get("TORCHELASTIC_RESTART_COUNT") or "0"
 
 
 def namespace() -> str:
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID") or "local"
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT") or "0"
-    return f"{KEY_ROOT}/{run_id}/{attempt}/"
+    return f"{KEY_ROOT}/{run_id()}/{attempt()}/"
 
 
 def is_timeout(e: BaseException) -> bool:
@@ -90,16 +143,33 @@ def is_timeout(e: BaseException) -> bool:
         and "timeout" in str(e).lower()
 
 
-class RestartStore:
-    """The keys of one Wrapper call over a base store (one client connection)."""
+_OURS = object()
+T = TypeVar("T")
 
-    def __init__(self, base: Any, world_size: int, *, hosted: bool = False, prefix: str | None = None) -> None:
+
+class RestartStore:
+    """The keys of one Wrapper call over a base store (one client connection).
+
+    Every value that decides something is signed (``signer``: the job's in-process key,
+    ft_client.jobkey) and bound to its key, the run, the attempt and the iteration; a value
+    that is not (forged, replayed, garbage) is refused, logged once, and never acted on: a
+    reader waits for an authentic value to replace it, a writer replaces it (compare-and-set).
+    """
+
+    def __init__(self, base: Any, world_size: int, signer: Signer, *, rank: int = 0, hosted: bool = False,
+                 prefix: str | None = None, attempt_id: str | None = None,
+                 refused: set[bytes] | None = None) -> None:
         self.base = base
         self.world_size = world_size
+        self.signer = signer
+        self.rank = rank
         self.hosted = hosted
         """A rank hosts the store (no agent store): the host must not exit before the others
         are done with it (`leave`)."""
         self.prefix = namespace() if prefix is None else prefix
+        self.attempt = attempt() if attempt_id is None else attempt_id
+        self._refused: set[bytes] = set() if refused is None else refused
+        """Refused values already logged (shared with clones)."""
 
     def key(self, iteration: int, name: str) -> str:
         return f"{self.prefix}iter/{iteration}/{name}"
@@ -111,104 +181,213 @@ class RestartStore:
             base = self.base.clone()
         except (AttributeError, RuntimeError, NotImplementedError):
             return None
-        return RestartStore(base, self.world_size, prefix=self.prefix)
+        return RestartStore(base, self.world_size, self.signer, rank=self.rank, prefix=self.prefix,
+                            attempt_id=self.attempt, refused=self._refused)
 
     def user_store(self, iteration: int) -> Any:
         from torch._C._distributed_c10d import PrefixStore
 
         return PrefixStore(self.key(iteration, "user/"), self.base)
 
-    # -- outcome -------------------------------------------------------------------
-    def report(self, iteration: int, record: FaultRecord) -> tuple[bool, FaultRecord | None]:
-        """Write ``record`` as the iteration's outcome unless one is there. Returns (ours
-        won, the outcome in force: None when the iteration is already done)."""
-        value = record.to_bytes()
-        current = bytes(self.base.compare_set(self.key(iteration, "outcome"), b"", value))
-        if current == DONE:
-            return False, None
-        return current == value, record if current == value else FaultRecord.from_bytes(current, record.by)
+    # -- signed values -------------------------------------------------------------
+    def _bind(self, iteration: int) -> dict[str, Any]:
+        return {"attempt": self.attempt, "iteration": iteration}
 
-    def outcome(self, iteration: int, by: int) -> FaultRecord | bool | None:
-        """The iteration's outcome: its fault, True when done, None while it runs."""
-        key = self.key(iteration, "outcome")
-        if not self.base.check([key]):
+    def seal(self, iteration: int, kind: str, key: str, body: Mapping[str, Any]) -> bytes:
+        return self.signer.seal(kind, key, body, self._bind(iteration))
+
+    def open(self, iteration: int, kind: str, key: str, raw: object) -> dict[str, Any] | None:
+        """The body of the authentic ``kind`` value ``raw`` read at ``key``, or None (refused:
+        logged once per distinct value)."""
+        try:
+            return self.signer.open(kind, key, raw, self._bind(iteration))
+        except StoreMessageError as e:
+            self._refuse(key, raw, e)
             return None
-        return self._read(key, by)
 
-    def wait_outcome(self, iteration: int, by: int, timeout: float) -> FaultRecord | bool | None:
-        """Block until the iteration has an outcome (None after ``timeout`` seconds)."""
-        key = self.key(iteration, "outcome")
+    def _refuse(self, key: str, raw: object, why: Exception) -> None:
+        value = bytes(raw[:256]) if isinstance(raw, (bytes, bytearray)) else repr(raw).encode()[:256]
+        if value not in self._refused and len(self._refused) < MAX_REFUSALS_LOGGED:
+            self._refused.add(value)
+            log.warning("rank %d: ignored a value in the in-process restart store at %s that is not an authentic "
+                        "record of this job (%s): %r", self.rank, key, why, value[:80])
+
+    def _outcome_of(self, iteration: int, key: str, raw: object) -> Outcome | None:
+        body = self.open(iteration, OUTCOME, key, raw)
+        if body is None:
+            return None
+        try:
+            return parse_outcome(body)
+        except StoreMessageError as e:
+            self._refuse(key, raw, e)
+            return None
+
+    def _claim(self, iteration: int, key: str, value: bytes) -> Outcome | object | None:
+        """Store ``value`` at ``key`` unless an authentic outcome is there: _OURS, the outcome
+        in force, or None when forged values kept taking the key (MAX_CLAIMS times)."""
+        expected = b""
+        for _ in range(MAX_CLAIMS):
+            current = bytes(self.base.compare_set(key, expected, value))
+            if current == value:
+                return _OURS
+            if expected and current == expected:  # the refused value was removed: the key is empty
+                expected = b""
+                continue
+            found = self._outcome_of(iteration, key, current)
+            if found is not None:
+                return found
+            expected = current  # refused: replace it
+        return None
+
+    def _await(self, key: str, read: Callable[[bytes], T], timeout: float,
+               stop: threading.Event | None = None) -> T | None:
+        """Block until ``key`` holds a value ``read`` accepts (its result), or None after
+        ``timeout`` seconds (or once ``stop`` is set). A refused value is read again every
+        POLL_INTERVAL until an authentic one replaces it."""
+        end = time.monotonic() + timeout
         try:
             self.base.wait([key], timedelta(seconds=timeout))
         except Exception as e:
             if is_timeout(e):
                 return None
             raise
-        return self._read(key, by)
+        while True:
+            got = read(bytes(self.base.get(key)))
+            if got is not None:
+                return got
+            left = end - time.monotonic()
+            if left <= 0 or (stop is not None and stop.is_set()):
+                return None
+            if stop is not None:
+                stop.wait(min(POLL_INTERVAL, left))
+            else:
+                time.sleep(min(POLL_INTERVAL, left))
 
-    def _read(self, key: str, by: int) -> FaultRecord | bool:
-        raw = bytes(self.base.get(key))
-        return True if raw == DONE else FaultRecord.from_bytes(raw, by)
+    # -- outcome -------------------------------------------------------------------
+    def report(self, iteration: int, record: FaultRecord) -> tuple[bool, FaultRecord | None]:
+        """Write ``record`` as the iteration's outcome unless an authentic one is there (a
+        forged value is replaced). Returns (ours won, the outcome in force: None when the
+        iteration is already done)."""
+        key = self.key(iteration, "outcome")
+        got = self._claim(iteration, key, self.seal(iteration, OUTCOME, key, record.body()))
+        if got is _OURS or got is None:  # None: the key is taken by forgeries; this rank acts on its own record
+            return True, record
+        if got is True:
+            return False, None
+        assert isinstance(got, FaultRecord)
+        return False, got
+
+    def outcome(self, iteration: int) -> Outcome | None:
+        """The iteration's authentic outcome: its fault, True when done, None while it runs."""
+        key = self.key(iteration, "outcome")
+        if not self.base.check([key]):
+            return None
+        return self._outcome_of(iteration, key, bytes(self.base.get(key)))
+
+    def wait_outcome(self, iteration: int, timeout: float, stop: threading.Event | None = None) -> Outcome | None:
+        """Block until the iteration has an authentic outcome (None after ``timeout`` seconds,
+        or once ``stop``, a threading.Event, is set)."""
+        key = self.key(iteration, "outcome")
+        def read(raw: bytes) -> Outcome | None:
+            return self._outcome_of(iteration, key, raw)
+
+        return self._await(key, read, timeout, stop)
 
     def complete(self, iteration: int) -> None:
         """This rank's function returned; the last rank to do so ends the iteration (done)."""
-        if self.base.add(self.key(iteration, "completed"), 1) >= self.world_size:
-            self.base.compare_set(self.key(iteration, "outcome"), b"", DONE)
+        if self._arrive(iteration, "completed"):
+            key = self.key(iteration, "outcome")
+            self._claim(iteration, key, self.seal(iteration, OUTCOME, key, DONE_BODY))
 
     # -- barriers ------------------------------------------------------------------
+    def _arrive(self, iteration: int, name: str) -> bool:
+        """This rank arrives at ``name`` (a signed key of its own, then the shared count):
+        True when, by the count, it may be the last, and every rank's arrival is authentic
+        (a forged count only makes a rank check)."""
+        mine = self.key(iteration, f"{name}/{self.rank}")
+        self.base.set(mine, self.seal(iteration, ARRIVAL, mine, {"rank": self.rank}))
+        if self.base.add(self.key(iteration, name), 1) < self.world_size:
+            return False
+        return self.arrived(iteration, name) >= self.world_size
+
+    def arrived(self, iteration: int, name: str) -> int:
+        """How many ranks have an authentic arrival at ``name``."""
+        keys = [self.key(iteration, f"{name}/{r}") for r in range(self.world_size)]
+        if self.base.check(keys) and hasattr(self.base, "multi_get"):
+            values = dict(zip(keys, self.base.multi_get(keys), strict=True))
+        else:
+            values = {k: self.base.get(k) for k in keys if self.base.check([k])}
+        count = 0
+        for r, k in enumerate(keys):
+            body = self.open(iteration, ARRIVAL, k, values[k]) if k in values else None
+            count += body is not None and body.get("rank") == r
+        return count
+
+    def _all_arrived(self, iteration: int, name: str, timeout: float) -> bool:
+        done = self.key(iteration, f"{name}_done")
+        return self._await(done, lambda raw: self.open(iteration, ALL_ARRIVED, done, raw), timeout) is not None
+
+    def _announce_all_arrived(self, iteration: int, name: str) -> None:
+        done = self.key(iteration, f"{name}_done")
+        self.base.set(done, self.seal(iteration, ALL_ARRIVED, done, {}))
+
     def barrier(self, iteration: int, name: str, timeout: float) -> int | None:
         """Every rank arrives, or None within ``timeout``: then how many arrived."""
-        count = self.key(iteration, name)
-        done = self.key(iteration, f"{name}_done")
-        if self.base.add(count, 1) >= self.world_size:
-            self.base.set(done, b"1")
-        try:
-            self.base.wait([done], timedelta(seconds=timeout))
-        except Exception as e:
-            if is_timeout(e):
-                return int(self.base.add(count, 0))
-            raise
-        return None
+        if self._arrive(iteration, name):
+            self._announce_all_arrived(iteration, name)
+        if self._all_arrived(iteration, name, timeout):
+            return None
+        return self.arrived(iteration, name)
 
-    def leave(self, iteration: int, rank: int, timeout: float) -> None:
+    def leave(self, iteration: int, timeout: float) -> None:
         """The Wrapper call is over on this rank: the others just say so, the host (rank 0)
         waits until every rank did (bounded), so that the store outlives their last use."""
-        count = self.key(iteration, "exit")
-        if self.base.add(count, 1) >= self.world_size:
-            self.base.set(self.key(iteration, "exit_done"), b"1")
-        if rank == 0:
-            try:
-                self.base.wait([self.key(iteration, "exit_done")], timedelta(seconds=timeout))
-            except Exception as e:
-                if not is_timeout(e):
-                    raise
+        if self._arrive(iteration, "exit"):
+            self._announce_all_arrived(iteration, "exit")
+        if self.rank == 0:
+            self._all_arrived(iteration, "exit", timeout)
 
-    def claim_outside(self, iteration: int, rank: int, *, reporter: bool) -> None:
+    def claim_outside(self, iteration: int, *, reporter: bool) -> None:
         """This rank was outside every collective when the restart interrupted it: claim the
         iteration's ``outside`` key (the rank whose own monitor reported the fault overwrites;
-        the others only take it while empty). One store operation, only for such a rank."""
-        value = str(rank).encode()
+        the others only take it while it holds no authentic claim). Only for such a rank."""
+        key = self.key(iteration, "outside")
+        value = self.seal(iteration, OUTSIDE, key, {"rank": self.rank})
         if reporter:
-            self.base.set(self.key(iteration, "outside"), value)
-        else:
-            self.base.compare_set(self.key(iteration, "outside"), b"", value)
+            self.base.set(key, value)
+            return
+        expected = b""
+        for _ in range(MAX_CLAIMS):
+            current = bytes(self.base.compare_set(key, expected, value))
+            if current == value or self._outside_of(iteration, key, current) is not None:
+                return
+            expected = b"" if expected and current == expected else current
+
+    def _outside_of(self, iteration: int, key: str, raw: object) -> int | None:
+        body = self.open(iteration, OUTSIDE, key, raw)
+        if body is None:
+            return None
+        try:
+            return _rank_field(body, "rank")
+        except StoreMessageError as e:
+            self._refuse(key, raw, e)
+            return None
 
     def outside(self, iteration: int) -> int | None:
         """The rank that claimed ``outside`` (read after the restart barrier), or None."""
         key = self.key(iteration, "outside")
         if not self.base.check([key]):
             return None
-        raw = bytes(self.base.get(key))
-        return int(raw) if raw.isdigit() and len(raw) < 10 else None
+        return self._outside_of(iteration, key, bytes(self.base.get(key)))
 
     def forget(self, iteration: int) -> None:
-        """Delete an iteration's keys (every rank is past it): ours, and the address keys
-        that torch's gloo process group init wrote on the iteration's user store (torch
-        2.13's key names; a key that is not there is no error)."""
+        """Delete an iteration's keys (every rank is past it): the shared ones, this rank's
+        own, and the address keys that torch's gloo process group init wrote on the
+        iteration's user store (torch 2.13's key names; a key that is not there is no error)."""
         user = self.user_store(iteration)
-        for store, key in [*((self.base, self.key(iteration, name)) for name in
-                             ("outcome", "completed", "barrier", "barrier_done", "exit", "exit_done",
-                              "outside")),
+        shared = ("outcome", "completed", "barrier", "barrier_done", "exit", "exit_done", "outside")
+        own = (f"completed/{self.rank}", f"barrier/{self.rank}", f"exit/{self.rank}")
+        for store, key in [*((self.base, self.key(iteration, name)) for name in (*shared, *own)),
                            *((user, f"{GLOO_DEFAULT_GROUP_KEY}{r}") for r in range(self.world_size))]:
             try:
                 store.delete_key(key)

@@ -49,12 +49,13 @@ from dataclasses import replace
 from datetime import timedelta
 from typing import Any, TypeVar
 
-from ft_client import exit_teardown
+from ft_client import exit_teardown, jobkey
 from ft_client.collectives import waits_for_peers
 from ft_client.errors import FtError
 from ft_client.inprocess import abort as aborting
 from ft_client.inprocess import events, timeline
-from ft_client.inprocess.store import FaultRecord, RestartStore, base_store
+from ft_client.inprocess.store import FaultRecord, RestartStore, base_store, run_id
+from ft_client.signed import Signer
 
 log = logging.getLogger("ft_client.inprocess")
 
@@ -357,13 +358,22 @@ class Wrapper:
             gc.unfreeze()
             aborting.bury()
             if finished and run.store.hosted:  # a rank hosts the store: it must outlive the others' use
-                run.store.leave(run.iteration, run.rank, self.completion_timeout)
+                run.store.leave(run.iteration, self.completion_timeout)
 
     def _store(self, rank: int, world: int) -> RestartStore:
         if self.store_factory is not None:
-            return RestartStore(self.store_factory(**self.store_kwargs), world)
-        base, hosted = base_store(rank, world, max(self.barrier_timeout, self.completion_timeout, 30.0))
-        return RestartStore(base, world, hosted=hosted)
+            base, hosted = self.store_factory(**self.store_kwargs), False
+        else:
+            base, hosted = base_store(rank, world, max(self.barrier_timeout, self.completion_timeout, 30.0))
+        from torch._C._distributed_c10d import HashStore
+
+        run = run_id()
+        if isinstance(base, HashStore):  # in this process only: no one else can write to it
+            key = jobkey.JobKey(os.urandom(32), "a random key (the store is in this process)")
+        else:
+            key = jobkey.inprocess_key(os.environ, run)
+        log.debug("rank %d: the in-process restart store's records are signed with %s", rank, key.origin)
+        return RestartStore(base, world, Signer(key.key, run), rank=rank, hosted=hosted)
 
     def _one_iteration(self, fn: Callable[..., Any], run: _Run, call: CallWrapper, args: tuple[Any, ...],
                        kwargs: dict[str, Any]) -> Any:
@@ -428,10 +438,10 @@ class Wrapper:
     def _wait_outcome(self, run: _Run) -> FaultRecord | bool | None:
         """This rank finished: wait (bounded) until every rank did, or a fault ends the iteration."""
         if run.watch is not None:
-            return run.store.wait_outcome(run.iteration, run.rank, self.completion_timeout)
+            return run.store.wait_outcome(run.iteration, self.completion_timeout)
         end = time.monotonic() + self.completion_timeout
         while time.monotonic() < end:
-            outcome = run.store.outcome(run.iteration, run.rank)
+            outcome = run.store.outcome(run.iteration)
             if outcome is not None:
                 return outcome
             time.sleep(min(self.monitor_thread_interval, 0.05))
@@ -455,7 +465,7 @@ class Wrapper:
                                     f"used; last fault: {fault.reason}")
         try:
             if not run.waiting and fault.source in HANG_SOURCES:
-                run.store.claim_outside(run.iteration, run.rank, reporter=fault.rank == run.rank)
+                run.store.claim_outside(run.iteration, reporter=fault.rank == run.rank)
             arrived = run.store.barrier(run.iteration, "barrier", self.barrier_timeout)
             if arrived is None:
                 fault = _culprit(fault, run.store.outside(run.iteration))
@@ -493,7 +503,7 @@ class Wrapper:
         """Block on the iteration's outcome; a fault wakes the monitor thread."""
         while not stop.is_set():
             try:
-                outcome = store.wait_outcome(iteration, run.rank, WATCH_CHUNK)
+                outcome = store.wait_outcome(iteration, WATCH_CHUNK, stop)
             except Exception as e:  # the store is gone (its host died): nothing to coordinate with
                 if not stop.is_set():
                     run.note_fault(FaultRecord(f"rank {run.rank}: the in-process restart store is unreachable: {e}",
@@ -524,7 +534,7 @@ class Wrapper:
                                f"{self.soft_timeout:g} s)", run.rank, "timeout")
                 elif run.watch is None:  # no watcher: poll the store
                     try:
-                        outcome = run.store.outcome(run.iteration, run.rank)
+                        outcome = run.store.outcome(run.iteration)
                     except Exception as e:
                         outcome = FaultRecord(f"rank {run.rank}: the in-process restart store is unreachable: {e}",
                                               None, "store", run.rank, time.time())

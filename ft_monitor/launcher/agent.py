@@ -55,6 +55,7 @@ from ft_client import env as ft_env
 from ft_client.errors import FtError
 from ft_client.inprocess import timeline
 from ft_client.inprocess.wrapper import HANG_SOURCES
+from ft_client.jobkey import INPROCESS_KEY_ENV, launcher_inprocess_key
 from ft_client.process_group import PROCESS_GROUP_TIMEOUT_ENV
 from ft_client.startup import worker_env as startup_env
 from ft_client.workload import WorkloadAction
@@ -83,7 +84,14 @@ from ft_monitor.launcher.progress import ProgressTracker
 from ft_monitor.launcher.rollcall import Rank, RollCaller, diagnosis_path, write_diagnosis
 from ft_monitor.launcher.rootcause import read_stack, write_error_file
 from ft_monitor.launcher.sealed import Sealer
-from ft_monitor.launcher.store_auth import SECRET_ENV, HangRecord, ShutdownRequest, StoreChannel, StoreMessageError
+from ft_monitor.launcher.store_auth import (
+    SECRET_ENV,
+    SECRET_FILE_ENV,
+    HangRecord,
+    ShutdownRequest,
+    StoreChannel,
+    StoreMessageError,
+)
 from ft_monitor.notices import HangNotice
 from ft_monitor.policy import Reason
 from ft_monitor.procinfo import descends_from
@@ -191,6 +199,9 @@ class FtRuntime:
     groups: WorkerGroups = field(default_factory=WorkerGroups)
     job_secret: bytes | None = None
     """Signs launcher messages in the rendezvous store (store_auth); None: cross-node features off."""
+    local_key: bytes | None = None
+    """Without a job secret on a single node: a random key made at start, from which the
+    workers' in-process key is derived (jobkey.launcher_inprocess_key)."""
     worker_pids: set[int] = field(default_factory=set)
     attempts: list[dict[str, Any]] = field(default_factory=list)
     """Each attempt's workers: ``{"attempt": n, "pids": {global rank: pid}}`` (summary JSON)."""
@@ -219,6 +230,10 @@ class FtRuntime:
         if self.config.flight_recorder_entries > 0 and FR_BUFFER_ENV not in os.environ:
             out[FR_BUFFER_ENV] = str(self.config.flight_recorder_entries)  # torch's Flight Recorder, read at init
         return out
+
+    def inprocess_key(self, run_id: str) -> str | None:
+        """The workers' $FT_INPROCESS_KEY for run ``run_id`` (None: they choose, and warn)."""
+        return launcher_inprocess_key(self.job_secret, self.local_key, run_id)
 
     def announce_workers(self, workers: list[tuple[int, int, int, str | None]]) -> None:
         """(local rank, global rank, pid, error file) of each worker just started: each daemon
@@ -272,6 +287,10 @@ def _worker_env(ft: FtRuntime) -> Iterator[None]:
         for local_rank, worker_env in envs.items():
             worker_env.update(ft.worker_env(local_rank))
             worker_env.pop(SECRET_ENV, None)  # the job secret is the launchers', not the training code's
+            worker_env.pop(SECRET_FILE_ENV, None)
+            key = ft.inprocess_key(worker_env.get("TORCHELASTIC_RUN_ID") or "local")
+            if key is not None:  # a key derived for the in-process Wrapper's records, not the secret
+                worker_env[INPROCESS_KEY_ENV] = key
         return original(*args, **kwargs)
 
     setattr(_lea, "start_processes", start_processes)

@@ -28,7 +28,7 @@ from ft_client.safefiles import write_json_atomic
 from ft_monitor import timeout_order
 from ft_monitor.config import ConfigError, FaultToleranceConfig, add_config_flags, cli_overrides, load_config
 from ft_monitor.launcher import exit_codes, torch_support
-from ft_monitor.launcher.store_auth import SecretError, load_job_secret
+from ft_monitor.launcher.store_auth import SECRET_FILE_ENV, SecretError, load_job_secret
 from ft_monitor.settings import Settings, SettingsError
 
 log = logging.getLogger("ft_monitor.launcher")
@@ -124,6 +124,14 @@ def main(argv: list[str] | None = None) -> int:
     return launch(args, config, args.ft_summary_json, secret)
 
 
+def max_nodes(nnodes: object) -> int | None:
+    """The most nodes ``--nnodes`` (``N`` or ``MIN:MAX``) allows; None when it cannot be read."""
+    try:
+        return int(str(nnodes).split(":")[-1])
+    except ValueError:
+        return None
+
+
 PATH_ARGS = ("log_dir", "ft_summary_json", "ft_cfg_path", "ft_job_secret_file")
 """The launcher's flags that name files or folders: made absolute at start."""
 
@@ -183,9 +191,15 @@ def launch(args: argparse.Namespace, config: Settings | FaultToleranceConfig, su
     server = LauncherServer(str(run_dir / "launcher.sock"))
     server.start()
     monitors = MonitorPool(run_dir, determine_local_world_size(args.nproc_per_node), server.path, config)
+    single = max_nodes(getattr(args, "nnodes", "1")) == 1
+    if job_secret is None and not single:
+        log.warning("ft-launcher: a multi-node job without a job secret: hang attribution, shutdown and the roll call "
+                    "across nodes are off, and the in-process restart's store records are not authenticated; give "
+                    "every node the same secret with %s=/path/to/a/0600/file (or --ft-job-secret-file)",
+                    SECRET_FILE_ENV)
     ft = FtRuntime(config, monitors, server,
                    ProgressTracker(config.max_no_progress_cycles, config.min_progress_iterations),
-                   job_secret=job_secret)
+                   job_secret=job_secret, local_key=os.urandom(32) if job_secret is None and single else None)
     server.authorize(monitor=monitors.is_monitor, worker=ft.is_worker)
     telemetry = Telemetry(config=config, monitors=monitors, host=socket.gethostname(), nproc=monitors.nproc,
                           max_restarts=args.max_restarts, job_secret=job_secret)

@@ -18,66 +18,26 @@ Slurm and Kubernetes. Workers never see it (it is removed from their environment
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import json
 import math
-import os
-import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, overload
 
-from ft_client.errors import FtError
-from ft_client.safefiles import UnsafeFileError, read_bounded
+from ft_client.jobkey import (
+    MAX_SECRET_BYTES,
+    MIN_SECRET_BYTES,
+    SECRET_ENV,
+    SECRET_FILE_ENV,
+    SecretError,
+    load_job_secret,
+)
+from ft_client.signed import FORMAT_VERSION, MAX_MESSAGE_BYTES, Signer, StoreMessageError
 
-SECRET_ENV = "FT_JOB_SECRET"
-SECRET_FILE_ENV = "FT_JOB_SECRET_FILE"
-MIN_SECRET_BYTES = 16
-MAX_SECRET_BYTES = 4096
-FORMAT_VERSION = 1
+__all__ = ["FORMAT_VERSION", "MAX_MESSAGE_BYTES", "MAX_SECRET_BYTES", "MIN_SECRET_BYTES", "SECRET_ENV",
+           "SECRET_FILE_ENV", "HangRecord", "Message", "RollCallAnswer", "RollCallRequest", "SecretError",
+           "ShutdownRequest", "StepTimes", "StoreChannel", "StoreMessageError", "load_job_secret"]
+
 MAX_TEXT = 4096
-MAX_MESSAGE_BYTES = 16 * 1024
-
-
-class SecretError(FtError, ValueError):
-    """The job secret cannot be used (unreadable, too short, readable by others)."""
-
-
-class StoreMessageError(FtError, ValueError):
-    """A store value that is not an authentic, well-formed message of this job."""
-
-
-def load_job_secret(secret_file: str | None, environ: Mapping[str, str]) -> bytes | None:
-    """The job's secret: from ``secret_file`` (or $FT_JOB_SECRET_FILE), else $FT_JOB_SECRET;
-    None when neither is set."""
-    path = secret_file or environ.get(SECRET_FILE_ENV)
-    if path:
-        try:
-            st = os.stat(path)
-            if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-                raise SecretError(f"job secret file {path} has mode {stat.S_IMODE(st.st_mode):04o}: other users "
-                                  "could read it; chmod 600 it")
-            text = read_bounded(path, MAX_SECRET_BYTES + 1)
-        except UnsafeFileError as e:
-            raise SecretError(f"job secret file: {e}") from e
-        except OSError as e:
-            raise SecretError(f"cannot read job secret file {path}: {e.strerror or e}") from e
-        secret = text.strip().encode()
-        where = f"job secret file {path}"
-    elif environ.get(SECRET_ENV):
-        secret = environ[SECRET_ENV].strip().encode()
-        where = f"${SECRET_ENV}"
-    else:
-        return None
-    if not MIN_SECRET_BYTES <= len(secret) <= MAX_SECRET_BYTES:
-        raise SecretError(f"{where} holds {len(secret)} bytes: a job secret must have {MIN_SECRET_BYTES} to "
-                          f"{MAX_SECRET_BYTES} (e.g. `python -c 'import secrets; print(secrets.token_hex(32))'`)")
-    return secret
-
-
-def _canonical(obj: Any) -> bytes:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
 
 
 def _text(body: Mapping[str, Any], key: str) -> str:
@@ -161,7 +121,7 @@ class StepTimes:
             raise StoreMessageError(f"field medians must be a map of at most {MAX_STEP_TIME_RANKS} ranks")
         out: dict[int, float] = {}
         for key, value in medians.items():
-            if not isinstance(key, str) or not key.isdigit() or len(key) > 10:
+            if not isinstance(key, str) or not key.isascii() or not key.isdigit() or len(key) > 10:
                 raise StoreMessageError("field medians must be keyed by rank")
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
                     or value < 0:
@@ -244,54 +204,40 @@ Message = ShutdownRequest | HangRecord | StepTimes | RollCallRequest | RollCallA
 
 
 class StoreChannel:
-    """Signs and checks launcher messages for one job (secret) and rendezvous run (run_id)."""
+    """Signs and checks launcher messages for one job (secret) and rendezvous run (run_id),
+    through ft_client.signed (the envelope, the HMAC and its total parser). ``bind``: further
+    fields a message is bound to (a round, an incident), checked on decode."""
 
     def __init__(self, secret: bytes, run_id: str) -> None:
-        self._secret = secret
+        self._signer = Signer(secret, run_id)
         self.run_id = run_id
 
     def _mac(self, envelope: Mapping[str, Any]) -> str:
-        return hmac.new(self._secret, _canonical(envelope), hashlib.sha256).hexdigest()
+        return self._signer.mac(envelope)
 
-    def encode(self, key: str, message: Message) -> bytes:
-        envelope = {"v": FORMAT_VERSION, "kind": message.KIND, "key": key, "run": self.run_id,
-                    "body": message.body()}
-        return _canonical({**envelope, "mac": self._mac(envelope)})
+    def encode(self, key: str, message: Message, bind: Mapping[str, Any] | None = None) -> bytes:
+        return self._signer.seal(message.KIND, key, message.body(), bind)
 
     @overload
-    def decode(self, key: str, raw: bytes, kind: type[StepTimes]) -> StepTimes: ...
+    def decode(self, key: str, raw: bytes, kind: type[StepTimes],
+               bind: Mapping[str, Any] | None = None) -> StepTimes: ...
 
     @overload
-    def decode(self, key: str, raw: bytes, kind: type[RollCallRequest]) -> RollCallRequest: ...
+    def decode(self, key: str, raw: bytes, kind: type[RollCallRequest],
+               bind: Mapping[str, Any] | None = None) -> RollCallRequest: ...
 
     @overload
-    def decode(self, key: str, raw: bytes, kind: type[RollCallAnswer]) -> RollCallAnswer: ...
+    def decode(self, key: str, raw: bytes, kind: type[RollCallAnswer],
+               bind: Mapping[str, Any] | None = None) -> RollCallAnswer: ...
 
     @overload
-    def decode(self, key: str, raw: bytes, kind: type[ShutdownRequest] | type[HangRecord]
-               ) -> ShutdownRequest | HangRecord: ...
+    def decode(self, key: str, raw: bytes, kind: type[ShutdownRequest] | type[HangRecord],
+               bind: Mapping[str, Any] | None = None) -> ShutdownRequest | HangRecord: ...
 
     def decode(self, key: str, raw: bytes, kind: type[ShutdownRequest] | type[HangRecord] | type[StepTimes]
-               | type[RollCallRequest] | type[RollCallAnswer]) -> Message:
-        """The message stored at ``key``; raises StoreMessageError unless it is authentic,
-        of the expected kind, written for this key and run, and well-formed."""
-        limit = getattr(kind, "MAX_BYTES", MAX_MESSAGE_BYTES)
-        if len(raw) > limit:
-            raise StoreMessageError(f"{len(raw)} bytes, more than {limit}")
-        try:
-            data = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise StoreMessageError("not JSON") from e
-        if not isinstance(data, dict) or not isinstance(data.get("mac"), str):
-            raise StoreMessageError("not signed")
-        mac = data.pop("mac")
-        if not hmac.compare_digest(mac, self._mac(data)):
-            raise StoreMessageError("bad signature (not written with this job's secret)")
-        if data.get("v") != FORMAT_VERSION or data.get("kind") != kind.KIND:
-            raise StoreMessageError(f"not a version-{FORMAT_VERSION} {kind.KIND} message")
-        if data.get("key") != key or data.get("run") != self.run_id:
-            raise StoreMessageError("written for another key or rendezvous run (replayed)")
-        body = data.get("body")
-        if not isinstance(body, dict):
-            raise StoreMessageError("body must be a map")
+               | type[RollCallRequest] | type[RollCallAnswer], bind: Mapping[str, Any] | None = None) -> Message:
+        """The message stored at ``key``; raises StoreMessageError (and nothing else, whatever
+        ``raw`` holds) unless it is authentic, of the expected kind, written for this key, run
+        and ``bind``, and well-formed."""
+        body = self._signer.open(kind.KIND, key, raw, bind, getattr(kind, "MAX_BYTES", MAX_MESSAGE_BYTES))
         return kind.from_body(body)

@@ -10,7 +10,8 @@ report (rank 0 reports a fault through events.report_fault at step 5), cycles (a
 at step 2 of every iteration until iteration 20), monitored (a RankMonitorClient with
 sections `step` and, inside it, `data`; rank 1 hangs inside `data` at step 5 of
 iteration 0 and its monitor daemon pushes ABORT, while rank 0 waits in DDP's all-reduce
-outside `data`).
+outside `data`). ``--wait-for FILE``: every rank waits for FILE before iteration 0
+trains (a forger's writes come first); ``--max-iterations N``: the Wrapper's bound.
 """
 
 from __future__ import annotations
@@ -80,6 +81,8 @@ def main() -> int:
     p.add_argument("scenario")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--soft-timeout", type=float, default=30.0)
+    p.add_argument("--max-iterations", type=int, default=25)
+    p.add_argument("--wait-for", default=None, help="a file every rank waits for before iteration 0 trains")
     args = p.parse_args()
     scenario = args.scenario
     rank = int(os.environ["RANK"])
@@ -98,8 +101,13 @@ def main() -> int:
             raise RuntimeError("GPU 0 fell off the bus (test)")
 
     @Wrapper(soft_timeout=args.soft_timeout, hard_timeout=args.soft_timeout + 30, barrier_timeout=15,
-             completion_timeout=30, monitor_thread_interval=0.01, health_check=health, max_iterations=25)
+             completion_timeout=30, monitor_thread_interval=0.01, health_check=health,
+             max_iterations=args.max_iterations)
     def train(call: CallWrapper) -> float:
+        if args.wait_for and call.iteration == 0:
+            say(f"rank {rank} waits for {args.wait_for}")
+            if not wait_until(lambda: os.path.exists(args.wait_for), 60):
+                raise SystemExit(f"{args.wait_for} never appeared")
         call.init_process_group("gloo")
         torch.manual_seed(0)
         model = DDP(nn.Linear(8, 1))

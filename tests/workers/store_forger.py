@@ -5,7 +5,8 @@ Usage: store_forger.py PORT RUN_ID ROUNDS OUT
 Connects to 127.0.0.1:PORT as any process that reaches the port could, and writes,
 for rendezvous rounds 0..ROUNDS-1, the launcher messages an unauthenticated
 ft-launcher acted on: a plain workload shutdown, and malformed and forged hang
-records for every node. Writes OUT once it has written everything.
+records for every node (a non-ASCII mac and 16 KiB of ``[`` at round 0's keys).
+Writes OUT once it has written everything.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ def main() -> None:
     port, run_id, rounds, out = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), Path(sys.argv[4])
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30),
                           wait_for_workers=False)
-    forged_hangs = [
+    forged_hangs = [  # round 0 (the hang's): node 1 reads node 0's key, and the other way round
+        json.dumps({"mac": "\u00e9"}),  # hmac.compare_digest(str, str) raised TypeError: both launchers exited 2
+        "[" * (16 * 1024),  # RecursionError in json.loads, the same way
         json.dumps({"rank": 0, "onset_time": "forged", "message": "m", "host": "h"}),  # broke min() before
         json.dumps({"v": 1, "kind": "hang", "key": "ft_launcher/hang/0", "run": run_id, "mac": "0" * 64,
                     "body": {"rank": 0, "onset_time": 0.0, "message": "forged", "host": "evil"}}),

@@ -65,7 +65,7 @@ class Signer:
         bind = dict(bind or {})
         if RESERVED & bind.keys():
             raise StoreMessageError(f"binding fields may not be named {sorted(RESERVED & bind.keys())}")
-        envelope = {**bind, "v": FORMAT_VERSION, "kind": kind, "key": key, "run": self.run_id, "body": dict(body)}
+        envelope = {**bind, "v": FORMAT_VERSION, "kind": kind, "key": key, "run": self.run_id, "body": body}
         return canonical({**envelope, "mac": self.mac(envelope)})
 
     def open(self, kind: str, key: str, raw: object, bind: Mapping[str, Any] | None = None,

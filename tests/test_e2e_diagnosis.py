@@ -18,8 +18,8 @@ import pytest
 
 from ft_monitor.launcher import exit_codes
 from ft_monitor.launcher.rollcall_wire import BELL_KEY
-from tests.procs import ROOT, wait_until
-from tests.test_e2e_launcher import JOB_SECRET, Launcher, _free_port, _listening, job_processes, two_nodes
+from tests.procs import ROOT, free_port, wait_until
+from tests.test_e2e_launcher import JOB_SECRET, Launcher, _listening, job_processes, two_nodes
 from tests.test_rollcall_attacks import forge
 
 pytestmark = pytest.mark.e2e
@@ -94,7 +94,7 @@ def test_two_launchers_a_counter_added_to_by_another_user_misses_no_node(workdir
     """Issue 24 item 4: another user's `add` of 100 to ft_launcher/roll_call_count (the counter
     the incident came from) made the other node poll the wrong incident: its ranks were missing
     from diagnosis.json. The ranks train only once the forger is done (--wait-for)."""
-    port = _free_port()
+    port = free_port()
     common = ("--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
               "--rdzv-id", "ft-roll-call-forged")
     train = ("--hang", "rank=3,step=12,attempt=0", "--wait-for", str(workdir / "forged"))

@@ -163,8 +163,10 @@ class RestartStore:
         return None
 
     def leave(self, iteration: int, rank: int, timeout: float) -> None:
-        """The Wrapper call is over on this rank: the others just say so, the host (rank 0)
-        waits until every rank did (bounded), so that the store outlives their last use."""
+        """The Wrapper call is over on this rank: the host (rank 0) waits until every rank
+        said so (bounded), so that the store outlives their last use; the others wait
+        (bounded) until the host has closed it, so that their next wrapped call reaches
+        the host's next store, not this one."""
         count = self.key(iteration, "exit")
         if self.base.add(count, 1) >= self.world_size:
             self.base.set(self.key(iteration, "exit_done"), b"1")
@@ -174,6 +176,11 @@ class RestartStore:
             except Exception as e:
                 if not is_timeout(e):
                     raise
+            return
+        try:  # a key nobody writes: the wait ends when the host closes the store (or at the timeout)
+            self.base.wait([self.key(iteration, "closed")], timedelta(seconds=timeout))
+        except Exception:  # noqa: BLE001 - closed (the connection ends) or timed out: either way, gone
+            pass
 
     def claim_outside(self, iteration: int, rank: int, *, reporter: bool) -> None:
         """This rank was outside every collective when the restart interrupted it: claim the

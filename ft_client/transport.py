@@ -365,7 +365,7 @@ class Transport:
                 events = p.poll(int(poll_interval * 1000))
             except OSError:
                 return True
-            if any(ev & (select.POLLRDHUP | select.POLLHUP | select.POLLERR) for _, ev in events):
+            if any(ev & (select.POLLRDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL) for _, ev in events):
                 return True
             if events and pushes:
                 self._read_push()

@@ -405,10 +405,14 @@ class Wrapper:
                 run.close()
 
     def _leave(self, run: _Run, finished: bool) -> None:
-        """Meet the other ranks on the way out (bounded), so that the host closes its store
-        after their last use and a rank's next wrapped call cannot reach the old one."""
+        """Meet the other ranks on the way out (bounded): after a result the host closes its
+        store after their last use; after a fault it closes it at once (the others end too,
+        or learn from the closed store that they must). The others wait until it has, so a
+        rank's next wrapped call cannot reach the old store."""
         if finished:
             run.store.leave(run.iteration, run.rank, self.completion_timeout)
+            return
+        if run.rank == 0:
             return
         try:  # an exception is on its way out: it is the one the caller sees
             run.store.leave(run.iteration, run.rank, self.barrier_timeout)

@@ -99,6 +99,8 @@ log = cast("logging.Logger", _Log())
 F = TypeVar("F", bound=Callable[..., Any])
 
 CONNECT_TIMEOUT = 10.0
+REFUSAL_POLL = 0.25
+"""Seconds between the record watcher's looks for a refusal a request took aside."""
 RECONNECT_INTERVAL = 1.0
 """Seconds before the first attempt to reach a lost monitor again; doubled after each
 failed attempt up to RECONNECT_MAX_INTERVAL. Attempts run on a background thread."""
@@ -358,6 +360,23 @@ class RankMonitorClient:
                     self._mark_lost(str(e), e)  # the next call raises MonitorBrokenError from it
                 else:
                     self._lost(e, raising=False)
+
+    def _record_refused(self, t: Transport) -> None:
+        """The monitor refused this rank's progress record (RECORD_REFUSED, seen by the watcher
+        thread): it reads it no more, so progress goes through the socket from now on, as
+        when the rank declines a record at the handshake. The sections open in the record
+        are opened again on the socket (the monitor forgot them) and the iteration is sent."""
+        with self._lock:
+            if self._transport is not t or self._record is None or t.closed:
+                return
+            log.warning("rank %d: the monitor refused this rank's progress record (%s); reporting progress through "
+                        "the socket", self.rank, (t.refused or "")[:512])
+            self._record = None
+            self._slots = {}
+            self._open = {name: _UNSENT if route >= 0 else route for name, route in self._open.items()}
+            self._set_timeouts(self._timeouts)  # sends the opens the monitor must know about
+            if self._transport is t:
+                self._event(t, wire.encode(wire.Iteration(self._iteration)))
 
     def _open_control(self, info: SessionInfo) -> None:
         """With ``on_hang: inprocess``, open the control connection the monitor pushes ABORT on;
@@ -1049,8 +1068,14 @@ class _RestartHook:
         return t is not None and t.io_busy()
 
 def _watch_hangup(client: weakref.ref[RankMonitorClient], t: Transport) -> None:
-    """The watcher thread of one connection with a record (holding the client weakly)."""
-    t.wait_hangup()
+    """The watcher thread of one connection with a record (holding the client weakly): the
+    monitor's hangup, and its refusal of the record (then only the hangup)."""
+    if not t.wait_hangup(REFUSAL_POLL, pushes=True):
+        c = client()
+        if c is not None:
+            c._record_refused(t)
+        del c
+        t.wait_hangup()
     c = client()
     if c is not None:
         c._monitor_hung_up(t)

@@ -124,7 +124,8 @@ def _timeval(seconds: float) -> bytes:
 
 
 class Transport:
-    __slots__ = ("path", "timeout", "_sock", "_pending", "_lock", "closed", "broken_reason", "received_fd")
+    __slots__ = ("path", "timeout", "_sock", "_pending", "_lock", "closed", "broken_reason", "received_fd",
+                 "refused")
 
     def __init__(self, path: str, timeout: float) -> None:
         self.path = resolve_socket_path(path)
@@ -136,6 +137,9 @@ class Transport:
         self.received_fd: int | None = None
         """A descriptor the peer passed with a reply read by `request(..., take_fd=True)`
         (SCM_RIGHTS); whoever takes it closes it."""
+        self.refused: str | None = None
+        """Why the monitor refused this connection's progress record (RECORD_REFUSED, a push
+        that may come before a reply or on its own), until the client takes it."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.settimeout(timeout)
@@ -218,7 +222,11 @@ class Transport:
                 self._sock.sendall(frame)
                 if take_fd:
                     return wire.read_frame_blocking(self._recv_exact_taking_fd)
-                return wire.read_frame_blocking(self._recv_exact)
+                while True:  # a push read before the reply is kept for the client
+                    reply = wire.read_frame_blocking(self._recv_exact)
+                    if not isinstance(reply, wire.RecordRefused):
+                        return reply
+                    self.refused = reply.reason
             except (BlockingIOError, TimeoutError) as e:
                 self._break(f"monitor did not answer within {self.timeout:.1f}s")
                 raise TransportBrokenError(self.broken_reason) from e
@@ -339,21 +347,54 @@ class Transport:
             n -= len(chunk)
         return b"".join(chunks)
 
-    def wait_hangup(self, poll_interval: float = 1.0) -> None:
+    def wait_hangup(self, poll_interval: float = 1.0, *, pushes: bool = False) -> bool:
         """Block until the daemon closes the connection (POLLRDHUP: replies waiting to be read
-        do not wake it) or this side closes it. For a watcher thread: with a progress record
-        the training thread may send nothing for a long time, so it would not notice."""
+        do not wake it) or this side closes it: True. For a watcher thread: with a progress
+        record the training thread may send nothing for a long time, so it would not notice.
+        With ``pushes``, also return (False) once the monitor refused the record (`refused`:
+        RECORD_REFUSED read here, or by a request that met it before its reply)."""
         p = select.poll()
         try:
-            p.register(self._sock.fileno(), select.POLLRDHUP)
+            p.register(self._sock.fileno(), select.POLLRDHUP | (select.POLLIN if pushes else 0))
         except (OSError, ValueError):
-            return
+            return True
         while not self.closed:
+            if pushes and self.refused is not None:
+                return False
             try:
-                if p.poll(int(poll_interval * 1000)):
-                    return
+                events = p.poll(int(poll_interval * 1000))
             except OSError:
+                return True
+            if any(ev & (select.POLLRDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL) for _, ev in events):
+                return True
+            if events and pushes:
+                self._read_push()
+        return True
+
+    def _read_push(self) -> None:
+        """Read a RECORD_REFUSED waiting whole on the connection, unless a request is reading
+        (it holds the lock and takes the push aside itself). Anything else the monitor sent
+        unasked (an ERROR before it closes) is left where it is: the hangup follows."""
+        if not self._lock.acquire(blocking=False):
+            time.sleep(0.001)  # a request is reading its reply
+            return
+        try:
+            if self.closed:
                 return
+            try:
+                data = self._sock.recv(wire.HEADER_SIZE + MAX_PUSH, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+                size = wire.frame_length(data) if len(data) >= wire.HEADER_SIZE else None
+                whole = size is not None and len(data) >= wire.HEADER_SIZE + size
+                msg = wire.decode_body(data[wire.HEADER_SIZE:wire.HEADER_SIZE + size]) if whole and size else None
+            except (OSError, wire.ProtocolError):
+                msg = None
+            if not isinstance(msg, wire.RecordRefused) or size is None:
+                time.sleep(0.01)  # not (yet) a whole push: a reader or the hangup takes it
+                return
+            self._sock.recv(wire.HEADER_SIZE + size, socket.MSG_DONTWAIT)
+            self.refused = msg.reason
+        finally:
+            self._lock.release()
 
     def abandon(self) -> None:
         """Close without taking the lock: in a forked child, where another thread of the
@@ -364,6 +405,10 @@ class Transport:
             self._sock.close()
         except OSError:
             pass
+
+
+MAX_PUSH = 4096
+"""Bytes a RECORD_REFUSED push may take (the monitor cuts its reason to 512 characters)."""
 
 
 def connect(path: str, timeout: float, role: str, rank: int, info: dict[str, object] | None = None, *,

@@ -39,6 +39,8 @@ msgpack. The body is an array whose first element is the message type tag::
     FR_DUMP        [27, path]                          push (monitor -> rank, control connection)
     EXITING        [28, reason]                        fire-and-forget (the rank's process is on its way out:
                                                        an uncaught exception; it is not timed any more)
+    RECORD_REFUSED [29, reason]                        push (monitor -> rank, its connection: the monitor refused
+                                                       the rank's progress record; progress goes through the socket)
 
 Nothing here unpickles or evaluates anything: msgpack with ``raw=False`` and
 ``strict_map_key=True`` yields only None, bool, int, float, str, bytes, list, dict.
@@ -97,6 +99,7 @@ class MsgType(IntEnum):
     DUMP_REPLY = 26
     FR_DUMP = 27
     EXITING = 28
+    RECORD_REFUSED = 29
 
 
 class Role:
@@ -292,6 +295,14 @@ class RecordDeclined:
 
 
 @dataclass(frozen=True, slots=True)
+class RecordRefused:
+    """Monitor -> rank, pushed on the rank's connection: the monitor refused the rank's progress
+    record (why); it reads it no more, and the rank reports through this connection from now on."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class DumpRequest:
     """Launcher -> monitor: the roll call of a hang (docs/hang-handling.md): dump the rank's
     stack, then (``flight_recorder``) have it write its Flight Recorder trace; answer within
@@ -320,7 +331,7 @@ Message = (
     Hello | HelloOk | Error | Heartbeat | SectionOpen | SectionClose | SectionCloseAll
     | UpdateConfig | ConfigOk | Status | StatusReply | Ping | Pong | Goodbye | Exiting | Iteration
     | Control | HangNotice | Ack | Abort | Restarting | Reentered | WorkerStarted
-    | SectionSlot | RecordDeclined
+    | SectionSlot | RecordDeclined | RecordRefused
     | DumpRequest | DumpReply | FrDump
 )
 
@@ -393,6 +404,7 @@ _ENCODERS: dict[type, Any] = {
     WorkerStarted: lambda m: [MsgType.WORKER_STARTED, m.pid, m.rank, m.error_file],
     SectionSlot: lambda m: [MsgType.SECTION_SLOT, _named(m.name), m.slot],
     RecordDeclined: lambda m: [MsgType.RECORD_DECLINED, m.reason],
+    RecordRefused: lambda m: [MsgType.RECORD_REFUSED, m.reason],
     DumpRequest: lambda m: [MsgType.DUMP_REQUEST, m.incident, m.timeout, m.flight_recorder],
     DumpReply: lambda m: [MsgType.DUMP_REPLY, m.snapshot],
     FrDump: lambda m: [MsgType.FR_DUMP, m.path],
@@ -503,6 +515,7 @@ _DECODERS: dict[int, tuple[int, Any]] = {
                                                         _opt_str(f[2], "error_file"))),
     MsgType.SECTION_SLOT: (2, lambda f: SectionSlot(_name(f[0]), _int(f[1], "slot"))),
     MsgType.RECORD_DECLINED: (1, lambda f: RecordDeclined(_str(f[0], "reason"))),
+    MsgType.RECORD_REFUSED: (1, lambda f: RecordRefused(_str(f[0], "reason"))),
     MsgType.DUMP_REQUEST: (3, lambda f: DumpRequest(_int(f[0], "incident"), _seconds(f[1], "timeout"),
                                                     _bool(f[2], "flight_recorder"))),
     MsgType.DUMP_REPLY: (1, lambda f: DumpReply(_dict(f[0], "snapshot"))),

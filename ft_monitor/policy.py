@@ -57,6 +57,9 @@ class Hang:
     from its checkpoint, so the index of the step it hung in."""
     connected: bool = True
     """False for a worker that never connected to its monitor (a start-up hang)."""
+    record_refused: str | None = None
+    """Why the rank's progress record was refused, when the deadline ran from that refusal
+    (nothing came over the socket since)."""
 
     @property
     def elapsed(self) -> float:
@@ -65,6 +68,9 @@ class Hang:
     def describe(self) -> str:
         """One line saying what hung, e.g. "section 'step' open for 12.3 s, timeout 10.0 s"."""
         e, t = self.elapsed, self.timeout
+        if self.record_refused is not None:
+            return (f"record refused ({self.record_refused}); nothing over the socket in the {e:.1f} s since, "
+                    f"{self.reason.value.replace('_', ' ')} timeout {t:.1f} s")
         if self.reason is Reason.SECTION:
             return f"section {self.section!r} open for {e:.1f} s, timeout {t:.1f} s"
         if self.reason is Reason.OUT_OF_SECTION:
@@ -89,7 +95,7 @@ def deadlines(s: Session) -> list[Deadline]:
         return []
     out: list[Deadline] = []
     t = s.timeouts
-    floor = s.timeouts_since
+    floor = s.timeouts_since if s.record_refused_at is None else max(s.timeouts_since, s.record_refused_at)
     if s.startup_since is not None and s.startup_timeout is not None and not s.started_training:
         out.append(Deadline(s.startup_since + s.startup_timeout, Reason.STARTUP, s.startup_since, s.startup_timeout))
     if s.last_heartbeat is None:
@@ -114,7 +120,8 @@ def deadlines(s: Session) -> list[Deadline]:
 def deadline_inputs(s: Session) -> tuple[object, ...]:
     """What `deadlines` depends on, besides constants: equal before and after a change
     means the deadlines did not change (every progress event counts in ``events``)."""
-    return (s.events, s.phase, s.timeouts_since, s.timeouts, s.startup_since, s.restart_deadline)
+    return (s.events, s.phase, s.timeouts_since, s.timeouts, s.startup_since, s.restart_deadline,
+            s.record_refused_at)
 
 
 def next_deadline(s: Session) -> Deadline | None:
@@ -143,7 +150,13 @@ def check(s: Session, now: float) -> Hang | None:
         last_heartbeat=s.last_heartbeat,
         open_sections=tuple((sec.name, now - sec.opened_at) for sec in s.open_sections.values()),
         iteration=iteration_now(s),
+        record_refused=s.record_refused if s.record_refused_at is not None and first.since <= s.record_refused_at
+        and first.reason in _FLOORED else None,
     )
+
+
+_FLOORED = (Reason.INITIAL_HEARTBEAT, Reason.HEARTBEAT, Reason.OUT_OF_SECTION)
+"""The deadlines timed from no earlier than a record's refusal (see `deadlines`)."""
 
 
 def iteration_now(s: Session) -> int | None:

@@ -10,11 +10,15 @@
   was stored before the PING), before answering STATUS, and once more when the
   rank's connection closes (what it stored before it exited is counted).
 * A record that no correct writer could have left (record_sync's RecordError)
-  is read no more: one ERROR line says why; the session keeps what it had
-  applied, so a rank that goes on storing its progress there is timed from its
-  last valid progress and treated as hung when a deadline passes. The monitor
-  never crashes on a record's content: it reads copies of it, decoded with
-  bounds checked.
+  is read no more: one ERROR line says why, and the rank is told (RECORD_REFUSED
+  on its connection), as a rank that cannot use its record tells the monitor at
+  the handshake (RECORD_DECLINED): it reports through the socket from then on and
+  is judged on what it sends there. The session keeps what it had applied except
+  the sections the record held open (the rank opens them again on the socket);
+  its heartbeat and out-of-section intervals are timed from the refusal, and a
+  hang found with nothing sent since says "record refused". The monitor never
+  crashes on a record's content: it reads copies of it, decoded with bounds
+  checked.
 * SECTION_SLOT registers a section's slot; RECORD_DECLINED (the rank could not
   use the record) drops it, with one WARNING line.
 """
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -61,9 +66,12 @@ class RankRecord:
         self._tick: tuple[object, float | None, float | None] | None = None
         """(timeouts, startup timeout) -> the tick, computed once per change of timeouts."""
 
-    def apply(self, session: Session, now: float) -> Applied | None:
+    def apply(self, session: Session, clock: Callable[[], float]) -> Applied | None:
         """Read the record and apply what is new to ``session``; None when nothing changed
-        since the last read (same bytes, same session). Raises RecordError."""
+        since the last read (same bytes, same session). Raises RecordError. The monitor's
+        clock is read after the copy: a rank may store a time up to the copy, and a clock
+        read before it (a preemption between the two) would refuse a healthy rank's record
+        as stamped in the future."""
         slots = self.sync.slots_in_use
         words = words_for(slots)
         for _ in range(MAX_TRIES):
@@ -75,7 +83,7 @@ class RankRecord:
             if not view.torn:
                 break
             self.torn_reads += 1
-        applied = self.sync.apply(session, view, now)
+        applied = self.sync.apply(session, view, clock())
         self._key = None if view.torn else (data, session.phase, session.events)
         return applied
 
@@ -132,9 +140,9 @@ def sync(d: MonitorDaemon, rank: RankResources) -> None:
     if rr is None:
         return
     try:
-        applied = rr.apply(rank.session, d.clock.now())
+        applied = rr.apply(rank.session, d.clock.now)
     except RecordError as e:
-        refuse(rank, str(e))
+        refuse(rank, str(e), d.clock.now())
         return
     if applied is None:
         return
@@ -144,12 +152,15 @@ def sync(d: MonitorDaemon, rank: RankResources) -> None:
         d.iteration_high = applied.iteration
 
 
-def refuse(rank: RankResources, reason: str) -> None:
+def refuse(rank: RankResources, reason: str, now: float) -> None:
+    """Read the record no more and tell the rank, which reports through the socket from now."""
     s = rank.session
-    log.error("rank %d pid %d: its progress record is corrupt (%s); it is read no more: progress the rank stores "
-              "there is not seen, so the rank is timed from its last valid progress and treated as hung when a "
-              "deadline passes", s.rank, s.pid, reason)
+    log.error("rank %d pid %d: its progress record is corrupt (%s); it is read no more: the rank is told and "
+              "reports through the socket from now on, judged on what it sends there", s.rank, s.pid, reason)
+    rr = rank.record
+    s.refuse_record(reason, now, set(rr.sync.names.values()) if rr is not None else set())
     drop(rank)
+    rank.conn.send(wire.RecordRefused(reason[:512]))
 
 
 def drop(rank: RankResources) -> None:

@@ -107,6 +107,11 @@ class Session:
     """With ``startup_until: first_step``: when the worker started (its launcher's notice),
     so its start-up is timed until its first heartbeat or step; None: not timed here."""
     startup_timeout: float | None = None
+    record_refused: str | None = None
+    """Why the monitor refused the rank's progress record, once it did (record_watch.py)."""
+    record_refused_at: float | None = None
+    """When it did: the rank was told and reports through the socket from then on; its
+    heartbeat and out-of-section intervals are timed from no earlier than this."""
 
     def __post_init__(self) -> None:
         # out-of-section time is judged from the end of the rank's first section, not from the
@@ -174,6 +179,19 @@ class Session:
             self.open_sections.clear()
             self.out_of_section_since = now
         self.last_progress = now
+
+    def refuse_record(self, reason: str, now: float, record_sections: set[str]) -> None:
+        """The rank's progress record was refused at ``now``: the rank is told and reports
+        through the socket from then on, where it is judged on what it sends. The sections
+        the record held open are forgotten (the rank opens them again on the socket)."""
+        self.events += 1
+        self.record_refused = reason
+        self.record_refused_at = now
+        had = bool(self.open_sections)
+        for name in record_sections:
+            self.open_sections.pop(name, None)
+        if had and not self.open_sections:
+            self.out_of_section_since = now
 
     def set_iteration(self, iteration: int) -> None:
         self.events += 1

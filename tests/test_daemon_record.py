@@ -22,12 +22,13 @@ import pytest
 from ft_client import record, wire
 from ft_client.record import RecordWriter
 from ft_client.session_info import SessionInfo
+from ft_client.timeouts import Timeouts
 from ft_monitor import record_watch
 from ft_monitor.clock import ManualClock
 from ft_monitor.daemon import MonitorDaemon
-from ft_monitor.record_map import RecordUnavailable
+from ft_monitor.record_map import RecordUnavailable, create_record
 from ft_monitor.record_sync import MAX_TICK
-from ft_monitor.state import Phase
+from ft_monitor.state import Phase, Session
 from tests.test_daemon_inprocess import INPROCESS, FakeOps, Peer, _reentered, run, settle
 
 MODES = ["record", "socket"]
@@ -268,26 +269,96 @@ def test_a_ping_is_answered_after_what_the_rank_stored_before_it_is_applied(tmp_
     run(body, tmp_path, rank_section_timeouts={"step": 600.0}, **QUIET)
 
 
-def test_a_corrupt_record_is_refused_with_one_line_and_the_rank_is_treated_as_hung(
+def _refused(p: Progress) -> list[str]:
+    return [m.reason for m in p.peer.transport.replies() if isinstance(m, wire.RecordRefused)]
+
+
+HB3: dict[str, Any] = dict(rank_heartbeat_timeout=3.0, initial_rank_heartbeat_timeout=None,
+                           rank_section_timeouts={"step": 600.0}, rank_out_of_section_timeout=None,
+                           stack_dump_timeout=0)
+
+
+def test_a_refused_record_is_told_to_the_rank_which_is_judged_on_the_socket_from_then_on(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 24 item 6 (on main the rank was never told, and was hung 3 s after its last
+    valid heartbeat however often it heartbeated)."""
     async def body(d: MonitorDaemon, clock: ManualClock, ops: FakeOps) -> None:
         p = Progress(d, clock, "record")
         p.hello()
+        p.open("step")
         p.heartbeat()
-        clock.advance(1.0)
+        clock.advance(2.5)  # the record's last valid heartbeat is 2.5 s old when it is refused
         assert p.writer is not None
-        p.writer.words[: record.words_for(1)] = memoryview(os.urandom(8 * record.words_for(1))).cast("q")
+        p.writer.words[record.W_ITERATION] = -7  # one word, as a stray native write could
         with caplog.at_level(logging.ERROR, "ft_monitor.server"):
             clock.advance(MAX_TICK)
         assert d.rank is not None and d.rank.record is None
         (line,) = [r.getMessage() for r in caplog.records if "corrupt" in r.getMessage()]
-        assert line.startswith(f"rank 0 pid {os.getpid()}: its progress record is corrupt (")
-        assert "treated as hung when a deadline passes" in line
-        clock.advance(3.0)  # the heartbeats it may store there are not seen any more
-        assert len(d.hangs) == 1 and d.hangs[0].message.startswith("no heartbeat")
+        assert line.startswith(f"rank 0 pid {os.getpid()}: its progress record is corrupt (iteration -7 is below -1)")
+        assert "the rank is told and reports through the socket from now on" in line
+        assert _refused(p) == ["iteration -7 is below -1"]
+        s = d.rank.session
+        assert "step" not in s.open_sections  # the record's sections: the rank opens them on the socket
+        for _ in range(40):  # 10 s of heartbeats every 250 ms over the socket: healthy
+            clock.advance(0.25)
+            p.peer.send(wire.Heartbeat())
+        p.peer.send(wire.SectionOpen("step"))
+        assert not d.hangs and s.phase is Phase.ACTIVE and list(s.open_sections) == ["step"]
+        clock.advance(3.01)  # then silence: judged on the socket, an ordinary heartbeat hang
+        assert len(d.hangs) == 1 and d.hangs[0].message.startswith("no heartbeat for 3.0 s"), d.hangs
 
-    run(body, tmp_path, rank_heartbeat_timeout=3.0, initial_rank_heartbeat_timeout=None, rank_section_timeouts={},
-        rank_out_of_section_timeout=None, stack_dump_timeout=0)
+    run(body, tmp_path, **HB3)
+
+
+def test_a_rank_silent_after_its_record_is_refused_is_reported_as_record_refused(tmp_path: Path) -> None:
+    """Its heartbeat interval runs from the refusal (not from the record's last valid
+    heartbeat), and the report says "record refused", not "no heartbeat"."""
+    async def body(d: MonitorDaemon, clock: ManualClock, ops: FakeOps) -> None:
+        p = Progress(d, clock, "record")
+        p.hello()
+        p.heartbeat()
+        clock.advance(2.5)
+        assert p.writer is not None
+        p.writer.words[: record.words_for(1)] = memoryview(os.urandom(8 * record.words_for(1))).cast("q")
+        clock.advance(MAX_TICK)
+        assert d.rank is not None and d.rank.record is None and len(_refused(p)) == 1
+        clock.advance(2.9)
+        assert not d.hangs  # 5.4 s after the last valid heartbeat, 2.9 s after the refusal
+        clock.advance(0.2)
+        assert len(d.hangs) == 1
+        h = d.hangs[0]
+        assert h.message.startswith("record refused (") and "heartbeat timeout 3.0 s" in h.message, h.message
+        assert "no heartbeat" not in h.message
+        assert "nothing over the socket in the 3.0 s since" in h.message, h.message
+
+    run(body, tmp_path, **HB3)
+
+
+def test_the_future_check_reads_the_monitors_clock_after_the_copy() -> None:
+    """Issue 24 item 7: the monitor read its clock before copying the record, so a heartbeat
+    the rank stored while the monitor was preempted between the two (5 ms here, past the
+    1 ms slack) was refused as "stamped in the future" (main: RankRecord.apply took that
+    early reading as a number, and raised RecordError on this read)."""
+    now = [100.0]
+    fd, mapping = create_record(round(now[0] * 1e9))
+    mm = mmap.mmap(fd, record.SIZE)
+    os.close(fd)
+    writer = RecordWriter(memoryview(mm).cast("q"), mm)
+
+    class Preempted:
+        def read(self, words: int) -> tuple[bytes, bytes, bytes]:
+            now[0] += 0.005  # the monitor is preempted between its clock reading and the copy...
+            writer.heartbeat(round(now[0] * 1e9))  # ...while the rank stores a heartbeat, stamped then
+            return mapping.read(words)
+
+        def close(self) -> None:
+            mapping.close()
+
+    rr = record_watch.RankRecord(Preempted(), round(100.0 * 1e9))
+    session = Session(rank=0, pid=1, started_at=100.0, timeouts=Timeouts())
+    assert rr.apply(session, lambda: now[0]) is not None
+    assert session.heartbeats == 1 and session.last_heartbeat == pytest.approx(100.005)
+    rr.close()
 
 
 def test_slot_registrations_that_break_the_rules_are_ignored_and_counted(tmp_path: Path) -> None:

@@ -490,19 +490,31 @@ def test_launcher_that_acknowledges_but_never_acts_is_overridden(workdir: Path) 
     assert "still running 1.0s after the launcher was told; terminating it here" in log
 
 
-def test_a_rank_that_corrupts_its_record_is_refused_in_one_line_and_treated_as_hung(workdir: Path) -> None:
+@pytest.mark.parametrize(("scenario", "confirmed"), [("corrupt-record", False), ("corrupt-iteration", False),
+                                                     ("corrupt-iteration", True)])
+def test_a_rank_whose_record_is_refused_is_told_and_keeps_running_on_the_socket(workdir: Path, scenario: str,
+                                                                                confirmed: bool) -> None:
+    """Issue 24 item 6: a healthy rank heartbeating every 50 ms whose record is corrupted once
+    (garbage, or one word: ITERATION = -7), for 4 s after. On main the rank was never told:
+    its heartbeats went on into the refused record and it was SIGTERMed 1 s later ("no
+    heartbeat"). ``confirmed``: each progress call is confirmed with a PING, so the refusal
+    meets the rank's request before the PONG (the transport takes it aside)."""
+    flags = ("--ft-skip-section-response", "false") if confirmed else ()
     d = Daemon(workdir, "--ft-rank-section-timeouts", "step:1", "--ft-rank-heartbeat-timeout", "1",
-               "--ft-stack-dump-timeout", "0", "--ft-termination-grace-time", "2").wait_ready()
-    rank = Rank("corrupt-record", d.socket)
+               "--ft-stack-dump-timeout", "0", "--ft-termination-grace-time", "2", *flags).wait_ready()
+    rank = Rank(scenario, d.socket)
     try:
         rank.wait_line("record corrupted")
-        assert rank.wait(30) == -signal.SIGTERM, d.log()
-        report = d.report()
-        assert report["reason"] in ("section", "heartbeat") and report["pid"] == rank.proc.pid
+        rank.wait_line("reporting through the socket after", timeout=10)
+        rank.wait_line("finished, told: True", timeout=30)
+        assert rank.wait(30) == 0, d.log()
         (line,) = [x for x in d.log().splitlines() if "progress record is corrupt" in x]
-        assert f"ERROR rank 0 pid {rank.proc.pid}: its progress record is corrupt (magic word is" in line
+        why = "magic word is" if scenario == "corrupt-record" else "iteration -7 is below -1"
+        assert f"ERROR rank 0 pid {rank.proc.pid}: its progress record is corrupt ({why}" in line
+        assert "the rank is told and reports through the socket" in line
         assert d.proc.poll() is None, "the monitor must outlive the record"
-        assert status(d.socket)["hangs_detected"] == 1
+        assert status(d.socket)["hangs_detected"] == 0
+        assert not list(d.report_dir.glob("*.json")), d.log()
     finally:
         rank.kill()
         d.stop()

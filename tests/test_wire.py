@@ -47,6 +47,7 @@ ALL_MESSAGES: list[wire.Message] = [
     wire.SectionSlot("step", 0),
     wire.SectionSlot("data", 124),
     wire.RecordDeclined("the monitor's clock differs from this process's"),
+    wire.RecordRefused("iteration -7 is below -1"),
     wire.DumpRequest(3, 4.5, True),
     wire.DumpReply({"connected": True, "rank": 1, "notes": []}),
     wire.FrDump("/tmp/run/rank1-pid42-fr3.json"),

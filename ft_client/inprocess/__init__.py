@@ -31,6 +31,7 @@ __all__ = [
     "HealthCheckError",
     "RestartLimitError",
     "BarrierTimeoutError",
+    "DistributedInitializedError",
     "AbortTorchDistributed",
     "events",
 ]

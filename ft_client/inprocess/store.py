@@ -340,12 +340,19 @@ class RestartStore:
         return self.arrived(iteration, name)
 
     def leave(self, iteration: int, timeout: float) -> None:
-        """The Wrapper call is over on this rank: the others just say so, the host (rank 0)
-        waits until every rank did (bounded), so that the store outlives their last use."""
+        """The Wrapper call is over on this rank: the host (rank 0) waits until every rank
+        said so (bounded), so that the store outlives their last use; the others wait
+        (bounded) until the host has closed it, so that their next wrapped call reaches
+        the host's next store, not this one."""
         if self._arrive(iteration, "exit"):
             self._announce_all_arrived(iteration, "exit")
         if self.rank == 0:
             self._all_arrived(iteration, "exit", timeout)
+            return
+        try:  # a key nobody writes: the wait ends when the host closes the store (or at the timeout)
+            self.base.wait([self.key(iteration, "closed")], timedelta(seconds=timeout))
+        except Exception:  # noqa: BLE001 - closed (the connection ends) or timed out: either way, gone
+            pass
 
     def claim_outside(self, iteration: int, *, reporter: bool) -> None:
         """This rank was outside every collective when the restart interrupted it: claim the

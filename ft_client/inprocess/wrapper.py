@@ -37,6 +37,7 @@ import faulthandler
 import functools
 import gc
 import inspect
+import itertools
 import logging
 import os
 import signal
@@ -44,6 +45,7 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from datetime import timedelta
@@ -54,7 +56,7 @@ from ft_client.collectives import waits_for_peers
 from ft_client.errors import FtError
 from ft_client.inprocess import abort as aborting
 from ft_client.inprocess import events, timeline
-from ft_client.inprocess.store import FaultRecord, RestartStore, base_store, run_id
+from ft_client.inprocess.store import FaultRecord, RestartStore, base_store, namespace, run_id
 from ft_client.signed import Signer
 
 log = logging.getLogger("ft_client.inprocess")
@@ -95,6 +97,25 @@ class BarrierTimeoutError(InProcessError, TimeoutError):
     """Not every rank reached the restart barrier within ``barrier_timeout`` (one died?)."""
 
 
+class DistributedInitializedError(InProcessError, ValueError):
+    """torch.distributed was initialised before the wrapped call (a ValueError, as the reference raises)."""
+
+
+class _ClosedStore:
+    """Stands for the Wrapper's store once the wrapped call has ended: the store is let go
+    (its port freed) even where an exception or the caller still holds a `CallWrapper`."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise InProcessError("the Wrapper's store was closed when the wrapped call ended; a CallWrapper is only "
+                             "valid during its call")
+
+
+_CLOSED = _ClosedStore()
+_calls = itertools.count()
+"""Wrapped calls made in this process: every rank makes them in the same order, so the
+n-th call of each rank uses the n-th key space (a second call never reads the first's keys)."""
+
+
 def _seconds(name: str, value: Seconds) -> float:
     s = value.total_seconds() if isinstance(value, timedelta) else float(value)
     if not s > 0:
@@ -110,9 +131,11 @@ class CallWrapper:
         self._run = run
         self.iteration = iteration
         """0 on the first call, +1 for each in-process restart."""
-        self.store = run.store.user_store(iteration)
+        self.store: Any = run.store.user_store(iteration)
         """A torch.distributed store for this iteration (its keys never collide with an
-        earlier iteration's): pass it to ``init_process_group(store=...)``."""
+        earlier iteration's): pass it to ``init_process_group(store=...)``. Closed when the
+        wrapped call ends."""
+        run.calls.add(self)
         self.rank = run.rank
         self.world_size = run.world_size
 
@@ -192,6 +215,8 @@ class _Run:
         """Wall-clock end of each phase of the restart under way (timeline.PHASES)."""
         self.restart: events.Restart | None = None
         """The restart that led into the current iteration (None in iteration 0)."""
+        self.calls: weakref.WeakSet[CallWrapper] = weakref.WeakSet()
+        """The CallWrappers handed out (their stores are closed with the run)."""
         self.waiting = True
         """Where the fault found the main thread: waiting for other ranks (in torch.distributed or
         backward, or done with the function), or outside every collective (see `_culprit`)."""
@@ -207,6 +232,18 @@ class _Run:
         self.interrupt_pending = False
         self.times = {}
         self.sockets_before = set(aborting.socket_fds())
+
+    def close(self) -> None:
+        """Let go of the store (main thread, the call is over): every reference the Wrapper
+        made to it is replaced, so that the store, and its listening port on the rank that
+        hosts it, go when the last of the caller's own references does, even while an
+        exception's frames still hold this run or a CallWrapper."""
+        for store in (self.store, self.watch):
+            if store is not None:
+                store.base = _CLOSED
+        for call in list(self.calls):
+            call.store = _CLOSED
+        self.calls.clear()
 
     def note_fault(self, record: FaultRecord) -> None:
         """This rank learned of the iteration's fault (from the store, or its own report)."""
@@ -335,13 +372,15 @@ class Wrapper:
              kwargs: dict[str, Any]) -> Any:
         if threading.current_thread() is not threading.main_thread():
             raise InProcessError("a Wrapper must be called from the main thread (it is interrupted by a signal)")
+        _refuse_initialized()
         rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-        run = _Run(self._store(rank, world), rank, world)
+        run = _Run(self._store(rank, world, next(_calls)), rank, world)
         exit_teardown.install()  # the function's gloo group, left to the interpreter, could abort the exit
         gc.freeze()  # see _collect
         previous = signal.signal(self.interrupt_signal, functools.partial(_on_interrupt, run))
         events.set_fault_handler(functools.partial(self._on_reported_fault, run))
         finished = False
+        stopped = False
         try:
             while True:
                 call = CallWrapper(run, run.iteration)
@@ -352,15 +391,37 @@ class Wrapper:
                     finished = True
                     return outcome
                 self._after_fault(run, call)
+        except (KeyboardInterrupt, SystemExit):
+            stopped = True  # the process is being stopped: it leaves at once (its fault is recorded)
+            raise
         finally:
             events.set_fault_handler(None)
             signal.signal(self.interrupt_signal, previous)
             gc.unfreeze()
             aborting.bury()
-            if finished and run.store.hosted:  # a rank hosts the store: it must outlive the others' use
-                run.store.leave(run.iteration, self.completion_timeout)
+            try:
+                if run.store.hosted and not stopped:  # a rank hosts the store: it must outlive the others' use
+                    self._leave(run, finished)
+            finally:
+                run.close()
 
-    def _store(self, rank: int, world: int) -> RestartStore:
+    def _leave(self, run: _Run, finished: bool) -> None:
+        """Meet the other ranks on the way out (bounded): after a result the host closes its
+        store after their last use; after a fault it closes it at once (the others end too,
+        or learn from the closed store that they must). The others wait until it has, so a
+        rank's next wrapped call cannot reach the old store."""
+        if finished:
+            run.store.leave(run.iteration, self.completion_timeout)
+            return
+        if run.rank == 0:
+            return
+        try:  # an exception is on its way out: it is the one the caller sees
+            run.store.leave(run.iteration, self.barrier_timeout)
+        except Exception as e:  # noqa: BLE001 - the store is gone (its host ended): nothing to meet
+            log.info("rank %d: leaving the in-process restart store: %s", run.rank, e)
+
+    def _store(self, rank: int, world: int, number: int) -> RestartStore:
+        prefix = namespace() + (f"call{number}/" if number else "")
         if self.store_factory is not None:
             base, hosted = self.store_factory(**self.store_kwargs), False
         else:
@@ -373,7 +434,7 @@ class Wrapper:
         else:
             key = jobkey.inprocess_key(os.environ, run)
         log.debug("rank %d: the in-process restart store's records are signed with %s", rank, key.origin)
-        return RestartStore(base, world, Signer(key.key, run), rank=rank, hosted=hosted)
+        return RestartStore(base, world, Signer(key.key, run), rank=rank, hosted=hosted, prefix=prefix)
 
     def _one_iteration(self, fn: Callable[..., Any], run: _Run, call: CallWrapper, args: tuple[Any, ...],
                        kwargs: dict[str, Any]) -> Any:
@@ -572,6 +633,20 @@ class Wrapper:
 _RESTART = object()
 HANG_SOURCES = ("monitor", "timeout")
 """Faults that are a verdict on a rank's progress (its monitor's, or its own ping timeout)."""
+
+
+def _refuse_initialized() -> None:
+    """The Wrapper makes the process groups itself (on its store, rebuilt on each restart):
+    one made before the call could not be aborted or rebuilt."""
+    if "torch.distributed" not in sys.modules:
+        return
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        raise DistributedInitializedError(
+            "torch.distributed is already initialized: the in-process Wrapper must be called before "
+            "init_process_group (initialise it inside the wrapped function, e.g. with "
+            "call.init_process_group(), so that it is rebuilt on each restart), or destroy the group first")
 
 
 def _waited(e: BaseException) -> bool:

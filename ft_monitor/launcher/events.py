@@ -73,6 +73,12 @@ SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
 }
 """Fields of each kind (besides the envelope) and their JSON types; ``None`` allowed where listed."""
 
+MAX_MAGNITUDE = 1e15
+"""Numbers beyond this (either sign) are refused: wall times are near 1.7e9 s, durations,
+counts and pids far below; a reader doing arithmetic on a time never overflows."""
+MAX_DEPTH = 8
+"""Nesting of an event's maps and lists (the deepest the launcher writes is 4)."""
+
 
 class EventSchemaError(FtError, ValueError):
     """An event line that does not follow the schema."""
@@ -84,35 +90,106 @@ def validate_event(obj: Any) -> dict[str, Any]:
     if not isinstance(obj, dict):
         raise EventSchemaError(f"an event is a JSON object, not {type(obj).__name__}")
     kind = obj.get("kind")
-    if kind not in SCHEMA:
-        raise EventSchemaError(f"unknown event kind {kind!r} (known: {', '.join(SCHEMA)})")
+    if not isinstance(kind, str) or kind not in SCHEMA:
+        raise EventSchemaError(f"unknown event kind {kind!r:.80} (known: {', '.join(SCHEMA)})")
     if obj.get("v") != SCHEMA_VERSION:
-        raise EventSchemaError(f"{kind} event of version {obj.get('v')!r}; this reader knows {SCHEMA_VERSION}")
+        raise EventSchemaError(f"{kind} event of version {obj.get('v')!r:.80}; this reader knows {SCHEMA_VERSION}")
     for name, types in {**ENVELOPE, **SCHEMA[kind]}.items():
         if name not in obj:
             raise EventSchemaError(f"{kind} event without its field {name!r}")
         value = obj[name]
         if isinstance(value, bool) and bool not in types:
-            raise EventSchemaError(f"{kind} event field {name!r} = {value!r} is a boolean")
+            raise EventSchemaError(f"{kind} event field {name!r} = {value!r:.80} is a boolean")
         if not isinstance(value, types):
             want = " or ".join("null" if t is type(None) else t.__name__ for t in types)
-            raise EventSchemaError(f"{kind} event field {name!r} = {value!r}: must be {want}")
-        if isinstance(value, float) and not math.isfinite(value):
-            raise EventSchemaError(f"{kind} event field {name!r} = {value!r}: must be finite")
+            raise EventSchemaError(f"{kind} event field {name!r} = {value!r:.80}: must be {want}")
+    for name, value in obj.items():
+        _check_value(kind, name, value, 0)
+    for (field, checker) in NESTED.get(kind, ()):
+        checker(kind, field, obj[field])
     return obj
+
+
+def _check_value(kind: str, name: str, value: Any, depth: int) -> None:
+    """Every number finite and within MAX_MAGNITUDE, every key a string, nesting bounded."""
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return
+    if isinstance(value, (int, float)):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise EventSchemaError(f"{kind} event field {name!r} holds {value!r}: numbers must be finite")
+        if abs(value) > MAX_MAGNITUDE:
+            shown = f"{value:.3g}" if isinstance(value, float) else f"an integer of {value.bit_length()} bits"
+            raise EventSchemaError(f"{kind} event field {name!r} holds {shown}: numbers must be within "
+                                   f"{MAX_MAGNITUDE:g}")
+        return
+    if depth >= MAX_DEPTH:
+        raise EventSchemaError(f"{kind} event field {name!r} is nested deeper than {MAX_DEPTH}")
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise EventSchemaError(f"{kind} event field {name!r} has a key that is not a string")
+            _check_value(kind, name, v, depth + 1)
+    elif isinstance(value, list):
+        for v in value:
+            _check_value(kind, name, v, depth + 1)
+    else:
+        raise EventSchemaError(f"{kind} event field {name!r} holds a {type(value).__name__}")
+
+
+def _typed(kind: str, where: str, value: Any, types: tuple[type, ...]) -> None:
+    if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
+        want = " or ".join("null" if t is type(None) else t.__name__ for t in types)
+        raise EventSchemaError(f"{kind} event {where} = {value!r:.80}: must be {want}")
+
+
+def _map_of(kind: str, name: str, value: dict[str, Any], fields: dict[str, tuple[type, ...]],
+            rank_keys: bool) -> None:
+    """``value``: {key: {field: typed value}} (the fields listed are optional; others pass)."""
+    for key, entry in value.items():
+        if rank_keys and not (key.isascii() and key.isdecimal() and len(key) <= 10):
+            raise EventSchemaError(f"{kind} event field {name!r} has key {key!r:.40}: must be a rank number")
+        _typed(kind, f"{name}[{key!r:.40}]", entry, (dict,))
+        for f, types in fields.items():
+            if f in entry:
+                _typed(kind, f"{name}[{key!r:.40}][{f!r}]", entry[f], types)
+
+
+def _phases(kind: str, name: str, value: dict[str, Any]) -> None:
+    for key, v in value.items():
+        _typed(kind, f"{name}[{key!r:.40}]", v, OPT_NUM)
+
+
+def _stats_ranks(kind: str, name: str, value: dict[str, Any]) -> None:
+    _map_of(kind, name, value, {"local_rank": OPT_INT, "iteration": OPT_INT, "sections": (dict,)}, True)
+    for key, entry in value.items():
+        _map_of(kind, f"{name}[{key!r:.40}]['sections']", entry.get("sections", {}),
+                {"count": OPT_INT, "sum_s": OPT_NUM, "median_s": OPT_NUM}, False)
+
+
+def _attempt_ranks(kind: str, name: str, value: dict[str, Any]) -> None:
+    _map_of(kind, name, value, {"local_rank": OPT_INT, "pid": OPT_INT}, True)
+
+
+NESTED: dict[str, tuple[tuple[str, Any], ...]] = {
+    "restart": (("phases", _phases),),
+    "stats": (("ranks", _stats_ranks),),
+    "attempt_start": (("ranks", _attempt_ranks),),
+}
+"""The inner shape of the fields that readers (``ft-monitor report``) look into."""
 
 
 def read_events(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """Every event of an events.jsonl file, validated, in file order."""
     out = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            if not raw.strip():
                 continue
             try:
-                out.append(validate_event(json.loads(line)))
-            except (ValueError, EventSchemaError) as e:
-                raise EventSchemaError(f"{path}:{n}: {e}") from e
+                out.append(validate_event(json.loads(raw.decode("utf-8"))))
+            except (ValueError, RecursionError, EventSchemaError) as e:  # RecursionError: "[[[[..." too deep
+                raise EventSchemaError(f"{path}:{n}: {type(e).__name__ if isinstance(e, RecursionError) else ''}"
+                                       f"{e}") from e
     return out
 
 

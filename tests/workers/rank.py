@@ -248,16 +248,27 @@ def main() -> None:
     elif s == "wait-stdin":
         sys.stdin.readline()
         client.shutdown_workload_monitoring()
-    elif s == "corrupt-record":  # scribbles garbage over its progress record, then goes on training
+    elif s in ("corrupt-record", "corrupt-iteration"):  # one bad write into its record, then healthy
+        from ft_client import record
+
         rec = client._record
         if rec is None:
             raise SystemExit("no progress record to corrupt")
-        rec.words[:16] = memoryview(os.urandom(128)).cast("q")
+        if s == "corrupt-record":  # garbage over the header
+            rec.words[:16] = memoryview(os.urandom(128)).cast("q")
+        else:  # one word, as a stray native write could
+            rec.words[record.W_ITERATION] = -7
         say("record corrupted")
-        while True:  # healthy, but reporting only through the broken record
+        told = None
+        for i in range(80):  # every 50 ms, in a step: 4 s, four times the tests' heartbeat timeout
             with client.section("step"):
-                time.sleep(0.02)
+                time.sleep(0.05)
             client.send_heartbeat()
+            if told is None and client._record is None:
+                told = i
+                say(f"reporting through the socket after {i + 1} heartbeats")
+        client.shutdown_workload_monitoring()
+        say(f"finished, told: {told is not None}")
     else:
         raise SystemExit(f"unknown scenario {s}")
 

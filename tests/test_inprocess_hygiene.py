@@ -1,0 +1,136 @@
+"""What a wrapped call leaves behind (issue 24, item 5), with real processes and gloo on CPU.
+
+Each test runs 2 ranks of tests/workers/inprocess_hygiene.py: a first wrapped call that
+ends one way (a result, an exception, RestartInterrupt, RestartLimitError), the
+exception kept by the caller as a program that logs or stores it would, then a check
+that no ft thread is alive and that the Wrapper's store port can be listened on again,
+then a second wrapped call in the same processes, with a fault in it, that must restart
+and return.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.procs import ROOT, WORKERS, slack
+
+pytestmark = pytest.mark.e2e
+WORKER = WORKERS / "inprocess_hygiene.py"
+
+
+def _free_ports() -> int:
+    """A port with its next two free (MASTER_PORT, the Wrapper's store at + 1, a shared
+    store at + 2), in a range and block of its own per xdist worker (test_inprocess.py
+    uses 21000-22599)."""
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
+    base = 24000 + 300 * worker + 150 * (os.getpid() % 2)
+    for i in range(50):
+        port = base + 3 * ((i + os.getpid()) % 50)
+        try:
+            with socket.socket() as a, socket.socket() as b, socket.socket() as c:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 1))
+                c.bind(("127.0.0.1", port + 2))
+            return port
+        except OSError:
+            continue
+    raise AssertionError("no three free consecutive ports")
+
+
+def _run_job(workdir: Path, ending: str, *flags: str) -> list[str]:
+    port = _free_ports()
+    procs, logs = [], []
+    for r in (0, 1):
+        log = workdir / f"{ending}-rank{r}.log"
+        env = {**os.environ, "RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port)}
+        with open(log, "w") as out:
+            procs.append(subprocess.Popen([sys.executable, str(WORKER), ending, *flags], env=env, cwd=ROOT,
+                                          stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
+        logs.append(log)
+    try:
+        for p in procs:
+            p.wait(90 * slack())
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+                p.wait(10)
+    outs = [log.read_text(errors="replace") for log in logs]
+    codes = [p.returncode for p in procs]
+    assert codes == [0, 0], f"exit codes {codes}:\n" + "\n---\n".join(o[-3000:] for o in outs)
+    return outs
+
+
+ENDED = {
+    "result": r"first returned: first done in iteration 0",
+    "exception": r"first ended: HealthCheckError: ",
+    "interrupt": r"first ended: RestartInterrupt: interrupted while finalizing",
+    "limit": r"first ended: RestartLimitError: rank \d: max_iterations = 0",
+}
+
+
+def _check_clean(outs: list[str], ending: str) -> None:
+    for r, out in enumerate(outs):
+        assert re.search(f"rank {r} " + ENDED[ending], out), out[-3000:]
+        assert f"rank {r} ft threads: []" in out, out[-3000:]
+        assert f"rank {r} second returned: second done in iteration 1" in out, out[-3000:]
+    assert "rank 0 store port free" in outs[0], outs[0][-3000:]
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("ending", ["exception", "interrupt", "limit"])
+def test_after_any_ending_no_thread_is_left_the_port_is_free_and_a_second_call_works(
+        workdir: Path, ending: str) -> None:
+    """The Wrapper's own store (rank 0 hosts it at MASTER_PORT + 1): on main, the kept
+    exception's frames held the store, so its port stayed bound (EADDRINUSE in the second
+    call)."""
+    _check_clean(_run_job(workdir, ending), ending)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("ending", ["result", "limit"])
+def test_a_second_call_on_a_store_that_outlives_the_first_uses_keys_of_its_own(workdir: Path, ending: str) -> None:
+    """A store that outlives the call (torchrun's agent store): on main the second call read
+    the first call's keys (iteration 0 already ``done``), dropped its fault and hung."""
+    _check_clean(_run_job(workdir, ending, "--shared-store"), ending)
+
+
+REFUSAL = textwrap.dedent("""
+    import torch.distributed as dist
+    from ft_client.errors import FtError
+    from ft_client.inprocess import Wrapper
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    ran = []
+
+    @Wrapper()
+    def train(call):
+        ran.append(call.iteration)
+
+    try:
+        train()
+    except ValueError as e:
+        print("refused", type(e).__name__, isinstance(e, FtError), ran, e)
+    else:
+        print("ran", ran)
+""")
+
+
+def test_a_wrapper_refuses_an_already_initialised_torch_distributed() -> None:
+    """The reference raises ValueError; ours is an FtError too (main ran the function)."""
+    done = subprocess.run([sys.executable, "-c", REFUSAL], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60 * slack(), env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith("refused DistributedInitializedError True [] "), done.stdout + done.stderr[-2000:]
+    assert "torch.distributed is already initialized" in done.stdout

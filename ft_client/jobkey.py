@@ -175,13 +175,19 @@ def local_job_key(directory: Path, identity: str) -> tuple[bytes, Path]:
         if e.errno == errno.ENOENT:
             raise SecretError(f"the job key file {path} was removed while it was read") from e
         raise SecretError(f"cannot read the job key file {path}: {e.strerror or e}") from e
+    key = _key_from_hex(text)
+    if key is None:
+        raise SecretError(f"the job key file {path} does not hold 64 hex digits; remove it")
+    return key, path
+
+
+def _key_from_hex(text: str) -> bytes | None:
+    """The 32-byte key that ``text`` spells in 64 hex digits, or None."""
     try:
         key = bytes.fromhex(text)
     except ValueError:
-        key = b""
-    if len(key) != 32:
-        raise SecretError(f"the job key file {path} does not hold 64 hex digits; remove it")
-    return key, path
+        return None
+    return key if len(key) == 32 else None
 
 
 _warned: set[str] = set()
@@ -192,11 +198,8 @@ def inprocess_key(environ: Mapping[str, str], run_id: str) -> JobKey:
     choice is described in the module's docstring)."""
     given = environ.get(INPROCESS_KEY_ENV)
     if given:
-        try:
-            key = bytes.fromhex(given)
-        except ValueError:
-            key = b""
-        if len(key) != 32:
+        key = _key_from_hex(given)
+        if key is None:
             raise SecretError(f"${INPROCESS_KEY_ENV} must be 64 hex digits (ft-launcher sets it)")
         return JobKey(key, f"${INPROCESS_KEY_ENV} (set by ft-launcher)")
     secret = load_job_secret(None, environ)

@@ -24,6 +24,8 @@ from tests.procs import ROOT, WORKERS, Daemon, free_port, slack
 
 pytestmark = pytest.mark.e2e
 WORKER = WORKERS / "inprocess_worker.py"
+NOBODY = 65534
+"""Another local user: the forger runs as it where the tests run as root."""
 
 
 class Job:
@@ -174,14 +176,16 @@ def test_a_fault_reported_by_the_monitor_restarts_every_rank(workdir: Path, jobs
 
 
 def _forge(workdir: Path, job: Job, attack: str) -> None:
-    """Run the store forger (tests/workers/inprocess_forger.py: a separate process of this
-    user without the job's key; the tests run as root and the interpreter is not readable
-    by uid 65534) against ``job``'s store at MASTER_PORT + 1, and wait until it has written."""
-    out = workdir / f"forged-{attack}"
-    forger = subprocess.run([sys.executable, str(WORKERS / "inprocess_forger.py"), str(job.port + 1),
-                             "ft_inprocess/local/0/", attack, str(out)], cwd=ROOT, capture_output=True, text=True,
-                            timeout=90 * slack())
-    assert forger.returncode == 0 and out.exists(), forger.stderr[-2000:]
+    """Run the store forger (tests/workers/inprocess_forger.py: a process without the job's
+    key, as uid 65534 where the tests run as root) against ``job``'s store at MASTER_PORT + 1;
+    once it has written, put the file in place that the job's ranks wait for."""
+    cmd = [sys.executable, str(WORKERS / "inprocess_forger.py"), str(job.port + 1), "ft_inprocess/local/0/", attack]
+    if os.geteuid() == 0:
+        cmd = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", *cmd]
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "FT_JOB_SECRET", "FT_KEY_DIR")}
+    forger = subprocess.run(cmd, cwd="/", env=env, capture_output=True, text=True, timeout=90 * slack())
+    assert forger.returncode == 0 and forger.stdout.endswith("done\n"), forger.stderr[-2000:]
+    (workdir / f"forged-{attack}").touch()
 
 
 def test_forged_outcomes_restart_no_rank(workdir: Path, jobs: list[Job]) -> None:

@@ -1,12 +1,13 @@
 """A hostile client of a job's rendezvous store (torch's TCPStore has no authentication).
 
-Usage: store_forger.py PORT RUN_ID ROUNDS OUT
+Usage: store_forger.py PORT RUN_ID ROUNDS
 
 Connects to 127.0.0.1:PORT as any process that reaches the port could, and writes,
 for rendezvous rounds 0..ROUNDS-1, the launcher messages an unauthenticated
 ft-launcher acted on: a plain workload shutdown, and malformed and forged hang
 records for every node (a non-ASCII mac and 16 KiB of ``[`` at round 0's keys).
-Writes OUT once it has written everything.
+Prints "done" once it has written everything. The tests run it as another user (uid
+65534) where they can.
 """
 
 from __future__ import annotations
@@ -14,13 +15,12 @@ from __future__ import annotations
 import json
 import sys
 from datetime import timedelta
-from pathlib import Path
 
 import torch.distributed as dist
 
 
 def main() -> None:
-    port, run_id, rounds, out = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), Path(sys.argv[4])
+    port, run_id, rounds = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30),
                           wait_for_workers=False)
     forged_hangs = [  # round 0 (the hang's): node 1 reads node 0's key, and the other way round
@@ -37,7 +37,7 @@ def main() -> None:
                   json.dumps({"reason": "forged by another user", "rank": 0, "host": "evil"}))
         for node in range(2):
             store.set(prefix + f"ft_launcher/hang/{node}", forged_hangs[(r + node) % len(forged_hangs)])
-    out.write_text("written\n")
+    print("done", flush=True)
 
 
 if __name__ == "__main__":

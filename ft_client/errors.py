@@ -25,7 +25,7 @@ builtin base that callers caught before (``ValueError`` for bad values,
     ├── NoFlightRecorderError           this process has no Flight Recorder trace to write
     └── ft_monitor's: ConfigError, SettingsError, UsageError, ListenerError, SessionError,
         NoticeError, StatusError, ReportError, SealError (a StoreMessageError), MonitorStartError,
-        SnapshotError, EvidenceError
+        HttpRequestError, MetricsServerError, SnapshotError, EvidenceError
 
 Closed and broken are types (as trio's ClosedResourceError and
 BrokenResourceError are), not fields; the cause is kept (``raise ... from e``).

@@ -67,6 +67,10 @@ _REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Al
             431: "Request Header Fields Too Large", 500: "Internal Server Error", 505: "HTTP Version Not Supported"}
 
 
+class MetricsServerError(FtError, OSError):
+    """The /metrics server did not start (an OSError, as a port in use is: ft-launcher exits 2)."""
+
+
 class HttpRequestError(FtError, ValueError):
     """A request head that is not one we answer; ``status`` is the HTTP status to send."""
 
@@ -304,7 +308,7 @@ class MetricsServer:
         self._thread.start()
         if not self._started.wait(30.0) or self._error is not None:
             self.stop()
-            raise OSError(f"the /metrics server did not start: {self._error or 'no answer within 30 s'}")
+            raise MetricsServerError(f"the /metrics server did not start: {self._error or 'no answer within 30 s'}")
         reg.register(_ServerStats(self))
 
     @property

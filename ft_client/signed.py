@@ -105,3 +105,14 @@ class Signer:
         if not isinstance(body, dict):
             raise StoreMessageError("body must be a map")
         return body
+
+
+def rank_field(body: Mapping[str, Any], name: str, *, optional: bool = False) -> int | None:
+    """``body[name]`` as a rank (a whole number >= 0, not a bool), or None where ``optional``
+    and absent; StoreMessageError otherwise."""
+    v = body.get(name)
+    if v is None and optional:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 2**31:
+        raise StoreMessageError(f"field {name} must be a rank (a whole number >= 0)")
+    return v

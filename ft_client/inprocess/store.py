@@ -48,6 +48,7 @@ from typing import Any, TypeVar
 from ft_client import env
 from ft_client.errors import FtError
 from ft_client.signed import Signer, StoreMessageError
+from ft_client.signed import rank_field as _rank_field
 
 log = logging.getLogger("ft_client.inprocess")
 
@@ -67,15 +68,6 @@ MAX_REFUSALS_LOGGED = 100
 OUTCOME, ARRIVAL, ALL_ARRIVED, OUTSIDE = "inprocess_outcome", "inprocess_arrival", "inprocess_all_arrived", \
     "inprocess_outside"
 """The kinds of signed value (ft_client.signed) the Wrapper stores."""
-
-
-def _rank_field(body: Mapping[str, Any], name: str, *, optional: bool = False) -> int | None:
-    v = body.get(name)
-    if v is None and optional:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 2**31:
-        raise StoreMessageError(f"field {name} must be a rank (a whole number >= 0)")
-    return v
 
 
 @dataclass(frozen=True, slots=True)

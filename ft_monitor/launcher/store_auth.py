@@ -32,6 +32,7 @@ from ft_client.jobkey import (
     load_job_secret,
 )
 from ft_client.signed import FORMAT_VERSION, MAX_MESSAGE_BYTES, Signer, StoreMessageError
+from ft_client.signed import rank_field as _rank
 
 __all__ = ["FORMAT_VERSION", "MAX_MESSAGE_BYTES", "MAX_SECRET_BYTES", "MIN_SECRET_BYTES", "SECRET_ENV",
            "SECRET_FILE_ENV", "HangRecord", "Message", "RollCallAnswer", "RollCallRequest", "SecretError",
@@ -44,15 +45,6 @@ def _text(body: Mapping[str, Any], key: str) -> str:
     v = body.get(key)
     if not isinstance(v, str) or len(v) > MAX_TEXT:
         raise StoreMessageError(f"field {key} must be text of at most {MAX_TEXT} characters")
-    return v
-
-
-def _rank(body: Mapping[str, Any], key: str, optional: bool = False) -> int | None:
-    v = body.get(key)
-    if v is None and optional:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 2**31:
-        raise StoreMessageError(f"field {key} must be a rank (a whole number >= 0)")
     return v
 
 

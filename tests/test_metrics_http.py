@@ -191,14 +191,14 @@ def test_any_accept_header_chooses_a_format(accept: str) -> None:
 # -- cap, deadlines, shutdown -----------------------------------------------------------------------
 def test_the_cap_is_sized_from_the_fd_limit_and_leaves_the_restart_reserve() -> None:
     assert connection_cap(1024, 30) == MAX_CONNECTIONS
-    assert connection_cap(400, 30) == (400 - 30 - RESTART_FD_RESERVE) // 2
+    assert connection_cap(330, 30) == 330 - 30 - RESTART_FD_RESERVE - 1
     assert connection_cap(256, 30) == 1
     for limit in range(300, 5000, 7):
         for open_now in (10, 50, 200):
             cap = connection_cap(limit, open_now)
             if limit - open_now - RESTART_FD_RESERVE >= 2:
-                # the cap's connections and one accepted burst of the same size fit beside the reserve
-                assert open_now + 2 * cap + RESTART_FD_RESERVE <= limit
+                # the cap's connections and the one accepted over it (closed before the next) fit beside the reserve
+                assert open_now + cap + 1 + RESTART_FD_RESERVE <= limit
 
 
 def test_over_the_cap_new_connections_are_closed_at_once_and_counted() -> None:
@@ -356,6 +356,10 @@ def _flood(port: int, count: int, report: int, hold: int) -> None:
         os._exit(code)
 
 
+LAUNCHER_FD_DRIFT = 4
+"""Descriptors the launcher may open or close on its own while its ranks wait (none were seen)."""
+
+
 def _launcher_counts(pid: int) -> tuple[int, int]:
     """The launcher's open descriptors and threads, from /proc."""
     return len(os.listdir(f"/proc/{pid}/fd")), len(os.listdir(f"/proc/{pid}/task"))
@@ -391,14 +395,23 @@ def test_idle_connections_of_another_user_neither_exhaust_the_launcher_nor_stop_
         for fd in (report_w, hold_r):
             os.close(fd)
             open_fds.discard(fd)
-        ready, _, _ = select.select([report_r], [], [], 120 * slack())
-        assert ready, "the flooder did not report"
+        # the launcher's descriptors and threads sampled every few ms while the connects go on:
+        # the peak, not one reading after the flood, is what runs into EMFILE
+        peak_fds, peak_threads = fds0, threads0
+        deadline = time.monotonic() + 120 * slack()
+        while not select.select([report_r], [], [], 0.002)[0]:
+            assert time.monotonic() < deadline, "the flooder did not report"
+            fds, threads = _launcher_counts(la.proc.pid)
+            peak_fds, peak_threads = max(peak_fds, fds), max(peak_threads, threads)
         held, uid = (int(x) for x in os.read(report_r, 100).split())
         assert uid == (NOBODY if os.geteuid() == 0 else os.getuid())
-        fds1, threads1 = _launcher_counts(la.proc.pid)
-        # before: 1024 descriptors (EMFILE) and about 1000 threads, one per idle connection
-        assert fds1 <= fds0 + 2 * MAX_CONNECTIONS and fds1 <= 1024 - RESTART_FD_RESERVE, (fds0, fds1)
-        assert threads1 <= threads0 + 1, (threads0, threads1)
+        # before issue 24: 1024 descriptors (EMFILE) and about 1000 threads, one per idle
+        # connection; before the endpoint did its own accepts: 171 over the baseline (bursts of
+        # accepted sockets waiting for their transports). Now the cap and the one accepted over
+        # it, beside the few the launcher itself may open while its ranks wait.
+        assert peak_fds <= fds0 + MAX_CONNECTIONS + 1 + LAUNCHER_FD_DRIFT, (fds0, peak_fds)
+        assert peak_fds <= 1024 - RESTART_FD_RESERVE, (fds0, peak_fds)
+        assert peak_threads <= threads0 + 1, (threads0, peak_threads)
         # the idle ones are closed at the read timeout (5 s) while the flooder still holds its end:
         # /metrics answers again; every connection was admitted or refused, none lost
         tries = 0

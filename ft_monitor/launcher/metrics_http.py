@@ -9,7 +9,13 @@ of restarting the job (issue 24, item 3). Here:
 * **one thread** (``ft-metrics-http``) runs an asyncio loop; a connection is a protocol
   object and one descriptor, never a thread;
 * **a connection cap** sized from RLIMIT_NOFILE (`connection_cap`): over it, a new
-  connection is closed at once and counted (``ft_metrics_connections_refused_total``);
+  connection is closed at once, in the accept itself, and counted
+  (``ft_metrics_connections_refused_total``). The endpoint accepts its connections itself
+  rather than through ``loop.create_server``: asyncio's server accepts up to ``backlog``
+  sockets per wake-up and gives each a transport a turn or two later, so a flood kept
+  several bursts of accepted sockets open before any could be refused (the launcher's flood
+  test once saw 171 descriptors over its baseline with a cap of 64). Here an accepted socket
+  over the cap is closed before the next accept: the endpoint holds at most the cap plus one;
 * **deadlines**: the whole request head must arrive within ``read_timeout`` of the accept
   (a slowloris is cut there, not reset by each byte), and the answer must be taken within
   ``write_timeout``; one request per connection (``Connection: close``);
@@ -27,6 +33,7 @@ The request head is untrusted: `parse_request` turns any bytes into a `Request` 
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import resource
@@ -60,6 +67,10 @@ READ_TIMEOUT_S = 5.0
 """From the accept to the end of the request head."""
 WRITE_TIMEOUT_S = 10.0
 """From the answer to the peer having taken it."""
+ACCEPT_BATCH = 64
+"""Accepts per wake-up of the listener, so that a flood of connects leaves turns for the answers."""
+ACCEPT_RETRY_S = 1.0
+"""How long the listener rests after an accept failed for want of descriptors or memory."""
 
 _TOKEN = frozenset("!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
 _METRICS_PATHS = ("/", "/metrics")
@@ -175,12 +186,9 @@ def fd_limit() -> int:
 def connection_cap(limit: int, open_now: int, wanted: int = MAX_CONNECTIONS,
                    reserve: int = RESTART_FD_RESERVE) -> int:
     """How many connections the endpoint may hold (pure): what is left of ``limit`` after the
-    descriptors open now and the restart reserve, halved, at most ``wanted``, at least 1.
-
-    Halved because the loop accepts a burst (the listen backlog, set to the cap) before it
-    can close those over the cap: at worst the cap's connections plus one burst are open at
-    once, 2 x cap descriptors, which stay within ``limit - open_now - reserve``."""
-    return max(1, min(wanted, (limit - open_now - reserve) // 2))
+    descriptors open now, the restart reserve and the one socket accepted over the cap before
+    it is closed; at most ``wanted``, at least 1."""
+    return max(1, min(wanted, limit - open_now - reserve - 1))
 
 
 def _listening_socket(address: str, port: int) -> socket.socket:
@@ -203,6 +211,8 @@ class _Connection(asyncio.Protocol):
 
     def __init__(self, server: MetricsServer) -> None:
         self.server = server
+        self.holds_slot = True
+        """Counted in the server's held connections until released (once)."""
         self.transport: asyncio.Transport | None = None
         self.buf = bytearray()
         self.answered = False
@@ -211,9 +221,7 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
-        if not self.server._admit(self):
-            transport.abort()
-            return
+        self.server._live.add(self)
         self.timer = self.server._loop.call_later(self.server.read_timeout, self._expired)
 
     def data_received(self, data: bytes) -> None:
@@ -295,7 +303,11 @@ class MetricsServer:
         self.max_connections = max_connections if max_connections is not None else \
             connection_cap(fd_limit(), open_fds())
         self.accepted = self.refused = self.timed_out = 0
+        self._held = 0
+        """Connections admitted and not yet released, their transports made or on the way."""
         self._live: set[_Connection] = set()
+        self._starting: set[asyncio.Task[None]] = set()
+        self._resource_logged = False
         sock = _listening_socket(address, port)
         self.port = int(sock.getsockname()[1])
         host = f"[{address}]" if ":" in address else address
@@ -317,19 +329,59 @@ class MetricsServer:
         return len(self._live)
 
     # -- on the loop's thread ------------------------------------------------------------------
-    def _admit(self, conn: _Connection) -> bool:
-        if self._stopping is None or self._stopping.is_set() or len(self._live) >= self.max_connections:
-            self.refused += 1
-            if self.refused == 1:
-                log.warning("ft-launcher: /metrics has %d connections open, its cap; further ones are closed "
-                            "at once and counted (ft_metrics_connections_refused_total)", self.max_connections)
-            return False
-        self.accepted += 1
-        self._live.add(conn)
-        return True
+    def _on_listener_readable(self, sock: socket.socket) -> None:
+        """Accept what waits (at most `ACCEPT_BATCH`): over the cap, or while stopping, the
+        socket is closed here and counted; under it, it is admitted and given a transport."""
+        for _ in range(ACCEPT_BATCH):
+            try:
+                conn, _ = sock.accept()
+            except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+                return
+            except OSError as e:
+                self._rest_listener(sock, e)
+                return
+            if self._stopping is None or self._stopping.is_set() or self._held >= self.max_connections:
+                conn.close()
+                self.refused += 1
+                if self.refused == 1:
+                    log.warning("ft-launcher: /metrics has %d connections open, its cap; further ones are "
+                                "closed at once and counted (ft_metrics_connections_refused_total)",
+                                self.max_connections)
+                continue
+            self._held += 1
+            self.accepted += 1
+            task = self._loop.create_task(self._start_connection(conn, _Connection(self)))
+            self._starting.add(task)
+            task.add_done_callback(self._starting.discard)
+
+    def _rest_listener(self, sock: socket.socket, e: OSError) -> None:
+        """An accept that failed for another reason than an empty queue: for want of descriptors
+        or memory the listener rests `ACCEPT_RETRY_S` (Linux keeps saying it is readable);
+        anything else is logged and the next wake-up tries again."""
+        if not self._resource_logged:
+            self._resource_logged = True
+            log.warning("ft-launcher: /metrics could not accept a connection: %s", e)
+        if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+            self._loop.remove_reader(sock.fileno())
+            self._loop.call_later(ACCEPT_RETRY_S, self._listen, sock)
+
+    def _listen(self, sock: socket.socket) -> None:
+        if self._stopping is not None and not self._stopping.is_set() and sock.fileno() >= 0:
+            self._loop.add_reader(sock.fileno(), self._on_listener_readable, sock)
+
+    async def _start_connection(self, conn: socket.socket, protocol: _Connection) -> None:
+        try:
+            conn.setblocking(False)
+            await self._loop.connect_accepted_socket(lambda: protocol, sock=conn)
+        except Exception:  # noqa: BLE001 - a peer gone before its transport was made: one socket less
+            conn.close()
+            self._release(protocol)
 
     def _release(self, conn: _Connection) -> None:
         self._live.discard(conn)
+        if conn.holds_slot:
+            conn.holds_slot = False
+            self._held -= 1
 
     def _respond(self, request: Request) -> bytes:
         try:
@@ -355,13 +407,15 @@ class MetricsServer:
 
     async def _serve(self, sock: socket.socket) -> None:
         self._stopping = asyncio.Event()
-        server = await self._loop.create_server(lambda: _Connection(self), sock=sock,
-                                                backlog=self.max_connections)
+        sock.listen(self.max_connections)
+        self._listen(sock)
         self._started.set()
         try:
             await self._stopping.wait()
         finally:
-            server.close()
+            self._loop.remove_reader(sock.fileno())
+            if self._starting:
+                await asyncio.wait(list(self._starting), timeout=5.0)
             for conn in list(self._live):
                 if conn.transport is not None:
                     conn.transport.abort()
@@ -369,7 +423,6 @@ class MetricsServer:
                 if not self._live:
                     break
                 await asyncio.sleep(0)
-            await server.wait_closed()
 
     # -- from any thread -----------------------------------------------------------------------
     def stop(self) -> None:

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ft_monitor import stacks
+from ft_monitor.forensics import stacks
 
 
 def innermost_frame(dump: str) -> str:
@@ -85,7 +85,7 @@ def describe(summary: dict[str, Any]) -> None:
     if obs.get("metrics_textfile"):
         print(f"textfile    : {obs['metrics_textfile']} (Prometheus text format, as node-exporter reads it)")
     if obs.get("events"):
-        from ft_monitor.report_html import write_report
+        from ft_monitor.views.report_html import write_report
 
         print(f"events      : {obs['events']}")
         print(f"report      : {write_report(Path(obs['events']).parent)} (ft-monitor report "

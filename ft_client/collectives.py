@@ -1,6 +1,6 @@
 """Where a thread waits for other ranks: inside torch.distributed (a collective,
 ``init_process_group``, a rendezvous store wait), or inside autograd's backward or DDP,
-where gradients are all-reduced. Shared by the monitor's verdict (ft_monitor.stacks,
+where gradients are all-reduced. Shared by the monitor's verdict (ft_monitor.forensics.stacks,
 on stack dumps) and the in-process Wrapper (on the interrupted frame)."""
 
 from __future__ import annotations

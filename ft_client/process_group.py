@@ -1,7 +1,7 @@
 """The process-group timeout, known in one place: for ``init_process_group(timeout=...)``.
 
 torch times every collective (and ``init_process_group``'s rendezvous) with the timeout
-given to ``init_process_group``. ft-monitor's launch check (ft_monitor/timeout_order.py)
+given to ``init_process_group``. ft-monitor's launch check (ft_monitor/core/timeout_order.py)
 must know it to tell whether a hung rank is caught before its peers time out, but the
 call is inside the training script. So the value is a setting, ``process_group_timeout``
 (YAML, ``FT_PROCESS_GROUP_TIMEOUT`` or ``--ft-process-group-timeout``): ft-launcher and

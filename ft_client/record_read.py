@@ -5,7 +5,7 @@ sequence words before, the data, the sequence words after) into a `RecordView`: 
 header, and every group (the heartbeat, each slot read) that was not being written
 during the copies, or None for one that was (torn). Bytes that are not a record of
 this layout raise RecordError naming what is wrong. The monitor reads a rank's record
-with it (ft_monitor.record_watch); the rank itself never reads one.
+with it (ft_monitor.daemon.record_watch); the rank itself never reads one.
 """
 
 from __future__ import annotations

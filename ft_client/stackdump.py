@@ -4,7 +4,7 @@ faulthandler writes the traceback of every thread from inside the C signal
 handler, without taking the GIL, so a rank hung in a C call still dumps. The
 monitor names the file (next to its hang report); the client opens it here. Nothing
 is written here: the monitor writes a header just before each dump it asks for
-(ft_monitor/dump_file.py), and a file no dump went into is removed when dumping stops.
+(ft_monitor/forensics/dump_file.py), and a file no dump went into is removed when dumping stops.
 """
 
 from __future__ import annotations

@@ -315,7 +315,7 @@ class DumpRequest:
 
 @dataclass(frozen=True, slots=True)
 class DumpReply:
-    """Monitor -> launcher: what was taken (`ft_monitor.snapshot.MonitorSnapshot`)."""
+    """Monitor -> launcher: what was taken (`ft_monitor.core.snapshot.MonitorSnapshot`)."""
 
     snapshot: dict[str, Any]
 

@@ -31,18 +31,16 @@ from typing import TYPE_CHECKING, Any
 from ft_client.errors import FtError
 
 if TYPE_CHECKING:
-    from ft_monitor.settings import ServeSpec, Settings
+    from ft_monitor.core.settings import ServeSpec, Settings
 
 
-from ft_monitor.server_log import LOG_FORMAT
+from ft_monitor.core.serve_argv import CHECK_SERVE, RUN_CHECKED
+from ft_monitor.core.server_log import LOG_FORMAT
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
 
-CHECK_SERVE = "--check-serve"
-RUN_CHECKED = "--run-checked"
-"""`ft-monitor --run-checked FILE`: serve from a ServeSpec already validated (ft-launcher)."""
 SETTINGS_MARKER = "ft-monitor-settings: "
 
 
@@ -128,7 +126,7 @@ def live_view(dirs: list[str], as_json: bool, watch: float | None, count: int | 
     """`status --all DIR` and `ft-launcher status`: one table per run directory; --watch redraws."""
     import time
 
-    from ft_monitor import live_view as lv
+    from ft_monitor.views import live_view as lv
 
     shown = 0
     try:
@@ -153,7 +151,7 @@ def live_view(dirs: list[str], as_json: bool, watch: float | None, count: int | 
 
 def _report(args: argparse.Namespace) -> int:
     from ft_monitor.launcher.events import EventSchemaError
-    from ft_monitor.report_html import ReportError, write_report
+    from ft_monitor.views.report_html import ReportError, write_report
 
     try:
         path = write_report(args.run_dir, args.output)
@@ -190,7 +188,7 @@ def _check_serve(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"ft-monitor: {e}", file=sys.stderr)
         return EXIT_USAGE
-    from ft_monitor.settings import ServeSpec, Settings, SettingsError
+    from ft_monitor.core.settings import ServeSpec, Settings, SettingsError
 
     try:
         spec = ServeSpec(Settings.from_config(config), args.socket, loop=args.loop, cmd=tuple(command),
@@ -208,7 +206,7 @@ def _timeouts_in_order(settings: Settings) -> bool:
     """The launch check of timeout_order.py, without torch (the process-group timeout is
     known only when process_group_timeout is set): one warning per inversion, or with
     ``timeout_check: strict`` one line and False."""
-    from ft_monitor import timeout_order
+    from ft_monitor.core import timeout_order
 
     if settings.timeout_check == "off":
         return True
@@ -229,7 +227,7 @@ def _serve(argv: list[str]) -> int:
 
     checker = subprocess.Popen([sys.executable, "-m", "ft_monitor.cli", CHECK_SERVE, *argv],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    from ft_monitor import server  # noqa: F401 - imported while the checker works
+    from ft_monitor.daemon import server  # noqa: F401 - imported while the checker works
 
     out, err = checker.communicate()
     sys.stderr.write(err)
@@ -243,9 +241,9 @@ def _quick_serve(argv: list[str]) -> int | None:
     """Serve at once from the settings the text-form parsers make (no pydantic, no helper
     process): when every value parses, no field is unknown or unused here, and the timeouts
     are in order. None: the helper's pydantic check decides (and says what is wrong)."""
-    from ft_monitor import timeout_order
     from ft_monitor.config_text import cli_overrides, quick_settings
-    from ft_monitor.settings import ServeSpec, SettingsError
+    from ft_monitor.core import timeout_order
+    from ft_monitor.core.settings import ServeSpec, SettingsError
 
     try:
         args = build_parser().parse_args(["serve", *argv])  # a usage error (or --help) ends here, as in the helper
@@ -280,7 +278,7 @@ def _run_checked_file(path: str) -> int:
 
 
 def _run_checked_text(text: str | bytes) -> int:
-    from ft_monitor.settings import ServeSpec, SettingsError
+    from ft_monitor.core.settings import ServeSpec, SettingsError
 
     try:
         spec = ServeSpec.from_json(text)
@@ -293,8 +291,8 @@ def _run_checked_text(text: str | bytes) -> int:
 def _run_checked(spec: ServeSpec) -> int:
     import asyncio
 
-    from ft_monitor import server
-    from ft_monitor.listener import ListenerError
+    from ft_monitor.daemon import server
+    from ft_monitor.daemon.listener import ListenerError
 
     if spec.parent_pid is not None:
         import signal
@@ -337,7 +335,7 @@ def _status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(st, indent=2, sort_keys=True))
         return EXIT_OK
-    from ft_monitor.status import StatusError, format_status
+    from ft_monitor.core.status import StatusError, format_status
 
     try:
         print(format_status(st))

@@ -29,7 +29,6 @@ from ft_client import env as ft_env
 from ft_client.timeouts import (
     Timeouts,
 )
-from ft_monitor import rules
 from ft_monitor.config_text import (
     IGNORED_NVRX_FIELDS,
     MAX_YAML_DEPTH,
@@ -42,6 +41,7 @@ from ft_monitor.config_text import (
     read_env,
     read_yaml,
 )
+from ft_monitor.core import rules
 
 __all__ = ["ConfigError", "FaultToleranceConfig", "IGNORED_NVRX_FIELDS", "FIELDS", "MAX_YAML_DEPTH", "add_config_flags",
            "cli_overrides", "find_fault_tolerance_section", "load_config", "merge_layers", "parse_section_timeouts",

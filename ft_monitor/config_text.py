@@ -4,7 +4,7 @@ Owns: the sources of settings (the first ``fault_tolerance:`` mapping of a YAML 
 ``FT_<FIELD>`` variables, ``--ft-<field>`` flags) and one parser per field (`PARSERS`)
 that turns a value in any of its forms ("none", "30", "SIGTERM", "step:30,ckpt:none",
 "yes", a number, a map) into its typed value and applies the field's rule
-(ft_monitor.rules). The pydantic model (ft_monitor.config) runs these parsers as its
+(ft_monitor.core.rules). The pydantic model (ft_monitor.config) runs these parsers as its
 validators, and adds the layer each value came from to its error lines.
 
 `quick_settings` runs the same parsers without pydantic: `ft-monitor serve` starts its
@@ -25,8 +25,8 @@ from typing import Any
 
 from ft_client import env as ft_env
 from ft_client.errors import FtError
-from ft_monitor import rules
-from ft_monitor.settings import Settings, SettingsError
+from ft_monitor.core import rules
+from ft_monitor.core.settings import Settings, SettingsError
 
 
 class ConfigError(FtError, ValueError):

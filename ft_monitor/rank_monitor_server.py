@@ -31,10 +31,10 @@ import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ft_monitor.listener import check_socket_path
-from ft_monitor.monitor_process import MonitorProcess
-from ft_monitor.server_log import LOG_FORMAT
-from ft_monitor.settings import ServeSpec, Settings, SettingsError
+from ft_monitor.core.server_log import LOG_FORMAT
+from ft_monitor.core.settings import ServeSpec, Settings, SettingsError
+from ft_monitor.daemon.listener import check_socket_path
+from ft_monitor.daemon.monitor_process import MonitorProcess
 
 if TYPE_CHECKING:
     from ft_monitor.config import FaultToleranceConfig
@@ -83,8 +83,8 @@ class RankMonitorServer:
         """Run the daemon in this process until SIGTERM, SIGINT, SIGHUP or SIGQUIT; returns
         the exit code (0). Call it from the main thread (it handles those signals). Raises
         ListenerError if the socket path cannot be used."""
-        from ft_monitor import server
         from ft_monitor.cli import UsageError, _new_loop_factory
+        from ft_monitor.daemon import server
 
         if threading.current_thread() is not threading.main_thread():
             raise UsageError("RankMonitorServer.serve() must run in the main thread (it handles SIGTERM, SIGINT, "

@@ -103,12 +103,12 @@ def clean_logging() -> Iterator[None]:
 @pytest.fixture
 def no_daemon(monkeypatch: pytest.MonkeyPatch) -> None:
     """Fail loudly if cli.main gets as far as starting the daemon; and no FT_* from the real environment."""
-    import ft_monitor.server
+    import ft_monitor.daemon.server
 
     async def forbidden(*args: Any, **kwargs: Any) -> int:
         raise AssertionError("run_daemon reached: the bad value was not refused before serving")
 
-    monkeypatch.setattr(ft_monitor.server, "run_daemon", forbidden)
+    monkeypatch.setattr(ft_monitor.daemon.server, "run_daemon", forbidden)
     for key in list(os.environ):
         if key.startswith("FT_"):
             monkeypatch.delenv(key)

@@ -221,7 +221,7 @@ def test_hang_is_acted_on_with_a_thousand_idle_connections_at_rlimit_1024(workdi
 def test_process_liveness_needs_no_descriptor_and_is_not_fooled_by_emfile() -> None:
     import resource
 
-    from ft_monitor.procinfo import ProcessHandle
+    from ft_monitor.processes.procinfo import ProcessHandle
 
     child = subprocess.Popen(["sleep", "600"])
     h = ProcessHandle(child.pid)
@@ -535,7 +535,7 @@ def test_socket_directory_of_another_user_is_refused(workdir: Path) -> None:
 
 
 def test_the_refusal_message_recommends_a_private_runtime_directory(tmp_path: Path) -> None:
-    from ft_monitor.listener import ListenerError, bind_unix_listener
+    from ft_monitor.daemon.listener import ListenerError, bind_unix_listener
 
     shared = tmp_path / "shared"
     shared.mkdir()
@@ -826,7 +826,7 @@ def test_log_file_and_summary_json_do_not_follow_planted_symlinks(workdir: Path)
 def test_a_socket_directory_is_never_created_at_the_root(path: str) -> None:
     """`--socket $XDG_RUNTIME_DIR/ft/rank0.sock` with XDG_RUNTIME_DIR unset is /ft/rank0.sock:
     before, the daemon created /ft (as root, at the file-system root)."""
-    from ft_monitor.listener import ListenerError, check_socket_path
+    from ft_monitor.daemon.listener import ListenerError, check_socket_path
 
     top = Path("/ft-unset-xdg")
     assert not top.exists()

@@ -17,7 +17,7 @@ from ft_client.inprocess import events
 from ft_client.record import words_for
 from ft_client.record_read import RecordView, decode
 from ft_client.transport import Transport
-from ft_monitor import record_watch
+from ft_monitor.daemon import record_watch
 from tests.procs import wait_until
 from tests.test_client_states import QUIET, ThreadDaemon
 

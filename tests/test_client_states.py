@@ -21,8 +21,8 @@ import ft_client.client as client_module
 from ft_client import RankMonitorClient, RankMonitorClientError
 from ft_client.client import ConnState
 from ft_monitor.config import FaultToleranceConfig
-from ft_monitor.daemon import MonitorDaemon
-from ft_monitor.settings import Settings
+from ft_monitor.core.settings import Settings
+from ft_monitor.daemon.monitor import MonitorDaemon
 from tests.procs import wait_until
 
 

@@ -23,8 +23,8 @@ from ft_monitor.config import (
     find_fault_tolerance_section,
     load_config,
 )
-from ft_monitor.rules import parse_signal
-from ft_monitor.settings import Settings
+from ft_monitor.core.rules import parse_signal
+from ft_monitor.core.settings import Settings
 from tests.procs import ROOT
 
 NO_ENV: dict[str, str] = {}
@@ -536,7 +536,7 @@ def test_serve_starts_from_the_text_parsers_when_every_value_is_good(tmp_path: P
     rc, spec = _quick(["--socket", "/run/x/r.sock", "--config", str(cfg), "--ft-safety-factor", "2",
                        "--", "python", "t.py"], env={"FT_STACK_DUMP_SIGNAL": "usr1"})
     assert rc == 0
-    from ft_monitor.settings import ServeSpec
+    from ft_monitor.core.settings import ServeSpec
 
     got = ServeSpec.from_json(spec)
     want = Settings.from_config(load_config(cfg, {"FT_STACK_DUMP_SIGNAL": "usr1"}, {"safety_factor": "2"}))

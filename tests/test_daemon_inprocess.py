@@ -23,18 +23,18 @@ from typing import Any
 import pytest
 
 from ft_client import wire
-from ft_monitor.clock import ManualClock
 from ft_monitor.config import FaultToleranceConfig
-from ft_monitor.connection import Connection
-from ft_monitor.daemon import MonitorDaemon
-from ft_monitor.deadline import DeadlineTimer
-from ft_monitor.escalation import terminate_then_kill
-from ft_monitor.executor import HangCase, HangExecutor
-from ft_monitor.policy import Hang, Reason
-from ft_monitor.procinfo import ProcessHandle
-from ft_monitor.settings import Settings
-from ft_monitor.state import Phase
-from ft_monitor.status import InprocessRestart
+from ft_monitor.core.policy import Hang, Reason
+from ft_monitor.core.settings import Settings
+from ft_monitor.core.state import Phase
+from ft_monitor.core.status import InprocessRestart
+from ft_monitor.daemon.clock import ManualClock
+from ft_monitor.daemon.connection import Connection
+from ft_monitor.daemon.deadline import DeadlineTimer
+from ft_monitor.daemon.executor import HangCase, HangExecutor
+from ft_monitor.daemon.monitor import MonitorDaemon
+from ft_monitor.processes.escalation import terminate_then_kill
+from ft_monitor.processes.procinfo import ProcessHandle
 
 
 def settings(**kw: Any) -> Settings:

@@ -23,12 +23,12 @@ from ft_client import record, wire
 from ft_client.record import RecordWriter
 from ft_client.session_info import SessionInfo
 from ft_client.timeouts import Timeouts
-from ft_monitor import record_watch
-from ft_monitor.clock import ManualClock
-from ft_monitor.daemon import MonitorDaemon
-from ft_monitor.record_map import RecordUnavailable, create_record
-from ft_monitor.record_sync import MAX_TICK
-from ft_monitor.state import Phase, Session
+from ft_monitor.core.record_sync import MAX_TICK
+from ft_monitor.core.state import Phase, Session
+from ft_monitor.daemon import record_watch
+from ft_monitor.daemon.clock import ManualClock
+from ft_monitor.daemon.monitor import MonitorDaemon
+from ft_monitor.daemon.record_map import RecordUnavailable, create_record
 from tests.test_daemon_inprocess import INPROCESS, FakeOps, Peer, _reentered, run, settle
 
 MODES = ["record", "socket"]

@@ -8,8 +8,9 @@ from typing import Any
 
 import pytest
 
-from ft_monitor import stacks
-from ft_monitor.fr_digest import FrDigest, digest, op_name
+from ft_monitor.core.snapshot import MonitorSnapshot, SnapshotError
+from ft_monitor.forensics import stacks
+from ft_monitor.forensics.fr_digest import FrDigest, digest, op_name
 from ft_monitor.launcher.decide import same_incident
 from ft_monitor.launcher.diagnosis import (
     ANSWERED,
@@ -22,7 +23,6 @@ from ft_monitor.launcher.diagnosis import (
     diagnose,
 )
 from ft_monitor.launcher.store_auth import RollCallAnswer, RollCallRequest, StoreChannel, StoreMessageError
-from ft_monitor.snapshot import MonitorSnapshot, SnapshotError
 
 
 def entry(seq: int, pg: int = 0, op: str = "gloo:all_reduce", retired: bool = True, created: int = 0) -> dict[str, Any]:

@@ -33,7 +33,7 @@ from hypothesis import strategies as st
 from ft_client import RankMonitorClient, RankMonitorClientError, wire
 from ft_monitor import cli
 from ft_monitor.config import FIELDS
-from ft_monitor.state import MAX_OPEN_SECTIONS
+from ft_monitor.core.state import MAX_OPEN_SECTIONS
 from tests.procs import ROOT, Daemon, cleanup_dir, ping, raw_client, short_tmpdir, status, wait_until
 
 HANDSHAKE = 0.5

@@ -15,9 +15,9 @@ from ft_client import RankMonitorClient
 from ft_client.inprocess import events, timeline
 from ft_client.inprocess.store import FaultRecord, RestartStore, namespace
 from ft_client.signed import Signer
+from ft_monitor.core.notices import HangNotice
+from ft_monitor.core.status import InprocessRestart
 from ft_monitor.launcher.inprocess import InprocessLedger
-from ft_monitor.notices import HangNotice
-from ft_monitor.status import InprocessRestart
 from tests.procs import wait_until
 from tests.test_client_states import QUIET, ThreadDaemon
 

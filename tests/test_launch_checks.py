@@ -15,12 +15,13 @@ import pytest
 
 import ft_client
 from ft_client.process_group import ProcessGroupTimeoutError, process_group_timeout
-from ft_monitor import cli, timeout_order
+from ft_monitor import cli
 from ft_monitor.config import FaultToleranceConfig, load_config
+from ft_monitor.core import timeout_order
+from ft_monitor.core.settings import Settings
+from ft_monitor.core.timeout_order import Facts, Limit, facts, inversions
 from ft_monitor.launcher import main as launcher_main
 from ft_monitor.launcher import torch_support
-from ft_monitor.settings import Settings
-from ft_monitor.timeout_order import Facts, Limit, facts, inversions
 
 ROOT = Path(__file__).resolve().parent.parent
 GLOO_DEFAULT = Limit(1800.0, "torch's default process-group timeout, 1800 s")

@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 
+from ft_monitor.core.notices import HangNotice
+from ft_monitor.core.status import MonitorStatus
 from ft_monitor.launcher import exit_codes
 from ft_monitor.launcher.decide import (
     HANG_EXIT_CODE,
@@ -31,8 +33,6 @@ from ft_monitor.launcher.decide import (
 )
 from ft_monitor.launcher.progress import Progress, ProgressPolicy, ProgressTracker
 from ft_monitor.launcher.store_auth import HangRecord, StoreChannel, StoreMessageError
-from ft_monitor.notices import HangNotice
-from ft_monitor.status import MonitorStatus
 
 SECRET = b"s" * 32
 RUN = "run-1"

@@ -21,7 +21,7 @@ import pytest
 from ft_client import RankMonitorClient, TimeoutsCalc
 from ft_monitor import RankMonitorServer
 from ft_monitor.config import FIELDS, IGNORED_NVRX_FIELDS
-from ft_monitor.settings import Settings
+from ft_monitor.core.settings import Settings
 from tests import migration_table
 from tests.procs import ROOT, WORKERS
 

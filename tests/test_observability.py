@@ -13,6 +13,11 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ft_client.timeouts import Timeouts
+from ft_monitor.core.policy import iteration_now
+from ft_monitor.core.section_stats import SectionHistogram, SectionStats
+from ft_monitor.core.settings import Settings
+from ft_monitor.core.state import Session
+from ft_monitor.core.status import build_status
 from ft_monitor.launcher.agent import RestartTiming
 from ft_monitor.launcher.events import SCHEMA, EventLog, EventSchemaError, read_events, validate_event
 from ft_monitor.launcher.goodput import Incident, goodput
@@ -20,13 +25,8 @@ from ft_monitor.launcher.metrics import RankView, Snapshot, registry
 from ft_monitor.launcher.slow_ranks import judge
 from ft_monitor.launcher.telemetry import Telemetry
 from ft_monitor.launcher.torch_events import TorchMetrics, routed
-from ft_monitor.live_view import Row, format_table, to_json
-from ft_monitor.policy import iteration_now
-from ft_monitor.report_html import render
-from ft_monitor.section_stats import SectionHistogram, SectionStats
-from ft_monitor.settings import Settings
-from ft_monitor.state import Session
-from ft_monitor.status import build_status
+from ft_monitor.views.live_view import Row, format_table, to_json
+from ft_monitor.views.report_html import render
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -9,10 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ft_client.timeouts import Timeouts
-from ft_monitor import startup
-from ft_monitor.policy import Deadline, Hang, Reason, check, deadlines, next_deadline
-from ft_monitor.startup import Spawned
-from ft_monitor.state import MAX_OPEN_SECTIONS, Phase, Session, SessionError
+from ft_monitor.core import startup
+from ft_monitor.core.policy import Deadline, Hang, Reason, check, deadlines, next_deadline
+from ft_monitor.core.startup import Spawned
+from ft_monitor.core.state import MAX_OPEN_SECTIONS, Phase, Session, SessionError
 
 T0 = 1000.0  # the handshake, on the daemon's monotonic clock
 
@@ -565,7 +565,7 @@ def test_check_agrees_with_deadlines(
 
 
 def test_a_learned_value_that_switches_on_an_unconfigured_timeout_is_named() -> None:
-    from ft_monitor.handlers import switched_on
+    from ft_monitor.daemon.handlers import switched_on
 
     off, learned = Timeouts(), Timeouts(rank_out_of_section_timeout=5.0, initial_rank_heartbeat_timeout=9.0)
     assert switched_on(off, off, learned) == ["initial_rank_heartbeat_timeout", "rank_out_of_section_timeout"]

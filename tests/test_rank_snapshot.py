@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 
 from ft_client import wire
-from ft_monitor.clock import ManualClock
-from ft_monitor.daemon import MonitorDaemon
-from ft_monitor.native_stacks import PySpy
-from ft_monitor.procinfo import ProcessHandle
-from ft_monitor.snapshot import MonitorSnapshot
-from ft_monitor.state import Phase
+from ft_monitor.core.snapshot import MonitorSnapshot
+from ft_monitor.core.state import Phase
+from ft_monitor.daemon.clock import ManualClock
+from ft_monitor.daemon.monitor import MonitorDaemon
+from ft_monitor.forensics.native_stacks import PySpy
+from ft_monitor.processes.procinfo import ProcessHandle
 from tests.test_daemon_inprocess import FakeOps, Peer, run, settle
 
 ME = os.getpid()

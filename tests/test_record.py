@@ -24,7 +24,7 @@ from ft_client.record import RecordError, RecordWriter, words_for
 from ft_client.record_open import open_record
 from ft_client.record_read import Heartbeats, RecordView, SlotState, decode
 from ft_client.session_info import RecordInfo
-from ft_monitor.record_map import RecordMap, create_record
+from ft_monitor.daemon.record_map import RecordMap, create_record
 
 CREATED = 10**12
 SLOTS_READ = 3

@@ -1,4 +1,4 @@
-"""A progress record applied to a session (ft_monitor.record_sync): pure, plain numbers.
+"""A progress record applied to a session (ft_monitor.core.record_sync): pure, plain numbers.
 
 The central property: whatever the rank did between two reads, once a read is
 applied the session is under exactly the deadlines it would be under had every
@@ -18,11 +18,11 @@ from ft_client import record
 from ft_client.record import RecordError, RecordWriter
 from ft_client.record_read import RecordView, decode
 from ft_client.timeouts import Timeouts
-from ft_monitor.policy import Reason, check, deadlines
-from ft_monitor.policy import iteration_now as policy_iteration_now
-from ft_monitor.record_sync import MAX_TICK, MIN_TICK, RecordSync, tick_for
-from ft_monitor.section_stats import SectionStats
-from ft_monitor.state import Phase, Session
+from ft_monitor.core.policy import Reason, check, deadlines
+from ft_monitor.core.policy import iteration_now as policy_iteration_now
+from ft_monitor.core.record_sync import MAX_TICK, MIN_TICK, RecordSync, tick_for
+from ft_monitor.core.section_stats import SectionStats
+from ft_monitor.core.state import Phase, Session
 
 S = 1_000_000_000  # ns per second
 T0 = 1000.0

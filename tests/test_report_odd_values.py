@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from ft_monitor.launcher.events import SCHEMA, EventSchemaError, read_events, validate_event
-from ft_monitor.report_html import render, write_report
+from ft_monitor.views.report_html import render, write_report
 
 SCALARS = (st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True, allow_infinity=True)
            | st.sampled_from([1e300, -1e300, 10**30, -(10**30), 2**63, 1e15, -1e15]) | st.text(max_size=6))

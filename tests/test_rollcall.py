@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from ft_monitor.fr_digest import digest
+from ft_monitor.core.snapshot import MonitorSnapshot
+from ft_monitor.forensics.fr_digest import digest
 from ft_monitor.launcher.diagnosis import ANSWERED, NO_ANSWER, NOT_RUNNING, HungRank, RankEvidence
 from ft_monitor.launcher.rollcall import Rank, RollCaller, evidence_from
 from ft_monitor.launcher.rollcall_wire import answer_key, read_answer, request_key
 from ft_monitor.launcher.sealed import Sealer, SealError
 from ft_monitor.launcher.store_auth import RollCallAnswer, RollCallRequest, StoreChannel, StoreMessageError
-from ft_monitor.snapshot import MonitorSnapshot
 from tests.test_diagnosis import STACK_IN_ALL_REDUCE, STACK_SLEEPING, trace
 
 SECRET = b"k" * 32
@@ -205,7 +205,7 @@ def test_the_rank_writes_its_trace_or_why_there_is_none(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    from ft_monitor.fr_digest import digest
+    from ft_monitor.forensics.fr_digest import digest
     from tests.procs import ROOT
 
     # A file rendezvous: a port picked free here was once taken before the child bound it.
@@ -228,7 +228,7 @@ def test_the_rank_writes_its_trace_or_why_there_is_none(tmp_path: Path) -> None:
 
 
 def test_a_rank_is_running_until_it_exits_a_zombie_is_not() -> None:
-    from ft_monitor import procinfo
+    from ft_monitor.processes import procinfo
 
     child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
     try:

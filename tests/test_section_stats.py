@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from ft_client.timeouts import Timeouts
-from ft_monitor.section_stats import (
+from ft_monitor.core.section_stats import (
     BOUNDS,
     MAX_TRACKED_SECTIONS,
     RECENT,
@@ -16,8 +16,8 @@ from ft_monitor.section_stats import (
     SectionStats,
     SectionStatsError,
 )
-from ft_monitor.state import Session
-from ft_monitor.status import MonitorStatus, StatusError, build_status, format_status
+from ft_monitor.core.state import Session
+from ft_monitor.core.status import MonitorStatus, StatusError, build_status, format_status
 
 
 def test_histogram_buckets_are_inclusive_upper_bounds_and_cumulative_ends_at_the_count() -> None:

@@ -1,4 +1,4 @@
-"""ft_monitor.settings: the typed settings the daemon runs from, and the ServeSpec that
+"""ft_monitor.core.settings: the typed settings the daemon runs from, and the ServeSpec that
 `--check-serve` prints and ft-launcher writes for `--run-checked`."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 
 from ft_monitor import cli
 from ft_monitor.config import FaultToleranceConfig, load_config
-from ft_monitor.settings import ServeSpec, Settings, SettingsError
+from ft_monitor.core.settings import ServeSpec, Settings, SettingsError
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -209,12 +209,12 @@ def test_check_serve_prints_a_serve_spec(capsys: pytest.CaptureFixture[str], mon
 @pytest.mark.usefixtures("clean_logging")
 def test_run_checked_refuses_a_bad_file_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    import ft_monitor.server
+    import ft_monitor.daemon.server
 
     async def forbidden(*args: Any, **kwargs: Any) -> int:
         raise AssertionError("served from a bad spec")
 
-    monkeypatch.setattr(ft_monitor.server, "run_daemon", forbidden)
+    monkeypatch.setattr(ft_monitor.daemon.server, "run_daemon", forbidden)
     bad = tmp_path / "monitor0.json"
     bad.write_text(json.dumps({"config": {"max_connections": 0}, "socket": str(tmp_path / "r.sock")}))
     assert cli.main([cli.RUN_CHECKED, str(bad)]) == cli.EXIT_USAGE
@@ -226,7 +226,7 @@ def test_run_checked_refuses_a_bad_file_in_one_line(tmp_path: Path, capsys: pyte
 
 @pytest.mark.usefixtures("clean_logging")
 def test_run_checked_serves_what_the_spec_says(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import ft_monitor.server
+    import ft_monitor.daemon.server
 
     seen: dict[str, Any] = {}
 
@@ -235,7 +235,7 @@ def test_run_checked_serves_what_the_spec_says(tmp_path: Path, monkeypatch: pyte
         seen.update(settings=settings, socket=socket, command=command, launcher_socket=launcher_socket)
         return 0
 
-    monkeypatch.setattr(ft_monitor.server, "run_daemon", fake_run_daemon)
+    monkeypatch.setattr(ft_monitor.daemon.server, "run_daemon", fake_run_daemon)
     spec = ServeSpec(Settings(log_level=30), str(tmp_path / "r.sock"), loop="asyncio", launcher_socket="/l.sock")
     path = tmp_path / "monitor0.json"
     path.write_text(spec.to_json())
@@ -244,7 +244,7 @@ def test_run_checked_serves_what_the_spec_says(tmp_path: Path, monkeypatch: pyte
 
 
 def test_the_daemon_still_imports_no_pydantic() -> None:
-    code = ("import sys, ft_monitor.settings, ft_monitor.server, ft_monitor.cli; "
+    code = ("import sys, ft_monitor.core.settings, ft_monitor.daemon.server, ft_monitor.cli; "
             "bad = [m for m in ('pydantic', 'yaml', 'torch') if m in sys.modules]; print(bad); sys.exit(bool(bad))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr

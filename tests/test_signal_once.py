@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from ft_monitor.clock import SystemClock
-from ft_monitor.executor import HangCase, HangExecutor, RealProcessOps
-from ft_monitor.exits import ExitWatch
-from ft_monitor.policy import Hang, Reason
-from ft_monitor.procinfo import PinnedGroup, ProcessHandle
+from ft_monitor.core.policy import Hang, Reason
+from ft_monitor.daemon.clock import SystemClock
+from ft_monitor.daemon.executor import HangCase, HangExecutor, RealProcessOps
+from ft_monitor.processes.exits import ExitWatch
+from ft_monitor.processes.procinfo import PinnedGroup, ProcessHandle
 from tests.procs import Rank
 
 pytestmark = pytest.mark.e2e

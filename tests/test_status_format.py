@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ft_monitor.status import format_status
+from ft_monitor.core.status import format_status
 
 
 def timeouts(**changes: Any) -> dict[str, Any]:
@@ -167,7 +167,7 @@ def test_status_from_a_real_timeouts_map() -> None:
 
 def test_the_last_exit_travels_in_status_and_anything_else_there_is_none() -> None:
     from ft_client.timeouts import Timeouts
-    from ft_monitor.status import ExitSummary, MonitorStatus, build_status
+    from ft_monitor.core.status import ExitSummary, MonitorStatus, build_status
 
     exit_ = ExitSummary(4242, "RuntimeError: bad batch", 123.5)
     st = build_status(now=200.0, monitor_pid=1, socket="/s", started_at=100.0, sessions=1, timeouts=Timeouts(),

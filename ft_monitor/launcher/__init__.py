@@ -17,7 +17,7 @@ torch's. The subclass adds what the monitors need:
 * a restart budget that stops early when restarts make no progress (`progress`).
 
 The launcher and its daemons run with the same typed settings
-(`ft_monitor.settings.Settings`, validated once by `ft_monitor.config`).
+(`ft_monitor.core.settings.Settings`, validated once by `ft_monitor.config`).
 
 Usage is torchrun's, plus ``--ft-<field>`` flags and ``--ft-cfg-path``::
 

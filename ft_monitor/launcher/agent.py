@@ -59,6 +59,11 @@ from ft_client.jobkey import INPROCESS_KEY_ENV, launcher_inprocess_key
 from ft_client.process_group import PROCESS_GROUP_TIMEOUT_ENV
 from ft_client.startup import worker_env as startup_env
 from ft_client.workload import WorkloadAction
+from ft_monitor.core.notices import HangNotice
+from ft_monitor.core.policy import Reason
+from ft_monitor.core.server_log import printable
+from ft_monitor.core.settings import Settings
+from ft_monitor.core.startup import dump_spec
 from ft_monitor.launcher import exit_codes
 from ft_monitor.launcher.control import EventKind, LauncherEvent, LauncherServer
 from ft_monitor.launcher.decide import (
@@ -92,12 +97,7 @@ from ft_monitor.launcher.store_auth import (
     StoreChannel,
     StoreMessageError,
 )
-from ft_monitor.notices import HangNotice
-from ft_monitor.policy import Reason
-from ft_monitor.procinfo import descends_from
-from ft_monitor.server_log import printable
-from ft_monitor.settings import Settings
-from ft_monitor.startup import dump_spec
+from ft_monitor.processes.procinfo import descends_from
 
 log = logging.getLogger("ft_monitor.launcher")
 

@@ -24,9 +24,9 @@ from enum import Enum
 
 from ft_client import wire
 from ft_client.workload import WorkloadAction
-from ft_monitor.notices import HangNotice, NoticeError
-from ft_monitor.procinfo import peer_credentials
-from ft_monitor.server_log import printable
+from ft_monitor.core.notices import HangNotice, NoticeError
+from ft_monitor.core.server_log import printable
+from ft_monitor.processes.procinfo import peer_credentials
 
 log = logging.getLogger("ft_monitor.launcher")
 

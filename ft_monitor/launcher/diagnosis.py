@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ft_client.errors import FtError
-from ft_monitor import stacks
-from ft_monitor.fr_digest import FrDigest
+from ft_monitor.forensics import stacks
+from ft_monitor.forensics.fr_digest import FrDigest
 
 SCHEMA = "ft-monitor/diagnosis"
 VERSION = 1

@@ -17,7 +17,7 @@ from __future__ import annotations
 import signal
 from collections.abc import Iterable
 
-from ft_monitor.procinfo import PinnedGroup, ProcessHandle
+from ft_monitor.processes.procinfo import PinnedGroup, ProcessHandle
 
 
 class WorkerGroups:

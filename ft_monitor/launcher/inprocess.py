@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ft_client.inprocess import timeline
-from ft_monitor.notices import HangNotice
-from ft_monitor.status import InprocessRestart
+from ft_monitor.core.notices import HangNotice
+from ft_monitor.core.status import InprocessRestart
 
 
 @dataclass

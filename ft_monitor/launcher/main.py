@@ -25,11 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from ft_client.safefiles import write_json_atomic
-from ft_monitor import timeout_order
 from ft_monitor.config import ConfigError, FaultToleranceConfig, add_config_flags, cli_overrides, load_config
+from ft_monitor.core import timeout_order
+from ft_monitor.core.settings import Settings, SettingsError
 from ft_monitor.launcher import exit_codes, torch_support
 from ft_monitor.launcher.store_auth import SECRET_FILE_ENV, SecretError, load_job_secret
-from ft_monitor.settings import Settings, SettingsError
 
 log = logging.getLogger("ft_monitor.launcher")
 
@@ -73,7 +73,7 @@ def status_main(argv: list[str]) -> int:
     """`ft-launcher status [DIR ...] [--json] [--watch [S]] [--count N]`: the live view of running launchers
     (DIR: a launcher's run directory; default: every one of this user's under /tmp)."""
     from ft_monitor.cli import EXIT_FAILURE, add_live_view_flags, live_view
-    from ft_monitor.live_view import find_run_dirs
+    from ft_monitor.views.live_view import find_run_dirs
 
     parser = argparse.ArgumentParser(prog="ft-launcher status", description=status_main.__doc__)
     parser.add_argument("dirs", nargs="*", metavar="DIR")

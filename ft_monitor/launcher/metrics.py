@@ -22,8 +22,8 @@ from prometheus_client import CollectorRegistry, write_to_textfile
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from ft_monitor.core.section_stats import SectionHistogram
 from ft_monitor.launcher.goodput import Goodput
-from ft_monitor.section_stats import SectionHistogram
 
 log = logging.getLogger("ft_monitor.launcher")
 

@@ -22,11 +22,11 @@ from ft_client import wire
 from ft_client.observer import ping, try_status
 from ft_client.parent_death import die_with_parent
 from ft_client.transport import TransportError, connect
-from ft_monitor.cli import RUN_CHECKED
-from ft_monitor.escalation import terminate_then_kill
-from ft_monitor.monitor_process import MonitorStartError
-from ft_monitor.settings import ServeSpec, Settings
-from ft_monitor.status import MonitorStatus, StatusError
+from ft_monitor.core.serve_argv import RUN_CHECKED
+from ft_monitor.core.settings import ServeSpec, Settings
+from ft_monitor.core.status import MonitorStatus, StatusError
+from ft_monitor.daemon.monitor_process import MonitorStartError
+from ft_monitor.processes.escalation import terminate_then_kill
 
 log = logging.getLogger("ft_monitor.launcher")
 

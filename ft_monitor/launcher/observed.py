@@ -18,11 +18,11 @@ from typing import Any
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 
+from ft_monitor.core.notices import HangNotice
 from ft_monitor.launcher.agent import FtLocalElasticAgent
 from ft_monitor.launcher.control import EventKind, LauncherEvent
 from ft_monitor.launcher.decide import HangDecision
 from ft_monitor.launcher.telemetry import Telemetry
-from ft_monitor.notices import HangNotice
 
 log = logging.getLogger("ft_monitor.launcher")
 

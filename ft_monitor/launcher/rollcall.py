@@ -35,8 +35,9 @@ from ft_client import wire
 from ft_client.flight_recorder import ERROR_KEY
 from ft_client.safefiles import read_bounded, read_span, write_json_atomic
 from ft_client.transport import TransportError, connect
-from ft_monitor import procinfo
-from ft_monitor.fr_digest import digest
+from ft_monitor.core.server_log import printable
+from ft_monitor.core.snapshot import FR_NOTE, STARTING, MonitorSnapshot, SnapshotError
+from ft_monitor.forensics.fr_digest import digest
 from ft_monitor.launcher.diagnosis import (
     ANSWERED,
     MAX_NATIVE_CHARS,
@@ -61,9 +62,7 @@ from ft_monitor.launcher.rollcall_wire import (
 )
 from ft_monitor.launcher.sealed import Sealer
 from ft_monitor.launcher.store_auth import RollCallRequest, StoreChannel, StoreMessageError
-from ft_monitor.rank_snapshot import FR_NOTE
-from ft_monitor.server_log import printable
-from ft_monitor.snapshot import STARTING, MonitorSnapshot, SnapshotError
+from ft_monitor.processes import procinfo
 
 log = logging.getLogger("ft_monitor.launcher")
 

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from ft_client.safefiles import read_bounded, write_json_atomic
+from ft_monitor.core.notices import HangNotice
 from ft_monitor.launcher.store_auth import HangRecord
-from ft_monitor.notices import HangNotice
 
 MAX_STACK_CHARS = 64 * 1024
 

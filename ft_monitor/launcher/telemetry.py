@@ -26,14 +26,14 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ft_client.timeouts import STEP_SECTION
+from ft_monitor.core.section_stats import SectionHistogram, median
+from ft_monitor.core.status import MonitorStatus
 from ft_monitor.launcher.events import EventLog
 from ft_monitor.launcher.goodput import Goodput, Incident, goodput
 from ft_monitor.launcher.metrics import RankView, Snapshot
 from ft_monitor.launcher.slow_ranks import MIN_SAMPLES, SlowVerdict, judge
 from ft_monitor.launcher.store_auth import StepTimes, StoreChannel, StoreMessageError
 from ft_monitor.launcher.torch_events import TorchMetrics
-from ft_monitor.section_stats import SectionHistogram, median
-from ft_monitor.status import MonitorStatus
 
 log = logging.getLogger("ft_monitor.launcher")
 

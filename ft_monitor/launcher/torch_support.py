@@ -18,7 +18,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from ft_monitor.timeout_order import Limit
+from ft_monitor.core.timeout_order import Limit
 
 TESTED = ("2.13",)
 """torch minor versions the launcher's tests ran on (pyproject.toml: torch>=2.13,<2.14)."""

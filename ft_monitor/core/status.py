@@ -14,9 +14,9 @@ from typing import Any
 
 from ft_client.errors import FtError
 from ft_client.timeouts import Timeouts
-from ft_monitor.policy import next_deadline
-from ft_monitor.section_stats import RECENT, SectionStats, SectionStatsError
-from ft_monitor.state import Session
+from ft_monitor.core.policy import next_deadline
+from ft_monitor.core.section_stats import RECENT, SectionStats, SectionStatsError
+from ft_monitor.core.state import Session
 
 MAX_STATUS_SECTIONS = 50
 """Open sections listed in a STATUS reply (the rest are counted): the reply must fit a frame."""

@@ -28,8 +28,8 @@ from types import TracebackType
 
 from ft_client.errors import FtError
 from ft_client.observer import ping
-from ft_monitor.cli import RUN_CHECKED
-from ft_monitor.settings import ServeSpec
+from ft_monitor.core.serve_argv import RUN_CHECKED
+from ft_monitor.core.settings import ServeSpec
 
 READY_POLL_INTERVAL = 0.01
 STOP_GRACE = 5.0

@@ -29,16 +29,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ft_monitor import dump_file, startup
-from ft_monitor.clock import Timer
-from ft_monitor.executor import HangCase
-from ft_monitor.procinfo import ProcessHandle, catches_signal, descends_from
-from ft_monitor.rank import report_name
-from ft_monitor.state import Session
-from ft_monitor.status import HangSummary
+from ft_monitor.core import startup
+from ft_monitor.core.state import Session
+from ft_monitor.core.status import HangSummary
+from ft_monitor.daemon.clock import Timer
+from ft_monitor.daemon.executor import HangCase
+from ft_monitor.daemon.rank import report_name
+from ft_monitor.forensics import dump_file
+from ft_monitor.processes.procinfo import ProcessHandle, catches_signal, descends_from
 
 if TYPE_CHECKING:
-    from ft_monitor.daemon import MonitorDaemon
+    from ft_monitor.daemon.monitor import MonitorDaemon
 
 log = logging.getLogger("ft_monitor.server")
 

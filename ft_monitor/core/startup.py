@@ -22,8 +22,8 @@ import os
 from dataclasses import dataclass
 
 from ft_client.startup import StartupDump
-from ft_monitor.policy import Deadline, Hang, Reason
-from ft_monitor.settings import Settings
+from ft_monitor.core.policy import Deadline, Hang, Reason
+from ft_monitor.core.settings import Settings
 
 STARTUP_UNTIL = ("handshake", "first_step")
 """Where a worker's start-up ends: its handshake with the monitor, or its first heartbeat

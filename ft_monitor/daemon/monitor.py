@@ -33,25 +33,25 @@ from typing import Any
 from ft_client import wire
 from ft_client.safefiles import private_dir_problem
 from ft_client.timeouts import Timeouts
-from ft_monitor import handlers, record_watch
-from ft_monitor.clock import Clock, SystemClock, Timer
-from ft_monitor.connection import Connection
-from ft_monitor.deadline import DeadlineTimer
-from ft_monitor.executor import HangCase, HangExecutor, PendingDump, ProcessOps, RealProcessOps
-from ft_monitor.exits import ExitWatch
-from ft_monitor.fdlimits import FdReserve, connections_that_fit, raise_fd_limit
-from ft_monitor.launcher_link import LauncherHandoff
-from ft_monitor.listener import ListenerError, bind_unix_listener, remove_socket_file
-from ft_monitor.policy import Hang, Reason, check, deadline_inputs, iteration_now, next_deadline
-from ft_monitor.procinfo import describe_wait_status, zombie_exit_status
-from ft_monitor.rank import Hold, RankResources
-from ft_monitor.rank_snapshot import RankSnapshots
-from ft_monitor.section_stats import SectionStats
-from ft_monitor.server_log import printable
-from ft_monitor.settings import Settings
-from ft_monitor.startup_watch import StartupWatch
-from ft_monitor.state import Phase, Session
-from ft_monitor.status import ExitSummary, HangSummary, InprocessRestart, MonitorStatus, build_status
+from ft_monitor.core.policy import Hang, Reason, check, deadline_inputs, iteration_now, next_deadline
+from ft_monitor.core.section_stats import SectionStats
+from ft_monitor.core.server_log import printable
+from ft_monitor.core.settings import Settings
+from ft_monitor.core.state import Phase, Session
+from ft_monitor.core.status import ExitSummary, HangSummary, InprocessRestart, MonitorStatus, build_status
+from ft_monitor.daemon import handlers, record_watch
+from ft_monitor.daemon.clock import Clock, SystemClock, Timer
+from ft_monitor.daemon.connection import Connection
+from ft_monitor.daemon.deadline import DeadlineTimer
+from ft_monitor.daemon.executor import HangCase, HangExecutor, PendingDump, ProcessOps, RealProcessOps
+from ft_monitor.daemon.fdlimits import FdReserve, connections_that_fit, raise_fd_limit
+from ft_monitor.daemon.launcher_link import LauncherHandoff
+from ft_monitor.daemon.listener import ListenerError, bind_unix_listener, remove_socket_file
+from ft_monitor.daemon.rank import Hold, RankResources
+from ft_monitor.daemon.rank_snapshot import RankSnapshots
+from ft_monitor.daemon.startup_watch import StartupWatch
+from ft_monitor.processes.exits import ExitWatch
+from ft_monitor.processes.procinfo import describe_wait_status, zombie_exit_status
 
 log = logging.getLogger("ft_monitor.server")
 

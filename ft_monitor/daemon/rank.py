@@ -23,15 +23,15 @@ from typing import TYPE_CHECKING
 
 from ft_client.safefiles import open_append, private_dir_problem
 from ft_client.startup import stack_dump_name
-from ft_monitor import dump_file
-from ft_monitor.connection import Connection
-from ft_monitor.exits import ExitWatch
-from ft_monitor.procinfo import ProcessHandle
-from ft_monitor.server_log import LOG_FORMAT
-from ft_monitor.state import Session
+from ft_monitor.core.server_log import LOG_FORMAT
+from ft_monitor.core.state import Session
+from ft_monitor.daemon.connection import Connection
+from ft_monitor.forensics import dump_file
+from ft_monitor.processes.exits import ExitWatch
+from ft_monitor.processes.procinfo import ProcessHandle
 
 if TYPE_CHECKING:
-    from ft_monitor.record_watch import RankRecord
+    from ft_monitor.daemon.record_watch import RankRecord
 
 log = logging.getLogger("ft_monitor.server")
 

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from ft_client.timeouts import STEP_SECTION
-from ft_monitor.server_log import printable
-from ft_monitor.status import MonitorStatus, StatusError
+from ft_monitor.core.server_log import printable
+from ft_monitor.core.status import MonitorStatus, StatusError
 
 RUN_DIR_GLOB = "ft-launcher-*"
 

@@ -27,14 +27,14 @@ from pathlib import Path
 from typing import Protocol
 
 from ft_client.safefiles import write_json_atomic
-from ft_monitor import dump_file
-from ft_monitor.clock import Clock, to_wall
-from ft_monitor.escalation import terminate_then_kill
-from ft_monitor.exits import ExitWatch
-from ft_monitor.policy import Hang
-from ft_monitor.procinfo import PinnedGroup, ProcessHandle, descendants
-from ft_monitor.report import REPORT_VERSION, HangReport
-from ft_monitor.server_log import printable
+from ft_monitor.core.policy import Hang
+from ft_monitor.core.report import REPORT_VERSION, HangReport
+from ft_monitor.core.server_log import printable
+from ft_monitor.daemon.clock import Clock, to_wall
+from ft_monitor.forensics import dump_file
+from ft_monitor.processes.escalation import terminate_then_kill
+from ft_monitor.processes.exits import ExitWatch
+from ft_monitor.processes.procinfo import PinnedGroup, ProcessHandle, descendants
 
 _POLL = 0.01
 

@@ -14,9 +14,9 @@ import os
 import signal
 from collections.abc import Callable
 
-from ft_monitor.child import run_command
-from ft_monitor.daemon import MonitorDaemon
-from ft_monitor.settings import Settings
+from ft_monitor.core.settings import Settings
+from ft_monitor.daemon.child import run_command
+from ft_monitor.daemon.monitor import MonitorDaemon
 
 log = logging.getLogger("ft_monitor.server")
 

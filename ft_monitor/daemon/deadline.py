@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ft_monitor.clock import Clock, Timer
+from ft_monitor.daemon.clock import Clock, Timer
 
 
 class DeadlineTimer:

@@ -14,12 +14,12 @@ import logging
 from typing import TYPE_CHECKING
 
 from ft_client import wire
-from ft_monitor.clock import to_wall
-from ft_monitor.notices import HangNotice
+from ft_monitor.core.notices import HangNotice
+from ft_monitor.daemon.clock import to_wall
 
 if TYPE_CHECKING:
-    from ft_monitor.clock import Clock
-    from ft_monitor.executor import HangCase
+    from ft_monitor.daemon.clock import Clock
+    from ft_monitor.daemon.executor import HangCase
 
 log = logging.getLogger("ft_monitor.launcher_link")
 

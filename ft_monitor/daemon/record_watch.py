@@ -35,14 +35,14 @@ from ft_client import record, wire
 from ft_client.record import RecordError, words_for
 from ft_client.record_read import decode
 from ft_client.session_info import RecordInfo, SessionInfo
-from ft_monitor.record_map import RecordSource, RecordUnavailable, create_record
-from ft_monitor.record_sync import Applied, RecordSync, tick_for
-from ft_monitor.server_log import printable
-from ft_monitor.state import Phase, Session, SessionError
+from ft_monitor.core.record_sync import Applied, RecordSync, tick_for
+from ft_monitor.core.server_log import printable
+from ft_monitor.core.state import Phase, Session, SessionError
+from ft_monitor.daemon.record_map import RecordSource, RecordUnavailable, create_record
 
 if TYPE_CHECKING:
-    from ft_monitor.daemon import MonitorDaemon
-    from ft_monitor.rank import RankResources
+    from ft_monitor.daemon.monitor import MonitorDaemon
+    from ft_monitor.daemon.rank import RankResources
 
 log = logging.getLogger("ft_monitor.server")
 

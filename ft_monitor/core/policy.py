@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from ft_monitor.state import Phase, Session
+from ft_monitor.core.state import Phase, Session
 
 
 class Reason(Enum):

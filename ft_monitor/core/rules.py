@@ -4,7 +4,7 @@ Each rule takes a value in its typed (JSON) form and returns it typed, or raises
 ValueError whose text is the rule, as a user reads it. `ft_monitor.config`
 (pydantic: YAML, FT_<FIELD>, --ft-<field>) turns text forms ("none", "30",
 "SIGTERM", "step:30") into values and then applies these rules;
-`ft_monitor.settings` (what the daemon runs from, without pydantic) applies the
+`ft_monitor.core.settings` (what the daemon runs from, without pydantic) applies the
 same rules to the JSON it is handed. A rule changed here changes both.
 """
 

@@ -18,10 +18,10 @@ import signal
 from ft_client.env import RANK_MONITOR_SOCKET, rank_from_env
 from ft_client.process_group import PROCESS_GROUP_TIMEOUT_ENV
 from ft_client.startup import worker_env as startup_env
-from ft_monitor.daemon import MonitorDaemon
-from ft_monitor.escalation import terminate_then_kill
-from ft_monitor.procinfo import ProcessHandle, describe_wait_status, signal_group
-from ft_monitor.startup import dump_spec
+from ft_monitor.core.startup import dump_spec
+from ft_monitor.daemon.monitor import MonitorDaemon
+from ft_monitor.processes.escalation import terminate_then_kill
+from ft_monitor.processes.procinfo import ProcessHandle, describe_wait_status, signal_group
 
 log = logging.getLogger("ft_monitor.server")
 

@@ -27,7 +27,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ft_monitor.settings import Settings
+from ft_monitor.core.settings import Settings
 
 NCCL_HEARTBEAT_ENV = "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"
 NCCL_MONITORING_ENV = "TORCH_NCCL_ENABLE_MONITORING"

@@ -20,15 +20,15 @@ from ft_client import wire
 from ft_client.inprocess import timeline
 from ft_client.session_info import SessionInfo
 from ft_client.timeouts import Timeouts, TimeoutsError
-from ft_monitor import record_watch
-from ft_monitor.connection import Connection
-from ft_monitor.rank import RankResources, error_file_from_hello
-from ft_monitor.server_log import printable
-from ft_monitor.state import Phase, Session, SessionError
-from ft_monitor.status import ExitSummary, InprocessRestart
+from ft_monitor.core.server_log import printable
+from ft_monitor.core.state import Phase, Session, SessionError
+from ft_monitor.core.status import ExitSummary, InprocessRestart
+from ft_monitor.daemon import record_watch
+from ft_monitor.daemon.connection import Connection
+from ft_monitor.daemon.rank import RankResources, error_file_from_hello
 
 if TYPE_CHECKING:
-    from ft_monitor.daemon import MonitorDaemon
+    from ft_monitor.daemon.monitor import MonitorDaemon
 
 log = logging.getLogger("ft_monitor.server")
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 
-from ft_monitor.procinfo import ProcessHandle
+from ft_monitor.processes.procinfo import ProcessHandle
 
 POLL = 0.01
 """Seconds between liveness checks where a process has no pidfd to watch."""

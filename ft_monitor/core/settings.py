@@ -36,7 +36,7 @@ from typing import Any
 
 from ft_client.errors import FtError
 from ft_client.timeouts import Timeouts
-from ft_monitor import rules
+from ft_monitor.core import rules
 
 LOOPS = ("auto", "asyncio", "uvloop")
 

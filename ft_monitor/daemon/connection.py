@@ -22,8 +22,8 @@ import termios
 from typing import Protocol
 
 from ft_client import wire
-from ft_monitor.clock import Clock, Timer
-from ft_monitor.procinfo import ProcessHandle, peer_credentials, peer_pidfd
+from ft_monitor.daemon.clock import Clock, Timer
+from ft_monitor.processes.procinfo import ProcessHandle, peer_credentials, peer_pidfd
 
 log = logging.getLogger("ft_monitor.server")
 

@@ -28,6 +28,8 @@ class SnapshotError(FtError, ValueError):
 STARTING = "starting"
 """The phase of a worker that has not connected to its monitor yet (dumped through the
 start-up hook's faulthandler: it may wait in ``init_process_group`` or never get there)."""
+FR_NOTE = "Flight Recorder:"
+"""How the notes about the Flight Recorder trace start (the launcher picks them out)."""
 
 
 @dataclass(frozen=True, slots=True)

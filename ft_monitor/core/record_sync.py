@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from ft_client.record import SLOTS, RecordError
 from ft_client.record_read import Heartbeats, RecordView, SlotState
 from ft_client.timeouts import STEP_SECTION, Timeouts
-from ft_monitor.state import Phase, Session, SessionError
+from ft_monitor.core.state import Phase, Session, SessionError
 
 SLACK_NS = 1_000_000
 """A time this far past the monitor's clock is still accepted (the float seconds the

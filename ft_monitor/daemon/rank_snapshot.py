@@ -30,25 +30,23 @@ from typing import TYPE_CHECKING
 
 from ft_client import wire
 from ft_client.safefiles import write_bytes_atomic
-from ft_monitor import dump_file
-from ft_monitor.executor import _POLL, wait_for_dump
-from ft_monitor.native_stacks import NativeStacks, PySpy
-from ft_monitor.policy import iteration_now
-from ft_monitor.procinfo import ProcessHandle, catches_signal
-from ft_monitor.snapshot import STARTING, MonitorSnapshot
-from ft_monitor.state import Phase
+from ft_monitor.core.policy import iteration_now
+from ft_monitor.core.snapshot import FR_NOTE, STARTING, MonitorSnapshot
+from ft_monitor.core.state import Phase
+from ft_monitor.daemon.executor import _POLL, wait_for_dump
+from ft_monitor.forensics import dump_file
+from ft_monitor.forensics.native_stacks import NativeStacks, PySpy
+from ft_monitor.processes.procinfo import ProcessHandle, catches_signal
 
 if TYPE_CHECKING:
-    from ft_monitor.connection import Connection
-    from ft_monitor.daemon import MonitorDaemon
-    from ft_monitor.rank import RankResources
-    from ft_monitor.startup_watch import Starting
+    from ft_monitor.daemon.connection import Connection
+    from ft_monitor.daemon.monitor import MonitorDaemon
+    from ft_monitor.daemon.rank import RankResources
+    from ft_monitor.daemon.startup_watch import Starting
 
 log = logging.getLogger("ft_monitor.server")
 
 MAX_TIMEOUT = 600.0
-FR_NOTE = "Flight Recorder:"
-"""How the notes about the Flight Recorder trace start (the launcher picks them out)."""
 
 
 class RankSnapshots:

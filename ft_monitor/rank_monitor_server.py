@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from ft_monitor.core.server_log import LOG_FORMAT
 from ft_monitor.core.settings import ServeSpec, Settings, SettingsError
 from ft_monitor.daemon.listener import check_socket_path
-from ft_monitor.daemon.monitor_process import MonitorProcess
+from ft_monitor.processes.monitor_process import MonitorProcess
 
 if TYPE_CHECKING:
     from ft_monitor.config import FaultToleranceConfig

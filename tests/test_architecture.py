@@ -19,8 +19,8 @@ ROOMS_BELOW: dict[str, set[str]] = {
     "forensics": {"core"},
     "processes": {"core"},
     "daemon": {"core", "forensics", "processes"},
-    "launcher": {"core", "forensics", "processes", "daemon"},
-    "views": {"core", "forensics", "processes", "daemon", "launcher"},
+    "launcher": {"core", "forensics", "processes"},
+    "views": {"core", "forensics", "processes", "launcher"},
 }
 ENTRY_POINTS = {
     # the command lines and the public façade: they may import any room
@@ -167,7 +167,7 @@ def test_the_clients_vocabulary_does_not_reach_the_connection(graph: dict[str, s
 
 def test_the_core_imports_no_io_library() -> None:
     """The pure core decides; sockets, processes and event loops are the other rooms' business."""
-    banned = {"socket", "subprocess", "asyncio", "selectors", "threading", "signal_unused"}
+    banned = {"socket", "subprocess", "asyncio", "selectors", "threading", "multiprocessing", "mmap"}
     found = []
     for path in (ROOT / "ft_monitor" / "core").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -175,3 +175,11 @@ def test_the_core_imports_no_io_library() -> None:
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             found += [(path.name, n) for n in names if n.split(".")[0] in banned]
     assert found == []
+
+
+def test_the_training_process_side_imports_nothing_of_the_monitor(graph: dict[str, set[str]]) -> None:
+    """ft_client runs in the training process: it speaks the protocol, it never loads the
+    daemon's or the launcher's code (whose imports it would pay for at every start)."""
+    wrong = sorted((m, d) for m, deps in graph.items() if m.startswith("ft_client")
+                   for d in deps if d.startswith("ft_monitor"))
+    assert wrong == []

@@ -21,7 +21,7 @@ import ft_monitor
 from ft_client import FtError, RankMonitorClient
 from ft_monitor.core.settings import Settings, SettingsError
 from ft_monitor.daemon.listener import ListenerError
-from ft_monitor.daemon.monitor_process import MonitorStartError
+from ft_monitor.processes.monitor_process import MonitorStartError
 from tests.procs import ROOT, pid_alive, ping, status, wait_until
 
 pytestmark = pytest.mark.e2e

@@ -1,5 +1,5 @@
 """How the daemon's internal command lines are spelled: shared by `ft_monitor.cli`, which
-reads them, and those who start a daemon (`ft_monitor.daemon.monitor_process`, the launcher's
+reads them, and those who start a daemon (`ft_monitor.processes.monitor_process`, the launcher's
 monitors), which must not import the CLI. Constants only, so the CLI's import stays cheap."""
 
 CHECK_SERVE = "--check-serve"

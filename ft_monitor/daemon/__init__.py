@@ -6,8 +6,9 @@ whose messages `handlers` acts on), the rank (`rank`: its progress record, `reco
 (`deadline`, on the one `clock`) and what a hang sets off (`executor`, which reports,
 dumps, hands off to the launcher through `launcher_link`, or stops the rank; the roll
 call's dump, `rank_snapshot`). `server` runs it as a process and `child` is the command it
-may start; `monitor_process` starts a daemon as a child process (what `RankMonitorServer`
-and the launcher use). `fdlimits` keeps it from running short of descriptors.
+may start (``serve -- CMD``). `fdlimits` keeps it from running short of descriptors. Every
+module here runs inside the daemon's process; what starts a daemon from another process is
+`ft_monitor.processes.monitor_process`.
 
 May import: the core, forensics and processes rooms, and ft_client. Never the launcher or
 the views. The handlers and watchers get the narrow interfaces they use, not the daemon.

@@ -25,8 +25,8 @@ from ft_client.transport import TransportError, connect
 from ft_monitor.core.serve_argv import RUN_CHECKED
 from ft_monitor.core.settings import ServeSpec, Settings
 from ft_monitor.core.status import MonitorStatus, StatusError
-from ft_monitor.daemon.monitor_process import MonitorStartError
 from ft_monitor.processes.escalation import terminate_then_kill
+from ft_monitor.processes.monitor_process import MonitorStartError
 
 log = logging.getLogger("ft_monitor.launcher")
 

@@ -2,6 +2,6 @@
 report` (`report_html`) and `ft-monitor status --all` / `ft-launcher status --watch`
 (`live_view`). They read what the daemon and the launcher wrote; they decide nothing.
 
-May import: every room below it (core, forensics, processes, daemon, launcher). Nothing
+May import: the rooms below it (core, forensics, processes, launcher), never the daemon. Nothing
 imports a view except the command-line entry points (`ft_monitor.cli`, `ft_monitor.launcher.main`).
 """

@@ -36,11 +36,11 @@ from ft_client.session_info import RecordInfo, SessionInfo
 from ft_monitor.core.record_sync import tick_for
 from ft_monitor.core.server_log import printable
 from ft_monitor.core.state import Phase, SessionError
+from ft_monitor.daemon.ports import RecordHost
 from ft_monitor.daemon.rank_record import RankRecord
 from ft_monitor.daemon.record_map import RecordUnavailable, create_record
 
 if TYPE_CHECKING:
-    from ft_monitor.daemon.monitor import MonitorDaemon
     from ft_monitor.daemon.rank import RankResources
 
 log = logging.getLogger("ft_monitor.server")
@@ -50,7 +50,7 @@ _logged: set[str] = set()
 
 
 # -- the handshake ---------------------------------------------------------------------
-def offer(d: MonitorDaemon, info: dict[str, Any]) -> tuple[int, RankRecord] | None:
+def offer(d: RecordHost, info: dict[str, Any]) -> tuple[int, RankRecord] | None:
     """A record for the rank whose HELLO carried ``info``, if it asked and one can be made."""
     asked = info.get("record")
     if not d.config.progress_record or isinstance(asked, bool) or asked != record.VERSION:
@@ -92,7 +92,7 @@ def send_hello_ok(rank: RankResources, info: SessionInfo, offered: tuple[int, Ra
 
 
 # -- reading ---------------------------------------------------------------------------
-def sync(d: MonitorDaemon, rank: RankResources) -> None:
+def sync(d: RecordHost, rank: RankResources) -> None:
     """Apply what the rank stored since the last read; refuse a record that breaks the rules."""
     rr = rank.record
     if rr is None:
@@ -140,7 +140,7 @@ def tick(rank: RankResources) -> float | None:
 
 
 # -- the rank's messages about it ----------------------------------------------------------
-def section_slot(d: MonitorDaemon, rank: RankResources, msg: wire.SectionSlot) -> None:
+def section_slot(d: RecordHost, rank: RankResources, msg: wire.SectionSlot) -> None:
     rr = rank.record
     if rr is None:
         return  # declined or refused: the rank's stores are not read
@@ -150,7 +150,7 @@ def section_slot(d: MonitorDaemon, rank: RankResources, msg: wire.SectionSlot) -
     sync(d, rank)
 
 
-def declined(d: MonitorDaemon, rank: RankResources, msg: wire.RecordDeclined) -> None:
+def declined(d: RecordHost, rank: RankResources, msg: wire.RecordDeclined) -> None:
     if rank.record is None:
         return
     s = rank.session

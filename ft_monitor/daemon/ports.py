@@ -14,10 +14,20 @@ Imports nothing of the daemon above the modules whose types cross the seams.
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
 
 from ft_monitor.core.section_stats import SectionStats
+from ft_monitor.core.settings import Settings
+from ft_monitor.core.status import HangSummary
 from ft_monitor.daemon.clock import Clock
+from ft_monitor.daemon.connection import Connection
+from ft_monitor.daemon.executor import HangCase
+from ft_monitor.daemon.rank import Hold, RankResources
+from ft_monitor.processes.exits import ExitWatch
+from ft_monitor.processes.procinfo import ProcessHandle
 
 
 class RecordSettings(Protocol):
@@ -45,3 +55,52 @@ class RecordHost(Protocol):
 
     iteration_high: int | None
     """The highest iteration any session reported; an iteration read from a record raises it."""
+
+
+class StartupHost(Protocol):
+    """What `startup_watch` needs from the daemon: to time a worker, see the rank, act on a hang."""
+
+    @property
+    def clock(self) -> Clock:
+        """Times the start-up deadline."""
+
+    @property
+    def config(self) -> Settings:
+        """startup_timeout, startup_until and stack_dump_signal; whole, since `startup.dump_spec`
+        (where the start-up hook's stack dump goes) takes the settings."""
+
+    @property
+    def report_dir(self) -> Path:
+        """The daemon's report directory: where a start-up hang's report and dump go."""
+
+    @property
+    def exits(self) -> ExitWatch:
+        """Tells when a watched worker exits; forgets its process once it is let go."""
+
+    @property
+    def rank(self) -> RankResources | None:
+        """The connected rank: a worker announced after it connected is timed in its session."""
+
+    @property
+    def hangs(self) -> list[HangSummary]:
+        """The daemon's hangs (STATUS); a start-up hang is added to them."""
+
+    def after_batch(self, conn: Connection) -> None:
+        """Arm the deadline timer again on the session of the rank on ``conn``."""
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], hold: Hold | None = None) -> None:
+        """Run a task the daemon waits for at shutdown."""
+
+    async def handle_hang(self, case: HangCase) -> None:
+        """Act on a hang as on any other (report, dump, hand-off, termination)."""
+
+
+@dataclass(frozen=True)
+class Starting:
+    """A worker that has not connected as the rank: watched, or its start-up hang being handled."""
+
+    rank: int
+    pid: int
+    process: ProcessHandle
+    dump_path: Path | None
+    """Where the start-up hook's faulthandler writes its stacks (None: it has no handler)."""

@@ -41,8 +41,8 @@ from ft_monitor.processes.procinfo import ProcessHandle, catches_signal
 if TYPE_CHECKING:
     from ft_monitor.daemon.connection import Connection
     from ft_monitor.daemon.monitor import MonitorDaemon
+    from ft_monitor.daemon.ports import Starting
     from ft_monitor.daemon.rank import RankResources
-    from ft_monitor.daemon.startup_watch import Starting
 
 log = logging.getLogger("ft_monitor.server")
 

@@ -14,6 +14,7 @@ Imports nothing of the daemon above the modules whose types cross the seams.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +25,7 @@ from ft_monitor.core.settings import Settings
 from ft_monitor.core.status import HangSummary
 from ft_monitor.daemon.clock import Clock
 from ft_monitor.daemon.connection import Connection
-from ft_monitor.daemon.executor import HangCase
+from ft_monitor.daemon.executor import HangCase, ProcessOps
 from ft_monitor.daemon.rank import Hold, RankResources
 from ft_monitor.processes.exits import ExitWatch
 from ft_monitor.processes.procinfo import ProcessHandle
@@ -104,3 +105,65 @@ class Starting:
     process: ProcessHandle
     dump_path: Path | None
     """Where the start-up hook's faulthandler writes its stacks (None: it has no handler)."""
+
+
+class StartingWorkers(Protocol):
+    """What the roll call asks the start-up watch."""
+
+    def starting(self) -> Starting | None:
+        """The worker this monitor's rank is still starting as, if any."""
+
+
+class DumpTools(Protocol):
+    """What the roll call uses of the executor."""
+
+    @property
+    def ops(self) -> ProcessOps:
+        """Signal the rank, see whether it lives, size its dump file, sleep."""
+
+    @property
+    def dump_lock(self) -> asyncio.Lock:
+        """Held while a stack dump is taken, so nothing else reaches the rank meanwhile."""
+
+    @property
+    def stack_dump_signal(self) -> int:
+        """The signal that makes the rank's faulthandler dump its stacks."""
+
+    @property
+    def stack_dump_timeout(self) -> float:
+        """How long a stack dump may take."""
+
+
+class SnapshotSettings(Protocol):
+    """The config values `rank_snapshot` reads."""
+
+    @property
+    def native_stacks(self) -> bool:
+        """Whether a roll call also takes py-spy's native stacks."""
+
+
+class SnapshotHost(Protocol):
+    """What `rank_snapshot` (the roll call's dump) needs from the daemon."""
+
+    @property
+    def clock(self) -> Clock:
+        """Times the request's deadline and the wait for the dump."""
+
+    @property
+    def config(self) -> SnapshotSettings:
+        """Whether native stacks are taken."""
+
+    @property
+    def rank(self) -> RankResources | None:
+        """The connected rank, whose process is dumped and whose control connection gets FR_DUMP."""
+
+    @property
+    def startup_watch(self) -> StartingWorkers:
+        """The worker still starting, dumped when no rank is connected."""
+
+    @property
+    def executor(self) -> DumpTools:
+        """The process operations and the dump lock, shared with the hang path."""
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], hold: Hold | None = None) -> None:
+        """Run a task (holding the rank's resources) that the daemon waits for at shutdown."""

@@ -15,14 +15,18 @@ Imports nothing of the daemon above the modules whose types cross the seams.
 from __future__ import annotations
 
 import asyncio
+import signal
 from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from ft_client import wire
+from ft_client.timeouts import Timeouts
 from ft_monitor.core.section_stats import SectionStats
 from ft_monitor.core.settings import Settings
-from ft_monitor.core.status import HangSummary
+from ft_monitor.core.state import Session
+from ft_monitor.core.status import ExitSummary, HangSummary, InprocessRestart, MonitorStatus
 from ft_monitor.daemon.clock import Clock
 from ft_monitor.daemon.connection import Connection
 from ft_monitor.daemon.executor import HangCase, ProcessOps
@@ -56,6 +60,138 @@ class RecordHost(Protocol):
 
     iteration_high: int | None
     """The highest iteration any session reported; an iteration read from a record raises it."""
+
+
+class HandlerSettings(RecordSettings, Protocol):
+    """The config values `handlers` reads (the handshake offers a record, so those too)."""
+
+    @property
+    def report_dir(self) -> str | None:
+        """None: a rank's reports go to its torchelastic attempt directory, when it has one."""
+
+    @property
+    def num_warmup_iterations(self) -> int:
+        """Warm-up length for a rank whose HELLO does not say its own."""
+
+    @property
+    def stack_dump_signal(self) -> signal.Signals:
+        """Told to the rank at the handshake (its faulthandler listens on it)."""
+
+    @property
+    def skip_section_response(self) -> bool:
+        """Told to the rank at the handshake."""
+
+    @property
+    def on_monitor_lost(self) -> str:
+        """Told to the rank at the handshake."""
+
+    @property
+    def on_hang(self) -> str:
+        """Told to the rank at the handshake."""
+
+    @property
+    def client_request_timeout(self) -> float:
+        """Told to the rank at the handshake."""
+
+    @property
+    def safety_factor(self) -> float:
+        """Told to the rank at the handshake (it learns timeouts with it)."""
+
+    @property
+    def min_learned_timeout(self) -> float:
+        """Told to the rank at the handshake."""
+
+    @property
+    def flight_recorder_entries(self) -> int:
+        """Whether the rank keeps a Flight Recorder (told at the handshake)."""
+
+    @property
+    def inprocess_restart_timeout(self) -> float:
+        """How long a rank restarting in-process has to come back."""
+
+    def timeouts(self) -> Timeouts:
+        """The configured timeouts, none learned (to tell which a learned update switches on)."""
+
+
+class StartupGate(Protocol):
+    """What the handlers ask the start-up watch."""
+
+    def refusal(self, pid: int) -> str | None:
+        """Why ``pid`` may not connect as the rank now, or None."""
+
+    def connected(self, session: Session) -> None:
+        """A rank's session began (its worker's start-up may be over)."""
+
+    def worker_started(self, pid: int, rank: int, error_file: str | None = None) -> str:
+        """Time a worker the launcher announced; what was done, for its ACK."""
+
+
+class RollCall(Protocol):
+    """What the handlers ask of the roll call (rank_snapshot)."""
+
+    def answer(self, conn: Connection, req: wire.DumpRequest) -> None:
+        """Snapshot the rank in a task and reply on ``conn``."""
+
+
+class HandlerHost(RecordHost, Protocol):
+    """What `handlers` needs from the daemon to act on a message (the record's host too)."""
+
+    @property
+    def config(self) -> HandlerSettings:
+        """What the handshake tells the rank, and the defaults a rank may override."""
+
+    @property
+    def rank(self) -> RankResources | None:
+        """The connected rank, if any: its messages go to its session."""
+
+    timeouts: Timeouts
+    """In force for the connected rank and later sessions; UPDATE_CONFIG replaces it."""
+
+    @property
+    def report_dir(self) -> Path:
+        """Where a new rank's reports go (unless its attempt directory is used)."""
+
+    @property
+    def exits(self) -> ExitWatch:
+        """Handed to a new rank's resources, which watch its process's exit."""
+
+    @property
+    def sessions_started(self) -> int:
+        """The session number a new rank and its control connection are told."""
+
+    @property
+    def launcher_pid(self) -> int | None:
+        """The launcher that started this daemon: the only pid whose launcher HELLO is accepted."""
+
+    @property
+    def others(self) -> dict[Connection, None]:
+        """Connections that are not the rank's; a control connection leaves them."""
+
+    last_exit: ExitSummary | None
+    """The latest session's EXITING (STATUS)."""
+
+    last_restart: InprocessRestart | None
+    """The rank's latest in-process restart, as its REENTERED said (STATUS)."""
+
+    @property
+    def startup_watch(self) -> StartupGate:
+        """The watch on a worker that has not connected yet."""
+
+    @property
+    def snapshots(self) -> RollCall:
+        """Answers the launcher's DUMP_REQUEST."""
+
+    def observer_active(self, conn: Connection) -> None:
+        """An observer sent something: it is the most recently active (the cap evicts others first)."""
+
+    def status(self) -> MonitorStatus:
+        """The answer to STATUS."""
+
+    def rank_connected(self, rank: RankResources) -> None:
+        """A rank's HELLO was accepted: it is the connected rank now."""
+
+    def disconnected(self, conn: Connection) -> None:
+        """The session on ``conn`` ended (GOODBYE, EXITING): not timed any more."""
 
 
 class StartupHost(Protocol):

@@ -1,15 +1,19 @@
 """The daemon's seams: what each of its parts needs from it, one narrow interface each.
 
-The progress record's watch (`record_watch`), the message handlers (`handlers`), the
-start-up watch (`startup_watch`) and the roll call's dump (`rank_snapshot`) take a host
-typed by one of these protocols, never `monitor.MonitorDaemon`. Each protocol names
-exactly the attributes its module touches, the config values it reads included (the
-daemon's `Settings` satisfies every ``*Settings`` protocol here). Only `monitor` knows
-all the parts: `MonitorDaemon` passes itself in, so the parts import this module and the
-daemon imports the parts, one way. (`connection.ConnectionHost` is the same for a
-connection, kept beside it.)
+The progress record's watch (`record_watch`: `RecordHost`), the message handlers
+(`handlers`: `HandlerHost`), the start-up watch (`startup_watch`: `StartupHost`) and the
+roll call's dump (`rank_snapshot`: `SnapshotHost`) take a host typed by one of these
+protocols, never `monitor.MonitorDaemon`. Each protocol names exactly what its module
+touches, the config values it reads included (the daemon's `Settings` satisfies every
+``*Settings`` protocol; the start-up watch takes the settings whole, as
+`startup.dump_spec` does). Where a part uses another part, it sees a narrow view of it
+too (`StartupGate`, `RollCall`, `StartingWorkers`, the executor's `DumpTools`). Only
+`monitor` knows all the parts: `MonitorDaemon` passes itself in, so the parts import this
+module and the daemon imports the parts, one way; mypy checks at those calls that it
+fits. (`connection.ConnectionHost` is the same for a connection, kept beside it.)
 
-Imports nothing of the daemon above the modules whose types cross the seams.
+This module imports, of the daemon, only what crosses the seams (clock, connection,
+executor, rank), never a part or the daemon.
 """
 
 from __future__ import annotations

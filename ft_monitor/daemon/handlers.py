@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ft_client import wire
 from ft_client.inprocess import timeline
@@ -25,10 +25,8 @@ from ft_monitor.core.state import Phase, Session, SessionError
 from ft_monitor.core.status import ExitSummary, InprocessRestart
 from ft_monitor.daemon import record_watch
 from ft_monitor.daemon.connection import Connection
+from ft_monitor.daemon.ports import HandlerHost
 from ft_monitor.daemon.rank import RankResources, error_file_from_hello
-
-if TYPE_CHECKING:
-    from ft_monitor.daemon.monitor import MonitorDaemon
 
 log = logging.getLogger("ft_monitor.server")
 
@@ -37,7 +35,7 @@ MAX_REASON = 4096
 MAX_WARMUP_ITERS = 2**31 - 1
 
 
-def dispatch(d: MonitorDaemon, conn: Connection, msg: wire.Message) -> None:
+def dispatch(d: HandlerHost, conn: Connection, msg: wire.Message) -> None:
     t = type(msg)
     rank = d.rank
     if rank is not None and conn is rank.conn:
@@ -82,7 +80,7 @@ def session_error(s: Session, e: SessionError) -> None:
                     if s.errors == MAX_LOGGED_SESSION_ERRORS else "")
 
 
-def hello(d: MonitorDaemon, conn: Connection, msg: wire.Hello) -> None:
+def hello(d: HandlerHost, conn: Connection, msg: wire.Hello) -> None:
     if msg.version != wire.PROTOCOL_VERSION:
         log.warning("refused pid %d: protocol version %d, this monitor speaks %d",
                     conn.pid, msg.version, wire.PROTOCOL_VERSION)
@@ -152,7 +150,7 @@ def hello(d: MonitorDaemon, conn: Connection, msg: wire.Hello) -> None:
     log.info("rank %d pid %d connected (session %d)", msg.rank, conn.pid, d.sessions_started)
 
 
-def _num_warmup_iterations(d: MonitorDaemon, msg: wire.Hello) -> int:
+def _num_warmup_iterations(d: HandlerHost, msg: wire.Hello) -> int:
     """The rank's own warm-up length (``init_workload_monitoring(num_warmup_iters=)``, as
     nvidia-resiliency-ext's client sends it), else the monitor's setting."""
     n = msg.info.get("num_warmup_iters")
@@ -165,7 +163,7 @@ def _num_warmup_iterations(d: MonitorDaemon, msg: wire.Hello) -> int:
     return n
 
 
-def control_hello(d: MonitorDaemon, conn: Connection) -> None:
+def control_hello(d: HandlerHost, conn: Connection) -> None:
     """The rank's control connection: the monitor pushes ABORT there (in-process restart).
     Only the connected rank's own process may open it, one at a time."""
     rank = d.rank
@@ -183,7 +181,7 @@ def control_hello(d: MonitorDaemon, conn: Connection) -> None:
     conn.send(wire.HelloOk(wire.PROTOCOL_VERSION, {"session": d.sessions_started}))
 
 
-def launcher_hello(d: MonitorDaemon, conn: Connection) -> None:
+def launcher_hello(d: HandlerHost, conn: Connection) -> None:
     """The launcher that started this daemon announces its workers (WORKER_STARTED)."""
     if d.launcher_pid is None or conn.pid != d.launcher_pid:
         log.warning("refused a launcher connection from pid %d: not the launcher that started this monitor",
@@ -195,7 +193,7 @@ def launcher_hello(d: MonitorDaemon, conn: Connection) -> None:
     conn.send(wire.HelloOk(wire.PROTOCOL_VERSION, {"monitor_pid": os.getpid()}))
 
 
-def worker_started(d: MonitorDaemon, conn: Connection, msg: wire.WorkerStarted) -> None:
+def worker_started(d: HandlerHost, conn: Connection, msg: wire.WorkerStarted) -> None:
     if msg.pid <= 0:
         conn.send(wire.Error(wire.ErrorCode.BAD_REQUEST, f"pid {msg.pid} is not a process id"))
         return
@@ -204,31 +202,31 @@ def worker_started(d: MonitorDaemon, conn: Connection, msg: wire.WorkerStarted) 
 
 
 # -- the rank's messages --------------------------------------------------------
-def _heartbeat(d: MonitorDaemon, r: RankResources, m: Any) -> None:
+def _heartbeat(d: HandlerHost, r: RankResources, m: Any) -> None:
     r.session.heartbeat(d.clock.now())
 
 
-def _open(d: MonitorDaemon, r: RankResources, m: wire.SectionOpen) -> None:
+def _open(d: HandlerHost, r: RankResources, m: wire.SectionOpen) -> None:
     r.session.open_section(m.name, d.clock.now())
 
 
-def _close(d: MonitorDaemon, r: RankResources, m: wire.SectionClose) -> None:
+def _close(d: HandlerHost, r: RankResources, m: wire.SectionClose) -> None:
     took = r.session.close_section(m.name, d.clock.now())
     if took is not None:
         d.section_stats.record(m.name, took)
 
 
-def _close_all(d: MonitorDaemon, r: RankResources, m: Any) -> None:
+def _close_all(d: HandlerHost, r: RankResources, m: Any) -> None:
     r.session.close_all_sections(d.clock.now())
 
 
-def _iteration(d: MonitorDaemon, r: RankResources, m: wire.Iteration) -> None:
+def _iteration(d: HandlerHost, r: RankResources, m: wire.Iteration) -> None:
     r.session.set_iteration(m.iteration)
     if d.iteration_high is None or m.iteration > d.iteration_high:
         d.iteration_high = m.iteration
 
 
-def _update_config(d: MonitorDaemon, r: RankResources, msg: wire.UpdateConfig) -> None:
+def _update_config(d: HandlerHost, r: RankResources, msg: wire.UpdateConfig) -> None:
     """Learned timeouts from the rank: in force now, and for later sessions of this daemon."""
     try:
         timeouts = Timeouts.from_wire(msg.timeouts)
@@ -256,7 +254,7 @@ def switched_on(configured: Timeouts, before: Timeouts, after: Timeouts) -> list
             if getattr(configured, n) is None and getattr(before, n) is None and getattr(after, n) is not None]
 
 
-def _goodbye(d: MonitorDaemon, r: RankResources, msg: wire.Goodbye) -> None:
+def _goodbye(d: HandlerHost, r: RankResources, msg: wire.Goodbye) -> None:
     """Clean shutdown: the session ends now, so the rank may connect again at once."""
     s = r.session
     if s.open_sections:
@@ -265,14 +263,14 @@ def _goodbye(d: MonitorDaemon, r: RankResources, msg: wire.Goodbye) -> None:
     _end_session(d, r)
 
 
-def _end_session(d: MonitorDaemon, r: RankResources) -> None:
+def _end_session(d: HandlerHost, r: RankResources) -> None:
     """The rank said its session is over (GOODBYE, EXITING): not timed any more."""
     r.session.goodbye()
     r.conn.role = wire.Role.OBSERVER  # what it may still send: STATUS, PING
     d.disconnected(r.conn)
 
 
-def _exiting(d: MonitorDaemon, r: RankResources, msg: wire.Exiting) -> None:
+def _exiting(d: HandlerHost, r: RankResources, msg: wire.Exiting) -> None:
     """The rank's process is on its way out (an uncaught exception): a crash, not a hang. Its
     session ends as at GOODBYE; the launcher sees the process exit and restarts for a failure."""
     log.warning("rank %d pid %d is exiting: %s; no longer timed (a crash, not a hang)", r.session.rank,
@@ -281,7 +279,7 @@ def _exiting(d: MonitorDaemon, r: RankResources, msg: wire.Exiting) -> None:
     _end_session(d, r)
 
 
-def _restarting(d: MonitorDaemon, r: RankResources, msg: wire.Restarting) -> None:
+def _restarting(d: HandlerHost, r: RankResources, msg: wire.Restarting) -> None:
     """The rank's Wrapper saw a fault and restarts in-process (its own monitor asked, a
     peer's fault reached it through the store, or its function raised)."""
     was = r.session.phase
@@ -295,7 +293,7 @@ def _restarting(d: MonitorDaemon, r: RankResources, msg: wire.Restarting) -> Non
                  r.session.rank, r.session.pid, msg.iteration)
 
 
-def _reentered(d: MonitorDaemon, r: RankResources, msg: wire.Reentered) -> None:
+def _reentered(d: HandlerHost, r: RankResources, msg: wire.Reentered) -> None:
     """The rank is back in its training function, in the same process."""
     r.session.reentered(msg.iteration, d.clock.now())
     d.last_restart = InprocessRestart(msg.iteration, msg.reason[:MAX_REASON], msg.fault_rank, msg.source[:64],
@@ -306,7 +304,7 @@ def _reentered(d: MonitorDaemon, r: RankResources, msg: wire.Reentered) -> None:
                 timeline.describe(took))
 
 
-def _control(d: MonitorDaemon, r: RankResources, msg: wire.Control) -> None:
+def _control(d: HandlerHost, r: RankResources, msg: wire.Control) -> None:
     r.conn.send(wire.Error(wire.ErrorCode.BAD_REQUEST,
                            f"workload control {msg.action!r} needs ft-launcher; this monitor runs standalone"))
 

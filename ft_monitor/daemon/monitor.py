@@ -380,7 +380,7 @@ class MonitorDaemon:
         s.mark_hung()
         case = HangCase(hang, rank.process, rank.report_path(), rank.dump_path(), error_file=rank.error_file)
         self.hangs.append(HangSummary(hang.rank, hang.pid, hang.describe(), str(case.report_path)))
-        self.spawn(self._handle_hang(case), rank.hold())
+        self.spawn(self.handle_hang(case), rank.hold())
 
     def _dump_and_keep_running(self, rank: RankResources, hang: Hang) -> None:
         """``on_hang: dump``: report, dump and tell the launcher (it diagnoses the job), once per
@@ -393,7 +393,7 @@ class MonitorDaemon:
         case = HangCase(hang, rank.process, rank.report_path(f"-dump{len(self.hangs) + 1}"), rank.dump_path(),
                         error_file=rank.error_file, action="dump")
         self.hangs.append(HangSummary(hang.rank, hang.pid, hang.describe(), str(case.report_path)))
-        self.spawn(self._handle_hang(case), rank.hold())
+        self.spawn(self.handle_hang(case), rank.hold())
 
     def _restart_inprocess(self, rank: RankResources, hang: Hang) -> bool:
         """With ``on_hang: inprocess``, ask the rank to restart in its own process (ABORT on
@@ -456,7 +456,8 @@ class MonitorDaemon:
         except Exception:  # the launcher being gone does not stop an in-process restart
             log.exception("rank %d: telling the launcher of the in-process restart failed", case.hang.rank)
 
-    async def _handle_hang(self, case: HangCase) -> None:
+    async def handle_hang(self, case: HangCase) -> None:
+        """Act on a hang (the executor), with the reserved descriptors free while it runs."""
         self._hangs_in_progress += 1
         if self.reserve is not None:
             self.reserve.release()  # descriptors for the report, temporary files and pidfds

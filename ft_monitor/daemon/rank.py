@@ -31,7 +31,7 @@ from ft_monitor.processes.exits import ExitWatch
 from ft_monitor.processes.procinfo import ProcessHandle
 
 if TYPE_CHECKING:
-    from ft_monitor.daemon.record_watch import RankRecord
+    from ft_monitor.daemon.rank_record import RankRecord
 
 log = logging.getLogger("ft_monitor.server")
 

@@ -40,9 +40,8 @@ from ft_monitor.processes.procinfo import ProcessHandle, catches_signal
 
 if TYPE_CHECKING:
     from ft_monitor.daemon.connection import Connection
-    from ft_monitor.daemon.monitor import MonitorDaemon
+    from ft_monitor.daemon.ports import SnapshotHost, Starting
     from ft_monitor.daemon.rank import RankResources
-    from ft_monitor.daemon.startup_watch import Starting
 
 log = logging.getLogger("ft_monitor.server")
 
@@ -50,7 +49,7 @@ MAX_TIMEOUT = 600.0
 
 
 class RankSnapshots:
-    def __init__(self, daemon: MonitorDaemon, native: NativeStacks | None = None,
+    def __init__(self, daemon: SnapshotHost, native: NativeStacks | None = None,
                  catches: Callable[[int, int], bool | None] = catches_signal) -> None:
         self.d = daemon
         self.native: NativeStacks = native or PySpy()

@@ -4,11 +4,11 @@
   HELLO info says ``record: 1``) gets one with HELLO_OK, unless the config says
   ``progress_record: false`` or none can be made here (record_map.py says why,
   logged once); HELLO_OK's ``record`` key says which.
-* `sync`: read the record and apply it to the session (record_sync.py). The
-  daemon calls it on the fine tick (`tick`), when a deadline comes due, before
-  each message of the rank's (so the socket's order holds: a PONG confirms what
-  was stored before the PING), before answering STATUS, and once more when the
-  rank's connection closes (what it stored before it exited is counted).
+* `sync`: read the record (as held: rank_record.py) and apply it to the session
+  (record_sync.py). The daemon calls it on the fine tick (`tick`), when a deadline
+  comes due, before each message of the rank's (so the socket's order holds: a PONG
+  confirms what was stored before the PING), before answering STATUS, and once more
+  when the rank's connection closes (what it stored before it exited is counted).
 * A record that no correct writer could have left (record_sync's RecordError)
   is read no more: one ERROR line says why, and the rank is told (RECORD_REFUSED
   on its connection), as a rank that cannot use its record tells the monitor at
@@ -27,72 +27,30 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from ft_client import record, wire
-from ft_client.record import RecordError, words_for
-from ft_client.record_read import decode
+from ft_client.record import RecordError
 from ft_client.session_info import RecordInfo, SessionInfo
-from ft_monitor.core.record_sync import Applied, RecordSync, tick_for
+from ft_monitor.core.record_sync import tick_for
 from ft_monitor.core.server_log import printable
-from ft_monitor.core.state import Phase, Session, SessionError
-from ft_monitor.daemon.record_map import RecordSource, RecordUnavailable, create_record
+from ft_monitor.core.state import Phase, SessionError
+from ft_monitor.daemon.ports import RecordHost
+from ft_monitor.daemon.rank_record import RankRecord
+from ft_monitor.daemon.record_map import RecordUnavailable, create_record
 
 if TYPE_CHECKING:
-    from ft_monitor.daemon.monitor import MonitorDaemon
     from ft_monitor.daemon.rank import RankResources
 
 log = logging.getLogger("ft_monitor.server")
 
 INFO = RecordInfo(record.VERSION, record.SIZE, record.SLOTS)
-MAX_TRIES = 3
-"""Reads in a row while a group is being written, before the torn groups keep their old state."""
 _logged: set[str] = set()
 
 
-class RankRecord:
-    """One rank's record as the daemon holds it: where it is read from, what was applied."""
-
-    __slots__ = ("source", "sync", "_key", "reads", "torn_reads", "_tick")
-
-    def __init__(self, source: RecordSource, created_ns: int) -> None:
-        self.source = source
-        self.sync = RecordSync(created_ns)
-        self._key: tuple[bytes, Phase, int] | None = None
-        self.reads = 0
-        self.torn_reads = 0
-        self._tick: tuple[object, float | None, float | None] | None = None
-        """(timeouts, startup timeout) -> the tick, computed once per change of timeouts."""
-
-    def apply(self, session: Session, clock: Callable[[], float]) -> Applied | None:
-        """Read the record and apply what is new to ``session``; None when nothing changed
-        since the last read (same bytes, same session). Raises RecordError. The monitor's
-        clock is read after the copy: a rank may store a time up to the copy, and a clock
-        read before it (a preemption between the two) would refuse a healthy rank's record
-        as stamped in the future."""
-        slots = self.sync.slots_in_use
-        words = words_for(slots)
-        for _ in range(MAX_TRIES):
-            before, data, after = self.source.read(words)
-            if self._key == (data, session.phase, session.events):
-                return None
-            self.reads += 1
-            view = decode(before, data, after, slots)
-            if not view.torn:
-                break
-            self.torn_reads += 1
-        applied = self.sync.apply(session, view, clock())
-        self._key = None if view.torn else (data, session.phase, session.events)
-        return applied
-
-    def close(self) -> None:
-        self.source.close()
-
-
 # -- the handshake ---------------------------------------------------------------------
-def offer(d: MonitorDaemon, info: dict[str, Any]) -> tuple[int, RankRecord] | None:
+def offer(d: RecordHost, info: dict[str, Any]) -> tuple[int, RankRecord] | None:
     """A record for the rank whose HELLO carried ``info``, if it asked and one can be made."""
     asked = info.get("record")
     if not d.config.progress_record or isinstance(asked, bool) or asked != record.VERSION:
@@ -134,7 +92,7 @@ def send_hello_ok(rank: RankResources, info: SessionInfo, offered: tuple[int, Ra
 
 
 # -- reading ---------------------------------------------------------------------------
-def sync(d: MonitorDaemon, rank: RankResources) -> None:
+def sync(d: RecordHost, rank: RankResources) -> None:
     """Apply what the rank stored since the last read; refuse a record that breaks the rules."""
     rr = rank.record
     if rr is None:
@@ -182,7 +140,7 @@ def tick(rank: RankResources) -> float | None:
 
 
 # -- the rank's messages about it ----------------------------------------------------------
-def section_slot(d: MonitorDaemon, rank: RankResources, msg: wire.SectionSlot) -> None:
+def section_slot(d: RecordHost, rank: RankResources, msg: wire.SectionSlot) -> None:
     rr = rank.record
     if rr is None:
         return  # declined or refused: the rank's stores are not read
@@ -192,7 +150,7 @@ def section_slot(d: MonitorDaemon, rank: RankResources, msg: wire.SectionSlot) -
     sync(d, rank)
 
 
-def declined(d: MonitorDaemon, rank: RankResources, msg: wire.RecordDeclined) -> None:
+def declined(d: RecordHost, rank: RankResources, msg: wire.RecordDeclined) -> None:
     if rank.record is None:
         return
     s = rank.session

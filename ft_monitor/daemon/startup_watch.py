@@ -25,21 +25,17 @@ from __future__ import annotations
 import logging
 import signal
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ft_monitor.core import startup
 from ft_monitor.core.state import Session
 from ft_monitor.core.status import HangSummary
 from ft_monitor.daemon.clock import Timer
 from ft_monitor.daemon.executor import HangCase
+from ft_monitor.daemon.ports import Starting, StartupHost
 from ft_monitor.daemon.rank import report_name
 from ft_monitor.forensics import dump_file
 from ft_monitor.processes.procinfo import ProcessHandle, catches_signal, descends_from
-
-if TYPE_CHECKING:
-    from ft_monitor.daemon.monitor import MonitorDaemon
 
 log = logging.getLogger("ft_monitor.server")
 
@@ -53,19 +49,8 @@ class _Watched:
         self.timer: Timer | None = None
 
 
-@dataclass(frozen=True)
-class Starting:
-    """A worker that has not connected as the rank: watched, or its start-up hang being handled."""
-
-    rank: int
-    pid: int
-    process: ProcessHandle
-    dump_path: Path | None
-    """Where the start-up hook's faulthandler writes its stacks (None: it has no handler)."""
-
-
 class StartupWatch:
-    def __init__(self, daemon: MonitorDaemon) -> None:
+    def __init__(self, daemon: StartupHost) -> None:
         self.d = daemon
         self.watched: _Watched | None = None
         self.handling: dict[int, Starting] = {}
@@ -182,7 +167,7 @@ class StartupWatch:
 
     async def _handle(self, case: HangCase) -> None:
         try:
-            await self.d._handle_hang(case)
+            await self.d.handle_hang(case)
         finally:
             if case.dump_path is not None and not case.process.alive():
                 dump_file.remove_if_empty(case.dump_path)

@@ -37,7 +37,7 @@ def _modules() -> list[str]:
     return names
 
 
-CONTROL_FLOW = {"ft_client.inprocess.wrapper.RestartInterrupt"}
+CONTROL_FLOW = {"ft_client.inprocess.errors.RestartInterrupt"}
 """BaseExceptions that are no errors: RestartInterrupt unwinds the training function for an
 in-process restart and must not be caught by ``except Exception`` (nor by ``except FtError``)."""
 
@@ -67,7 +67,7 @@ BUILTIN_RAISES_ALLOWED = {
     ("ft_monitor/daemon/__init__.py", "AttributeError"),
     # Wrapper(**options) given an option nvidia-resiliency-ext does not have either: what Python
     # itself raises for a keyword a function does not take
-    ("ft_client/inprocess/wrapper.py", "TypeError"),
+    ("ft_client/inprocess/config.py", "TypeError"),
     ("ft_client/wire.py", "TypeError"),  # encode() of something that is not a message: a bug, not input
     ("ft_monitor/launcher/control.py", "EOFError"),  # the socket reader's, caught beside it
 }

@@ -29,15 +29,25 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from ft_client.inprocess.wrapper import CallWrapper
+from typing import Any, Protocol
 
 log = logging.getLogger("ft_client.inprocess")
 
 _graveyard: list[Any] = []
 """Process groups kept alive until `bury` (after a store wait)."""
+
+
+class AbortedCall(Protocol):
+    """What the abort hook reads from the `CallWrapper` it is given. A protocol, so that
+    this module does not import the Wrapper's, which imports this one."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def store_ports(self) -> set[int]: ...
+
+    def new_tcp_sockets(self) -> set[int]: ...
 
 
 class AbortTorchDistributed:
@@ -52,7 +62,7 @@ class AbortTorchDistributed:
     def __init__(self, close_tcp: bool = True) -> None:
         self.close_tcp = close_tcp
 
-    def __call__(self, call: CallWrapper) -> None:
+    def __call__(self, call: AbortedCall) -> None:
         import torch.distributed as dist
 
         if self.close_tcp:

@@ -1,0 +1,128 @@
+"""How a fault reaches the main thread, during an iteration: the watcher thread (blocks on
+the iteration's outcome in the store), the monitor thread (the ping timeout, the store
+poll without a watcher, the abort hook once per iteration, the interrupt signal sent
+until the main thread has left the function, the kill after ``hard_timeout``), the
+signal's handler that raises `RestartInterrupt`, and the faults the monitor daemon
+reports (ABORT, through `events`)."""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+from ft_client.inprocess import abort as aborting
+from ft_client.inprocess import events
+from ft_client.inprocess.call import CallWrapper, Run
+from ft_client.inprocess.config import WrapperConfig
+from ft_client.inprocess.errors import RestartInterrupt
+from ft_client.inprocess.store import FaultRecord, RestartStore
+
+log = logging.getLogger("ft_client.inprocess")
+
+WATCH_CHUNK = 3600.0
+"""Seconds a watcher's store wait lasts before it is renewed (each renewal logs a line in torch)."""
+
+
+def handle_fault(cfg: WrapperConfig, run: Run, call: CallWrapper) -> None:
+    """Announce the restart and run the abort hook, once per iteration (monitor thread,
+    or the main thread when the fault came from the function itself)."""
+    with run.lock:
+        if run.handled:
+            return
+        run.handled = True
+    events.announce_aborting(run.iteration + 1)
+    try:
+        cfg.abort(call)
+    except Exception:
+        log.exception("rank %d: the abort hook failed", run.rank)
+    run.times["aborted"] = time.time()
+
+
+def watch(run: Run, store: RestartStore, iteration: int, stop: threading.Event) -> None:
+    """Block on the iteration's outcome; a fault wakes the monitor thread."""
+    while not stop.is_set():
+        try:
+            outcome = store.wait_outcome(iteration, WATCH_CHUNK, stop)
+        except Exception as e:  # the store is gone (its host died): nothing to coordinate with
+            if not stop.is_set():
+                run.note_fault(FaultRecord(f"rank {run.rank}: the in-process restart store is unreachable: {e}",
+                                           None, "store", run.rank, time.time()))
+            return
+        if isinstance(outcome, FaultRecord):
+            run.note_fault(outcome)
+        if outcome is not None:
+            return
+
+
+def monitor(cfg: WrapperConfig, run: Run, call: CallWrapper, stop: threading.Event) -> None:
+    """The iteration's monitor thread; its hooks (abort) get the ``call`` the function got."""
+    last_signal = fault_at = 0.0
+    grace = cfg.hard_timeout - cfg.soft_timeout
+    while not stop.is_set():
+        acting = run.fault is not None
+        run.wake.wait(min(cfg.monitor_thread_interval, cfg.interrupt_interval) if acting
+                      else cfg.monitor_thread_interval)
+        run.wake.clear()
+        if stop.is_set():
+            return
+        if "torch.distributed" in sys.modules:
+            aborting.hold_groups()
+        now = time.monotonic()
+        if run.fault is None:
+            if run.last_ping is not None and now - run.last_ping > cfg.soft_timeout:
+                run.report(f"rank {run.rank}: no ping() for {now - run.last_ping:.1f} s (soft_timeout "
+                           f"{cfg.soft_timeout:g} s)", run.rank, "timeout")
+            elif run.watch is None:  # no watcher: poll the store
+                try:
+                    outcome = run.store.outcome(run.iteration)
+                except Exception as e:
+                    outcome = FaultRecord(f"rank {run.rank}: the in-process restart store is unreachable: {e}",
+                                          None, "store", run.rank, time.time())
+                if isinstance(outcome, FaultRecord):
+                    run.note_fault(outcome)
+            if run.fault is None:
+                continue
+        if not run.fault_seen.is_set():
+            log.debug("rank %d: fault seen in iteration %d: %s", run.rank, run.iteration, run.fault.reason)
+            handle_fault(cfg, run, call)  # abort first, interrupt second
+            run.fault_seen.set()
+            fault_at = now
+        if run.left_function.is_set():
+            return
+        if now - last_signal >= cfg.interrupt_interval:  # again until the main thread is out
+            last_signal = now
+            signal.pthread_kill(threading.main_thread().ident or 0, cfg.interrupt_signal)
+        if now - fault_at > grace:
+            log.critical("rank %d: the training function did not return %.1f s after an in-process restart "
+                         "was requested (hard_timeout - soft_timeout); dumping stacks and killing this process",
+                         run.rank, now - fault_at)
+            faulthandler.dump_traceback(sys.stderr, all_threads=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def on_reported_fault(run: Run, fault: events.Fault) -> None:
+    """A fault from outside the function (the monitor daemon's ABORT), any thread."""
+    iteration = run.iteration if fault.iteration is None else fault.iteration
+    if iteration != run.iteration:
+        log.info("rank %d: ignoring a fault of in-process iteration %d (now in %d): %s", run.rank, iteration,
+                 run.iteration, fault.reason)
+        return
+    run.report(fault.reason, fault.rank, fault.source, iteration)
+
+
+def on_interrupt(run: Run, signum: int, frame: Any) -> None:
+    """The interrupt signal's handler (main thread): leave the function unless inside atomic(),
+    or while the monitor client is mid-frame or mid-request (the monitor thread sends the
+    signal again every interrupt_interval)."""
+    if not run.interruptible or not run.fault_seen.is_set() or events.busy():
+        return
+    if run.atomic_depth > 0:
+        run.interrupt_pending = True
+        return
+    raise RestartInterrupt(f"in-process restart (iteration {run.iteration + 1})")

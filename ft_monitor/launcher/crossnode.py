@@ -1,0 +1,132 @@
+"""The launcher's messages to the other nodes' launchers, through the rendezvous store:
+each node's hang record (exchanged so that decide.first_hang can name the node that hung
+first) and a workload shutdown (published, then acknowledged by the others). Every value is
+signed with the job secret (store_auth); without one these features are off (logged once),
+and a value that does not check out is ignored (logged once per value)."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+
+from torch.distributed.elastic.agent.server.api import WorkerGroup
+
+from ft_monitor.launcher.decide import read_hang_record
+from ft_monitor.launcher.store_auth import (
+    SECRET_ENV,
+    HangRecord,
+    ShutdownRequest,
+    StoreChannel,
+    StoreMessageError,
+)
+
+log = logging.getLogger("ft_monitor.launcher")
+
+SHUTDOWN_KEY = "ft_launcher/shutdown"
+SHUTDOWN_ACKS_KEY = "ft_launcher/shutdown_acks"
+HANG_KEY = "ft_launcher/hang/{}"
+STORE_POLL_INTERVAL = 1.0
+ATTRIBUTION_WINDOW = 0.5
+"""Seconds a launcher waits, on several nodes, for the other nodes' hang reports of the
+same rendezvous round: ranks waiting in a collective for a hung rank on another node
+time out too, and only the earliest onset is the hung rank."""
+
+
+class NodeMessages:
+    """One agent's side of the messages between nodes (``job_secret`` None: none are sent)."""
+
+    def __init__(self, job_secret: bytes | None) -> None:
+        self.job_secret = job_secret
+        self._store_checked = 0.0
+        self._bad_store_values: set[bytes] = set()
+        self._no_secret_warned = False
+
+    def channel(self, wg: WorkerGroup) -> StoreChannel | None:
+        """Signing for launcher messages in the store; None (logged once) without a job secret."""
+        if self.job_secret is None:
+            if not self._no_secret_warned and (wg.group_world_size or 1) > 1:
+                self._no_secret_warned = True
+                log.warning("ft-launcher: no job secret (%s or --ft-job-secret-file): hang attribution and shutdown "
+                            "across nodes are off, since anyone who reaches the rendezvous store could forge them",
+                            SECRET_ENV)
+            return None
+        return StoreChannel(self.job_secret, wg.spec.rdzv_handler.get_run_id())
+
+    def _store_message(self, channel: StoreChannel, key: str, raw: bytes,
+                       kind: type[HangRecord] | type[ShutdownRequest]) -> HangRecord | ShutdownRequest | None:
+        try:
+            return channel.decode(key, raw, kind)
+        except StoreMessageError as e:
+            self._warn_bad_store_value(key, raw, kind.KIND, e)
+            return None
+
+    def _warn_bad_store_value(self, key: str, raw: bytes, kind: str, error: Exception) -> None:
+        """One warning per distinct bad value (at most 100 remembered)."""
+        if raw not in self._bad_store_values and len(self._bad_store_values) < 100:
+            self._bad_store_values.add(raw)
+            log.warning("ft-launcher: ignored a %s message in the rendezvous store at %s: %s", kind, key, error)
+
+    def exchange_hang_records(self, wg: WorkerGroup, channel: StoreChannel | None,
+                              mine: HangRecord) -> dict[str, bytes]:
+        """Publish this node's hang in the rendezvous store (keys are per round) and return the
+        values the other nodes stored within ATTRIBUTION_WINDOW, by key (decide.first_hang picks)."""
+        store = wg.store
+        values: dict[str, bytes] = {}
+        if store is None or wg.group_world_size <= 1 or channel is None:
+            return values
+        try:
+            keys = [HANG_KEY.format(r) for r in range(wg.group_world_size)]
+            store.set(keys[wg.group_rank], channel.encode(keys[wg.group_rank], mine))
+            end = time.monotonic() + ATTRIBUTION_WINDOW
+            pending = [k for i, k in enumerate(keys) if i != wg.group_rank]
+            while pending and time.monotonic() < end:
+                for key in [k for k in pending if store.check([k])]:
+                    raw = store.get(key)
+                    values.pop(key, None)
+                    values[key] = raw  # in order of the last read
+                    record = read_hang_record(channel, key, raw)
+                    if isinstance(record, HangRecord):  # a forged value stays pending: the real one may follow
+                        pending.remove(key)
+                    else:
+                        self._warn_bad_store_value(key, raw, HangRecord.KIND, record)
+                if pending:
+                    time.sleep(0.05)
+        except Exception as e:  # noqa: BLE001 - attribution is best effort
+            log.warning("ft-launcher: could not compare hangs with other nodes: %s", e)
+        return values
+
+    def publish_shutdown(self, wg: WorkerGroup, reason: str, rank: int | None) -> None:
+        """Tell the other nodes to stop (a workload shutdown), and wait (bounded) until they saw it."""
+        store = wg.store
+        channel = self.channel(wg)
+        if store is None or channel is None or wg.group_world_size <= 1:
+            return
+        try:
+            store.set(SHUTDOWN_KEY, channel.encode(SHUTDOWN_KEY, ShutdownRequest(reason, rank, socket.gethostname())))
+            others = wg.group_world_size - 1
+            end = time.monotonic() + 10.0
+            while others > 0 and time.monotonic() < end and store.add(SHUTDOWN_ACKS_KEY, 0) < others:
+                time.sleep(0.05)  # the store outlives this node only while we wait for the others to see it
+        except Exception as e:  # noqa: BLE001 - the store may be gone; this node stops regardless
+            log.warning("ft-launcher: could not publish the shutdown to other nodes: %s", e)
+
+    def shared_shutdown(self, wg: WorkerGroup) -> ShutdownRequest | None:
+        """Another node's shutdown request, acknowledged (polled at most every STORE_POLL_INTERVAL)."""
+        now = time.monotonic()
+        if wg.store is None or wg.group_world_size <= 1 or now - self._store_checked < STORE_POLL_INTERVAL:
+            return None
+        self._store_checked = now
+        channel = self.channel(wg)
+        if channel is None:
+            return None
+        try:
+            if not wg.store.check([SHUTDOWN_KEY]):
+                return None
+            request = self._store_message(channel, SHUTDOWN_KEY, wg.store.get(SHUTDOWN_KEY), ShutdownRequest)
+            if not isinstance(request, ShutdownRequest):
+                return None
+            wg.store.add(SHUTDOWN_ACKS_KEY, 1)
+        except Exception:  # noqa: BLE001 - the store host may be gone
+            return None
+        return request

@@ -398,7 +398,7 @@ def test_client_request_timeout_is_what_the_kernel_enforces_also_after_reconnect
 def test_progress_calls_return_while_reconnecting_blocks(monkeypatch: pytest.MonkeyPatch, workdir: Path) -> None:
     """A stalled daemon's backlog makes every reconnect attempt wait; those waits happen on
     the client's background thread, never inside send_heartbeat()/section()."""
-    from ft_client import client as client_mod
+    from ft_client import client_link  # the reconnection lives there
 
     d = Daemon(workdir).wait_ready()
     c = RankMonitorClient(str(d.socket))
@@ -411,8 +411,8 @@ def test_progress_calls_return_while_reconnecting_blocks(monkeypatch: pytest.Mon
         stalled.wait(30)
         raise TransportError("monitor did not answer")
 
-    monkeypatch.setattr(client_mod, "connect", connect_into_a_stalled_daemon)
-    monkeypatch.setattr(client_mod, "RECONNECT_INTERVAL", 0.01)
+    monkeypatch.setattr(client_link, "connect", connect_into_a_stalled_daemon)
+    monkeypatch.setattr(client_link, "RECONNECT_INTERVAL", 0.01)
     d.stop()  # the monitor goes away; the client notices at its next call and reconnects
     done = threading.Event()
 

@@ -130,9 +130,9 @@ def test_nothing_is_stored_while_unwinding_and_reentry_sends_reentered_before_st
 
 def test_a_monitor_that_dies_is_noticed_without_any_send(sock: Path, daemons: list[ThreadDaemon],
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    import ft_client.client as client_module
+    import ft_client.client_link as client_link
 
-    monkeypatch.setattr(client_module, "RECONNECT_INTERVAL", 0.05)
+    monkeypatch.setattr(client_link, "RECONNECT_INTERVAL", 0.05)
     first = ThreadDaemon(sock, **QUIET)
     c = RankMonitorClient(str(sock))
     c.init_workload_monitoring()

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-import ft_client.client as client_module
+import ft_client.client_link as client_link  # the reconnection (its interval) lives there
 from ft_client import RankMonitorClient, RankMonitorClientError
 from ft_client.client import ConnState
 from ft_monitor.config import FaultToleranceConfig
@@ -155,7 +155,7 @@ def test_states_from_init_to_shutdown_and_again(sock: Path, daemons: list[Thread
 
 def test_a_lost_monitor_makes_the_client_lost_and_it_reconnects_off_the_training_thread(
         sock: Path, daemons: list[ThreadDaemon], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(client_module, "RECONNECT_INTERVAL", 0.05)
+    monkeypatch.setattr(client_link, "RECONNECT_INTERVAL", 0.05)
     first = ThreadDaemon(sock, **QUIET)
     c = RankMonitorClient(str(sock))
     c.init_workload_monitoring()

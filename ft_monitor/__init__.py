@@ -2,7 +2,19 @@
 (`ft_monitor.launcher`: torchrun with a monitor beside every rank).
 
 The daemon never imports torch: it must start fast and stay small beside every rank.
-docs/architecture.md says which module does what.
+
+The subpackages are rooms, each with one kind of job, and imports go one way, downwards
+(docs/architecture.md draws them; tests/test_architecture.py checks them):
+
+* `views`: what an operator reads (``ft-monitor report``, ``status --all``);
+* `launcher`: ft-launcher, in the launcher's process;
+* `daemon`: ``ft-monitor serve``, in each rank's monitor process;
+* `forensics` and `processes`: the evidence of a hang, and processes seen, waited for and
+  stopped, for the daemon and the launcher alike;
+* `core`: the pure decisions and the typed messages, no I/O.
+
+The modules at this level are the entry points and the public façade (`cli`, `config`,
+`config_text`, `rank_monitor_server`, `testing`).
 
 At package level, the names nvidia-resiliency-ext's ``fault_tolerance`` package exports
 (see docs/migration.md), so ``import ft_monitor as fault_tolerance`` stands in for

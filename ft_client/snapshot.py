@@ -279,56 +279,76 @@ def _bytes_view(mm: mmap.mmap, start: int, end: int) -> torch.Tensor:
 
 
 # -- agreement and peers ------------------------------------------------------------------------
+SLOTS = 4
+"""What a rank's monitor holds, as gathered: slots 0 and 1 are its own pair, 2 and 3 its peer pair."""
+
+
 @dataclass(frozen=True)
-class Holdings:
-    """What one rank holds, as gathered: its own complete steps, and the steps of its source's
-    snapshots its monitor keeps for it (with the source's rank)."""
+class Held:
+    """One complete snapshot a monitor holds: whose (rank) and of which step."""
 
-    own: tuple[int, ...]
-    peer_of: int
-    peer: tuple[int, ...]
+    rank: int
+    step: int
 
-    def to_row(self) -> list[int]:
-        own = (list(self.own) + [-1, -1])[:2]
-        peer = (list(self.peer) + [-1, -1])[:2]
-        return own + [self.peer_of] + peer
 
-    @classmethod
-    def from_row(cls, row: list[int]) -> Holdings:
-        return cls(tuple(s for s in row[:2] if s >= 0), row[2], tuple(s for s in row[3:5] if s >= 0))
+Holdings = tuple[Held | None, ...]
+"""What one rank's monitor holds, slot by slot (SLOTS of them)."""
+
+
+def to_row(h: Holdings) -> list[int]:
+    row = []
+    for held in (list(h) + [None] * SLOTS)[:SLOTS]:
+        row += [-1, -1] if held is None else [held.rank, held.step]
+    return row
+
+
+def from_row(row: list[int]) -> Holdings:
+    return tuple(Held(row[2 * i], row[2 * i + 1]) if row[2 * i] >= 0 and row[2 * i + 1] >= 0 else None
+                 for i in range(SLOTS))
 
 
 @dataclass(frozen=True)
 class Agreement:
     step: int | None
-    fetch: dict[int, int] = field(default_factory=dict)
-    """rank -> the rank whose monitor holds its copy of ``step`` (ranks that lost their own)."""
+    fetch: dict[int, tuple[int, int]] = field(default_factory=dict)
+    """rank -> (the rank whose monitor holds its snapshot of ``step``, the slot there), for every
+    rank that does not hold it in its own pair (it lost its node, or its rank changed)."""
     why: str = ""
 
 
 def agree(table: list[Holdings]) -> Agreement:
-    """The newest step every rank can restore (its own, or its partner's copy), and who fetches
-    from whom (pure)."""
-    held_for: dict[int, dict[int, int]] = {q: {} for q in range(len(table))}
-    for h, row in enumerate(table):
-        if 0 <= row.peer_of < len(table):
-            for s in row.peer:
-                held_for[row.peer_of][s] = h
-    options = []
-    for q, row in enumerate(table):
-        options.append(set(row.own) | set(held_for[q]))
+    """The newest step every rank can restore (from its own pair, or a copy another monitor
+    keeps), and who fetches from whom (pure)."""
+    world = len(table)
+    where: dict[int, dict[int, tuple[int, int]]] = {q: {} for q in range(world)}  # rank -> step -> holder, slot
+    for holder, row in enumerate(table):
+        for slot, held in enumerate(row):
+            if held is None or not 0 <= held.rank < world:
+                continue
+            local = holder == held.rank and slot < 2
+            if local or held.step not in where[held.rank]:
+                where[held.rank][held.step] = (holder, slot)
+    options = [set(where[q]) for q in range(world)]
     common = set.intersection(*options) if options else set()
     if not common:
         missing = [q for q, o in enumerate(options) if not o]
         if missing:
-            why = f"rank(s) {', '.join(map(str, missing[:8]))} hold no snapshot (not their own, not a partner's copy)"
+            why = f"no monitor holds a snapshot of rank(s) {', '.join(map(str, missing[:8]))}"
         else:
-            why = "no step is held by every rank: " + "; ".join(
+            why = "no step is held for every rank: " + "; ".join(
                 f"rank {q}: {sorted(o)}" for q, o in list(enumerate(options))[:8])
         return Agreement(None, {}, why)
     step = max(common)
-    fetch = {q: held_for[q][step] for q, row in enumerate(table) if step not in row.own}
+    fetch = {q: where[q][step] for q in range(world) if where[q][step] != (q, 0) and where[q][step] != (q, 1)}
     return Agreement(step, fetch)
+
+
+def _agree_alone(held: Holdings, rank: int) -> Agreement:
+    """Without a process group: this rank's own newest complete snapshot."""
+    steps = [h.step for h in held[:2] if h is not None and h.rank == rank]
+    if not steps:
+        return Agreement(None, {}, "no complete snapshot of this rank")
+    return Agreement(max(steps))
 
 
 def partners(rank: int, world: int, local_world: int) -> tuple[int, int] | None:
@@ -572,118 +592,171 @@ class Snapshotter:
         dst.write_header(head)
 
     # -- restore ---------------------------------------------------------------------------------
-    def restore(self, map_location: Any = "cpu") -> tuple[int, dict[str, Any]] | Any | None:
+    def restore(self, map_location: Any = "cpu") -> tuple[int, Any] | None:
         """(step, state) of the newest snapshot every rank holds, or None after one line saying
         why (the caller loads its file checkpoint). A collective when torch.distributed is
-        initialized: every rank calls it."""
+        initialized with several ranks: every rank calls it."""
         t0 = time.perf_counter()
         self.wait()
         self.why_not = None
-        local: dict[int, tuple[int, Header]] = {}
         notes: list[str] = []
-        try:
-            pair = self._pair(OWN, 0)
-        except MemorySnapshotError as e:
-            pair = None
-            notes.append(str(e))
-        if pair is None and not notes:
-            notes.append("the monitor holds no snapshot for this rank (a first start, or a monitor that restarted)")
-        if pair is not None:
-            for i, b in enumerate(pair.buffers):
-                try:
-                    h = fmt.check(b.mm, job=self.job, rank=self.rank)
-                    local[h.step] = (i, h)
-                except SnapshotFormatError as e:
-                    if not str(e).startswith("empty"):
-                        notes.append(f"buffer {i} refused: {e}")
+        held = self._holdings(notes)
         dist = _dist()
         world = self._world()
         side = self._side_group() if dist is not None and world > 1 else None
         if side is None:
-            step = max(local, default=None)
-            agreement = Agreement(step, {}, "" if step is not None else "; ".join(notes))
+            agreement = _agree_alone(held, self.rank)
         else:
-            agreement = self._agree(side, local, world)
-            self._transfer(side, agreement, world)
-            if agreement.step is not None and agreement.step not in local:
-                assert self._own is not None
-                got = self._own.newest(job=self.job, rank=self.rank)
-                assert got is not None
-                h = fmt.check(self._own.buffers[got[0]].mm, job=self.job, rank=self.rank)
-                local[h.step] = (got[0], h)
-        if agreement.step is None:
-            why = "; ".join(notes) or agreement.why
-            if side is not None and notes and agreement.why:
+            agreement = self._agree(side, held, world)
+        got: tuple[_Buffer, Header] | None = None
+        failure = ""
+        if agreement.step is not None:
+            try:
+                got = self._take(side, agreement)
+            except (MemorySnapshotError, OSError, RuntimeError) as e:
+                failure = f"rank {self.rank} could not take step {agreement.step}'s snapshot: {e}"
+            if side is not None:
+                failure = self._confirm(side, failure)
+        if agreement.step is None or failure:
+            why = failure or "; ".join(notes) or agreement.why or "no snapshot"
+            if side is not None and notes and agreement.why and not failure:
                 why += f" ({agreement.why})"
             self.why_not = f"no snapshot to restore: {why}; falling back to the file checkpoint"
             self._say(f"ft_client.snapshot: {self.why_not}")
             return None
         for note in notes:
             self._say(f"ft_client.snapshot: {note}")
-        i, h = local[agreement.step]
-        assert self._own is not None
-        state = self._load(self._own.buffers[i], h, map_location)
+        assert got is not None
+        buf, h = got
+        state = self._load(buf, h, map_location)
         self.last_restore = {"step": h.step, "seconds": time.perf_counter() - t0,
-                             "from_peer": self.rank in agreement.fetch, "bytes": h.end}
+                             "from": agreement.fetch.get(self.rank, (self.rank, 0))[0], "bytes": h.end}
         return h.step, state
 
-    def _agree(self, side: Any, local: dict[int, tuple[int, Header]], world: int) -> Agreement:
-        import torch
-
-        dist = _dist()
-        assert dist is not None
-        pp = partners(self.rank, world, self._local_world(world))
-        peer_steps: tuple[int, ...] = ()
-        peer_of = -1
-        if pp is not None and self.peer_enabled is not False:
-            peer_of = pp[1]
+    def _holdings(self, notes: list[str]) -> Holdings:
+        """What this rank's monitor holds. Its own snapshots are checked whole (checksum); copies
+        of other ranks' only by their header here (their receiver checks them whole)."""
+        out: list[Held | None] = [None] * SLOTS
+        try:
+            own = self._pair(OWN, 0)
+        except MemorySnapshotError as e:
+            notes.append(str(e))
+            return tuple(out)
+        if own is None:
+            notes.append("the monitor holds no snapshot for this rank (a first start, or a monitor that restarted)")
+        else:
+            for i, b in enumerate(own.buffers):
+                h = b.header()
+                try:
+                    if h is not None and h.rank != self.rank and h.state == fmt.COMPLETE and h.job == self.job:
+                        out[i] = Held(h.rank, h.step)  # another rank's (ranks changed): checked by its taker
+                        notes.append(f"buffer {i} holds rank {h.rank}'s snapshot, not rank {self.rank}'s "
+                                     "(the ranks were numbered again: it is that rank's to take)")
+                        continue
+                    h = fmt.check(b.mm, job=self.job, rank=self.rank)
+                    out[i] = Held(h.rank, h.step)
+                except SnapshotFormatError as e:
+                    if not str(e).startswith("empty"):
+                        notes.append(f"buffer {i} refused: {e}")
+        if _dist() is not None and self.peer_enabled is not False:
             try:
-                pair = self._pair(PEER, 0)
+                peer = self._pair(PEER, 0)
             except MemorySnapshotError:
-                pair = None
-            if pair is not None:
-                steps = []
-                for b in pair.buffers:
-                    h = b.header()
-                    if h is not None and h.state == fmt.COMPLETE and h.job == self.job and h.rank == peer_of:
-                        steps.append(h.step)
-                peer_steps = tuple(sorted(steps, reverse=True)[:2])
-        mine = Holdings(tuple(sorted(local, reverse=True)[:2]), peer_of, peer_steps)
-        out = [torch.zeros(5, dtype=torch.int64) for _ in range(world)]
-        dist.all_gather(out, torch.tensor(mine.to_row(), dtype=torch.int64), group=side)
-        return agree([Holdings.from_row([int(v) for v in row.tolist()]) for row in out])
+                peer = None
+            for i, b in enumerate(peer.buffers if peer is not None else []):
+                h = b.header()
+                if h is not None and h.state == fmt.COMPLETE and h.job == self.job:
+                    out[2 + i] = Held(h.rank, h.step)
+        return tuple(out)
 
-    def _transfer(self, side: Any, agreement: Agreement, world: int) -> None:
-        """Ranks that lost their snapshot get the agreed step from the rank that keeps their copy."""
+    def _agree(self, side: Any, held: Holdings, world: int) -> Agreement:
         import torch
 
         dist = _dist()
         assert dist is not None
+        out = [torch.zeros(2 * SLOTS, dtype=torch.int64) for _ in range(world)]
+        dist.all_gather(out, torch.tensor(to_row(held), dtype=torch.int64), group=side)
+        return agree([from_row([int(v) for v in row.tolist()]) for row in out])
+
+    def _confirm(self, side: Any, failure: str) -> str:
+        """Every rank took its snapshot, or none restores (a step is never mixed)."""
+        import torch
+
+        dist = _dist()
+        assert dist is not None
+        ok = torch.tensor([0 if failure else 1], dtype=torch.int64)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=side)
+        if failure or int(ok.item()) == 1:
+            return failure
+        return "another rank could not take its snapshot of the agreed step"
+
+    def _slot(self, slot: int) -> _Buffer:
+        pair = self._own if slot < 2 else self._peer
+        if pair is None:
+            raise MemorySnapshotError(f"slot {slot} is gone")
+        return pair.buffers[slot % 2]
+
+    def _take(self, side: Any, agreement: Agreement) -> tuple[_Buffer, Header]:
+        """This rank's snapshot of the agreed step, in its own pair: sends the copies it keeps
+        for others, and takes its own from the monitor that keeps it (in rank order)."""
+        import torch
+
         step = agreement.step
-        for q, holder in sorted(agreement.fetch.items()):
-            if self.rank == holder:
-                assert self._peer is not None
-                src = next(b for b in self._peer.buffers if (h := b.header()) is not None and h.step == step
-                           and h.rank == q and h.state == fmt.COMPLETE)
+        sources = {slot for holder, slot in agreement.fetch.values() if holder == self.rank}
+        for q, (holder, slot) in sorted(agreement.fetch.items()):
+            if self.rank == holder and q != self.rank:
+                dist = _dist()
+                assert dist is not None
+                src = self._slot(slot)
                 head = fmt.parse_header(src.mm[:fmt.HEAD_BYTES])
                 dist.send(torch.frombuffer(bytearray(src.mm[:fmt.HEAD_BYTES]), dtype=torch.uint8), q, group=side)
                 body = _bytes_view(src.mm, HEADER_SIZE, head.end)
                 dist.send(body, q, group=side)
                 del body
             elif self.rank == q:
-                got = torch.empty(fmt.HEAD_BYTES, dtype=torch.uint8)
-                dist.recv(got, holder, group=side)
-                head = fmt.parse_header(got.numpy().tobytes())
-                pair = self._pair(OWN, head.end)
-                assert pair is not None
-                dst = pair.buffers[pair.target(job=self.job)]
-                dst.write_header(Header(**{**head.__dict__, "state": fmt.WRITING}))
-                into = _bytes_view(dst.mm, HEADER_SIZE, head.end)
-                dist.recv(into, holder, group=side)
-                del into
-                dst.write_header(head)
-                self._say(f"ft_client.snapshot: took step {step}'s snapshot ({head.end / 1e6:.1f} MB) from rank "
-                          f"{holder}, which kept this rank's copy")
+                self._receive(side, holder, slot, step, sources)
+        assert self._own is not None
+        for b in self._own.buffers:
+            h = b.header()
+            if h is not None and h.step == step and h.rank == self.rank and h.state == fmt.COMPLETE:
+                return b, fmt.check(b.mm, job=self.job, rank=self.rank)
+        raise MemorySnapshotError(f"step {step} is not in this rank's memory")
+
+    def _receive(self, side: Any, holder: int, slot: int, step: int | None, sources: set[int]) -> None:
+        import torch
+
+        if holder == self.rank:  # a copy in this monitor's peer pair (this rank's number changed)
+            src = self._slot(slot)
+            head = fmt.parse_header(src.mm[:fmt.HEAD_BYTES])
+            raw = bytes(src.mm[:head.end])
+        else:
+            dist = _dist()
+            assert dist is not None
+            got = torch.empty(fmt.HEAD_BYTES, dtype=torch.uint8)
+            dist.recv(got, holder, group=side)
+            head = fmt.parse_header(got.numpy().tobytes())
+            raw = b""
+        if head.rank != self.rank or head.step != step:
+            raise MemorySnapshotError(f"rank {holder} sent rank {head.rank}'s step {head.step}")
+        pair = self._pair(OWN, head.end)
+        assert pair is not None
+        free = [i for i in (pair.target(job=self.job), 1 - pair.target(job=self.job)) if i not in sources]
+        if not free:
+            raise MemorySnapshotError("both of this rank's buffers hold snapshots other ranks are taking")
+        dst = pair.buffers[free[0]]
+        dst.write_header(Header(**{**head.__dict__, "state": fmt.WRITING}))
+        if raw:
+            dst.mm[HEADER_SIZE:head.end] = raw[HEADER_SIZE:]
+        else:
+            dist = _dist()
+            assert dist is not None
+            into = _bytes_view(dst.mm, HEADER_SIZE, head.end)
+            dist.recv(into, holder, group=side)
+            del into
+        dst.write_header(head)
+        fmt.check(dst.mm, job=self.job, rank=self.rank)
+        self._say(f"ft_client.snapshot: took step {step}'s snapshot ({head.end / 1e6:.1f} MB) from rank "
+                  f"{holder}'s monitor, which kept a copy of this rank's")
 
     def _load(self, buf: _Buffer, h: Header, map_location: Any) -> Any:
         raw = memoryview(buf.mm)
@@ -764,5 +837,5 @@ def wait() -> None:
     default().wait()
 
 
-__all__ = ["Agreement", "Holdings", "MemorySnapshotError", "Snapshotter", "agree", "default", "open_pair",
+__all__ = ["Agreement", "Held", "Holdings", "MemorySnapshotError", "Snapshotter", "agree", "default", "open_pair",
            "partners", "restore", "save", "wait"]

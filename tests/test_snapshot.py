@@ -24,7 +24,7 @@ import torch
 from ft_client import snapshot_format as fmt
 from ft_client import wire
 from ft_client.errors import FtError, MemorySnapshotError
-from ft_client.snapshot import Agreement, Holdings, Snapshotter, agree, open_pair, partners
+from ft_client.snapshot import Agreement, Held, Snapshotter, agree, from_row, open_pair, partners, to_row
 from ft_client.snapshot_format import HEADER_SIZE, Header, SnapshotFormatError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -176,22 +176,31 @@ def test_a_layout_that_lies_about_its_tensors_is_refused() -> None:
 
 
 # -- agreement --------------------------------------------------------------------------------------
+def _h(*slots: tuple[int, int] | None) -> tuple[Held | None, ...]:
+    return tuple(None if x is None else Held(*x) for x in (list(slots) + [None] * 4)[:4])
+
+
 def test_the_newest_step_every_rank_holds_is_agreed() -> None:
     # rank 1 was killed while saving step 40: it holds 20 and 30; rank 0 finished 40
-    table = [Holdings((40, 30), -1, ()), Holdings((30, 20), -1, ())]
+    table = [_h((0, 40), (0, 30)), _h((1, 30), (1, 20))]
     assert agree(table) == Agreement(30, {})
-    assert agree([Holdings((40,), -1, ()), Holdings((), -1, ())]).step is None
-    assert "rank(s) 1 hold no snapshot" in agree([Holdings((40,), -1, ()), Holdings((), -1, ())]).why
+    lost = [_h((0, 40)), _h()]
+    assert agree(lost).step is None and "no monitor holds a snapshot of rank(s) 1" in agree(lost).why
+    assert "no step is held for every rank" in agree([_h((0, 40)), _h((1, 30))]).why
+    assert to_row(table[1]) == [1, 30, 1, 20, -1, -1, -1, -1] and from_row(to_row(table[1])) == table[1]
 
 
-def test_a_rank_that_lost_its_node_fetches_from_the_partner_that_kept_its_copy() -> None:
-    # 2 nodes x 1 rank: rank 0 keeps rank 1's copy and rank 1 keeps rank 0's. Rank 1's node was
-    # lost: its own memory is empty, but rank 0's monitor keeps its steps 20 and 30.
-    table = [Holdings((30, 20), 1, (30, 20)), Holdings((), 0, ())]
-    assert agree(table) == Agreement(30, {1: 0})
-    # the copy lags one save behind the own snapshot: the newest step everybody can get is 20
-    table = [Holdings((30, 20), 1, (20, 10)), Holdings((), 0, ())]
-    assert agree(table) == Agreement(20, {1: 0})
+def test_a_rank_that_lost_its_node_fetches_from_the_monitor_that_kept_its_copy() -> None:
+    # 2 nodes x 1 rank: rank 0 keeps rank 1's copies in its peer pair (slots 2, 3). Rank 1's node
+    # was lost: its new monitor holds nothing.
+    table = [_h((0, 30), (0, 20), (1, 30), (1, 20)), _h()]
+    assert agree(table) == Agreement(30, {1: (0, 2)})
+    # the copy lags one save behind: the newest step everybody can get is 20
+    table = [_h((0, 30), (0, 20), (1, 20), (1, 10)), _h()]
+    assert agree(table) == Agreement(20, {1: (0, 2)})
+    # the ranks were numbered again: each monitor holds the other rank's own snapshots
+    table = [_h((1, 30), (1, 20)), _h((0, 30), (0, 20))]
+    assert agree(table) == Agreement(30, {0: (1, 0), 1: (0, 0)})
     assert partners(0, 4, 2) == (2, 2) and partners(3, 4, 2) == (1, 1)
     assert partners(0, 2, 2) is None and partners(1, 8, 8) is None
 

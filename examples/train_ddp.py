@@ -17,6 +17,10 @@ What it shows:
   it with ``--ft-on-hang inprocess``: a hang then restarts the training function in the
   same processes (from an in-memory copy of the last checkpoint every rank holds), the
   process restart staying the fallback. The hang happens in the Wrapper's first iteration only.
+* ``--snapshot-every K``: every K steps each rank saves its state into memory its monitor
+  keeps (``ft_client.snapshot``); after a restart (a ``kill -9``, a hang, an in-process
+  restart) the ranks resume from the newest snapshot all of them hold instead of the file
+  checkpoint, and say how many steps were lost.
 * ``--slow rank=R,ms=M`` makes rank R spend M ms more loading every batch (a `data`
   section, outside the step's all-reduce): ft-launcher flags it as a slow rank.
 """
@@ -39,7 +43,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ft_client
-from ft_client import RankMonitorClient
+from ft_client import RankMonitorClient, observer, snapshot
 from ft_client.inprocess import CallWrapper, Wrapper
 
 
@@ -98,6 +102,8 @@ def main() -> None:
     p.add_argument("--linger-until", default=None, metavar="FILE",
                    help="after the last step every rank keeps heartbeating (up to 100 s) until FILE exists: "
                         "a test reads the live view of ranks that are still running")
+    p.add_argument("--snapshot-every", type=int, default=0, metavar="K",
+                   help="save an in-memory snapshot every K steps (kept by the monitor; 0: off) and resume from it")
     p.add_argument("--inprocess", action="store_true",
                    help="run the training function under ft_client.inprocess.Wrapper (use with --ft-on-hang "
                         "inprocess)")
@@ -131,6 +137,23 @@ def restore_point(memory: dict[int, dict[str, Any]], call: CallWrapper | None) -
     return memory.get(int(latest.item()))
 
 
+def lost_steps(start: int, ckpt_path: Path) -> str:
+    """How many steps the fault cost: the steps this rank's previous process had completed (its
+    monitor's last session, read from the monitor) less the snapshot's; and what the file
+    checkpoint would have cost."""
+    parts = []
+    try:
+        last = observer.status(os.environ["FT_RANK_MONITOR_IPC_SOCKET"]).get("last_iteration")
+    except (OSError, KeyError, ft_client.FtError):
+        last = None
+    if isinstance(last, int) and last >= start:
+        parts.append(f"lost {last - start} step(s): the previous process had completed {last}")
+    if ckpt_path.exists():
+        on_disk = torch.load(ckpt_path, weights_only=False)["step"]
+        parts.append(f"the file checkpoint is at step {on_disk}: {start - on_disk} step(s) not redone")
+    return "; " + "; ".join(parts) if parts else ""
+
+
 def train(args: argparse.Namespace, client: RankMonitorClient, memory: dict[int, dict[str, Any]],
           call: CallWrapper | None) -> None:
     """The training function: called once, or under the Wrapper once per in-process iteration."""
@@ -155,15 +178,20 @@ def train(args: argparse.Namespace, client: RankMonitorClient, memory: dict[int,
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
 
     start = 0
-    in_memory = restore_point(memory, call)
+    from_snapshot = None
+    if args.snapshot_every:  # also at the first start: one line says there is nothing yet
+        got = snapshot.restore()  # a collective: the newest step every rank's monitor holds
+        from_snapshot = got[1] if got is not None else None
+    in_memory = from_snapshot or (None if args.snapshot_every else restore_point(memory, call))
     ckpt = in_memory or (torch.load(ckpt_path, weights_only=False) if ckpt_path.exists() else None)
     if ckpt:
         model.module.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["opt"])
         start = ckpt["step"]
         client.load_state_dict(ckpt.get("ft", {}))  # learned timeouts and the iteration count, as of the checkpoint
-        print(f"[rank {rank}] {where}: resumed at step {start} (pid {os.getpid()}, from "
-              f"{'memory' if in_memory else 'disk'})", flush=True)
+        source = "the snapshot in the monitor's memory" if from_snapshot else "memory" if in_memory else "disk"
+        print(f"[rank {rank}] {where}: resumed at step {start} (pid {os.getpid()}, from {source})"
+              + (lost_steps(start, ckpt_path) if from_snapshot else ""), flush=True)
     if not client.is_initialized:
         client.init_workload_monitoring()
     learned = sorted(client.timeouts.learned)
@@ -192,6 +220,8 @@ def train(args: argparse.Namespace, client: RankMonitorClient, memory: dict[int,
                 print(f"[rank {rank}] {where}: hanging at step {step} (on purpose)", flush=True)
                 write_metrics_to_stuck_filesystem(args.hang_mode)
         client.send_heartbeat()
+        if args.snapshot_every and (step + 1) % args.snapshot_every == 0:
+            snapshot.save(step + 1, {"model": model.module, "opt": opt, "step": step + 1, "ft": client.state_dict()})
         if hang_now(step) and args.hang_where == "between":
             print(f"[rank {rank}] {where}: hanging after step {step}, outside every section (on purpose)", flush=True)
             write_metrics_to_stuck_filesystem(args.hang_mode)

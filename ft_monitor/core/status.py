@@ -122,6 +122,14 @@ class SnapshotPair:
         return cls(d["bytes"], d["buffers"], step if isinstance(step, int) and not isinstance(step, bool) else None)
 
 
+def newest_complete_step(headers: Iterable[Mapping[str, Any]]) -> int | None:
+    """The newest step among a pair's buffers whose header (ft_client.snapshot_format.describe's
+    map) says complete; None when none does."""
+    steps = [h["step"] for h in headers if isinstance(h, Mapping) and h.get("state") == "complete"
+             and isinstance(h.get("step"), int) and not isinstance(h.get("step"), bool)]
+    return max(steps, default=None)
+
+
 @dataclass(frozen=True, slots=True)
 class SnapshotsStatus:
     """The snapshot memory the monitor holds (docs/protocol.md, "Snapshots (role snapshot)")."""

@@ -23,6 +23,8 @@ builtin base that callers caught before (``ValueError`` for bad values,
     ├── StoreMessageError               a store value that is not an authentic message of this job (signed.py)
     ├── SecretError                     the job secret or a job key cannot be used (jobkey.py)
     ├── NoFlightRecorderError           this process has no Flight Recorder trace to write
+    ├── MemorySnapshotError             an in-memory snapshot cannot be saved or restored
+    │   └── SnapshotFormatError         ... bytes that are not a complete snapshot (snapshot_format.py)
     └── ft_monitor's: ConfigError, SettingsError, UsageError, ListenerError, SessionError,
         NoticeError, StatusError, ReportError, SealError (a StoreMessageError), MonitorStartError,
         HttpRequestError, MetricsServerError, SnapshotError, EvidenceError
@@ -51,3 +53,8 @@ class MonitorClosedError(RankMonitorClientError):
 class MonitorBrokenError(RankMonitorClientError):
     """The monitor went away or stopped answering (raised with ``on_monitor_lost: raise``,
     and by requests that need an answer)."""
+
+
+class MemorySnapshotError(FtError, RuntimeError):
+    """An in-memory snapshot (ft_client.snapshot) cannot be saved or restored; the message
+    says why (the monitor refused the memory, a value a snapshot cannot hold, ...)."""

@@ -120,7 +120,7 @@ class Role:
     MONITOR = "monitor"  # a monitor daemon talking to the launcher (HANG_NOTICE)
     CONTROL = "control"  # the rank's second connection: the monitor pushes ABORT and FR_DUMP there
     LAUNCHER = "launcher"  # the launcher that started the monitor: WORKER_STARTED, DUMP_REQUEST
-    SNAPSHOT = "snapshot"  # asks for the rank's snapshot memory: HELLO, HELLO_OK with two memfds, closed
+    SNAPSHOT = "snapshot"  # a process asking for the rank's snapshot memory (HELLO_OK passes two memfds)
 
 
 class ErrorCode:

@@ -1,0 +1,270 @@
+"""The layout of an in-memory snapshot buffer, and its total reader (docs/snapshots.md).
+
+A buffer is a memory file the rank's monitor owns. It holds one snapshot of one
+rank's training state::
+
+    [0, 4096)                      header (below), written last when a save completes
+    [4096, 4096 + layout_len)      layout: msgpack of the state's tree, tensors as references
+    [data_offset, + data_len)      the tensors' bytes, each at a 64-byte aligned offset
+
+The header says who wrote it (job, rank, world size), which step, how the bytes are
+laid out, and a CRC-32 over everything after the header. A save first stamps the
+header `WRITING`, then writes the layout and the bytes, and stamps it `COMPLETE` with
+the checksum last: a writer killed in between leaves `WRITING` (a torn write), and
+the other buffer of the pair still holds the previous snapshot whole.
+
+Everything here is pure and imports no torch: `parse_header`, `decode_layout` and
+`check` take bytes someone else wrote (the monitor's memory, a peer's copy) and
+return a value or raise `SnapshotFormatError`, nothing else. The layout is msgpack
+with two extension types of ours (a tensor reference, a tuple): nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import struct
+import zlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from ft_client.errors import MemorySnapshotError
+
+MAGIC = b"ftsnap\x00\x01"
+VERSION = 1
+HEADER_SIZE = 4096
+ALIGN = 64
+MAX_LAYOUT = 256 * 2**20
+"""The most layout bytes a reader decodes (a state of millions of tensors is not plausible)."""
+MAX_JOB_BYTES = 64
+
+EMPTY, WRITING, COMPLETE = 0, 1, 2
+STATE_NAMES = {EMPTY: "empty", WRITING: "writing", COMPLETE: "complete"}
+
+_EXT_TENSOR = 1
+_EXT_TUPLE = 2
+
+# magic, version, state, generation, step, rank, world, layout_len, data_offset, data_len,
+# saved_at (wall clock), job, checksum (crc32 of [HEADER_SIZE, data_offset + data_len)),
+# head_crc (crc32 of the packed fields before it)
+_HEAD = struct.Struct("<8sIIQqqqQQQd64sI")
+_CRC = struct.Struct("<I")
+HEAD_BYTES = _HEAD.size + _CRC.size
+
+# dtype name -> bytes per element: the dtypes a snapshot may hold (torch's names, without "torch.")
+ITEMSIZE: dict[str, int] = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
+    "complex128": 16, "complex64": 8,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1,
+    "uint16": 2, "uint32": 4, "uint64": 8, "bool": 1,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
+}
+
+
+Bytes = bytes | bytearray | memoryview | mmap.mmap
+"""What the readers take: a copy, or the monitor's mapped memory itself."""
+
+
+class SnapshotFormatError(MemorySnapshotError, ValueError):
+    """Bytes that are not a complete snapshot of this layout (why is the message)."""
+
+
+@dataclass(frozen=True)
+class Header:
+    state: int
+    generation: int
+    step: int
+    rank: int
+    world: int
+    layout_len: int
+    data_offset: int
+    data_len: int
+    saved_at: float
+    job: str
+    checksum: int
+
+    @property
+    def end(self) -> int:
+        """The buffer's bytes this snapshot uses."""
+        return self.data_offset + self.data_len
+
+    def pack(self) -> bytes:
+        job = self.job.encode()
+        if len(job) > MAX_JOB_BYTES:
+            raise SnapshotFormatError(f"job id {self.job[:80]!r} is over {MAX_JOB_BYTES} bytes")
+        body = _HEAD.pack(MAGIC, VERSION, self.state, self.generation, self.step, self.rank, self.world,
+                          self.layout_len, self.data_offset, self.data_len, self.saved_at, job, self.checksum)
+        return body + _CRC.pack(zlib.crc32(body))
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Where one tensor's bytes are: its dtype's name, shape, offset into the data area, size."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """A tensor's place in the tree: an index into the layout's tensor list."""
+
+    index: int
+
+
+def aligned(n: int, to: int = ALIGN) -> int:
+    return -(-n // to) * to
+
+
+def parse_header(raw: Bytes) -> Header:
+    """The header at the start of ``raw``; SnapshotFormatError for anything that is not one."""
+    if len(raw) < HEAD_BYTES:
+        raise SnapshotFormatError(f"{len(raw)} bytes are too few for a snapshot header ({HEAD_BYTES})")
+    body = bytes(raw[:_HEAD.size])
+    (crc,) = _CRC.unpack_from(raw, _HEAD.size)
+    magic, version, state, generation, step, rank, world, layout_len, data_offset, data_len, saved_at, job, \
+        checksum = _HEAD.unpack(body)
+    if magic != MAGIC:
+        if magic == bytes(8):
+            raise SnapshotFormatError("empty: nothing was ever saved in it")
+        raise SnapshotFormatError(f"not a snapshot (magic {magic!r})")
+    if version != VERSION:
+        raise SnapshotFormatError(f"layout version {version}; this client reads version {VERSION}")
+    if zlib.crc32(body) != crc:
+        raise SnapshotFormatError("its header's checksum does not match: the header is corrupt")
+    if state not in STATE_NAMES:
+        raise SnapshotFormatError(f"unknown state {state}")
+    if not (0 <= rank and 0 < world and rank < world) and state != EMPTY:
+        raise SnapshotFormatError(f"rank {rank} of a world of {world}")
+    if layout_len > MAX_LAYOUT or data_offset < HEADER_SIZE + layout_len or data_offset % ALIGN:
+        raise SnapshotFormatError(f"a layout of {layout_len} bytes and data at {data_offset} do not fit together")
+    if not math.isfinite(saved_at):
+        raise SnapshotFormatError("its save time is not a number")
+    try:
+        job_text = job.rstrip(b"\x00").decode()
+    except UnicodeDecodeError as e:
+        raise SnapshotFormatError("its job id is not UTF-8") from e
+    return Header(state=state, generation=generation, step=step, rank=rank, world=world, layout_len=layout_len,
+                  data_offset=data_offset, data_len=data_len, saved_at=saved_at, job=job_text, checksum=checksum)
+
+
+def describe(raw: Bytes) -> dict[str, Any]:
+    """What a header says, for status lines: never raises. ``state`` is one of empty, writing,
+    complete, invalid (with ``why``)."""
+    try:
+        h = parse_header(raw)
+    except SnapshotFormatError as e:
+        if str(e).startswith("empty"):
+            return {"state": "empty", "step": None, "rank": None, "generation": None}
+        return {"state": "invalid", "step": None, "rank": None, "generation": None, "why": str(e)}
+    return {"state": STATE_NAMES[h.state], "step": h.step, "rank": h.rank, "generation": h.generation,
+            "bytes": h.end, "job": h.job}
+
+
+def body_checksum(buf: Bytes, header: Header) -> int:
+    """CRC-32 of the layout and the data (what COMPLETE's ``checksum`` covers)."""
+    return zlib.crc32(memoryview(buf)[HEADER_SIZE:header.end])
+
+
+def check(buf: Bytes, *, job: str, rank: int) -> Header:
+    """The header of a complete, intact snapshot of ``job``'s ``rank`` in ``buf``, or
+    SnapshotFormatError saying why this buffer cannot be restored from."""
+    h = parse_header(buf)
+    if h.state == EMPTY:
+        raise SnapshotFormatError("empty: nothing was ever saved in it")
+    if h.state == WRITING:
+        raise SnapshotFormatError(f"a torn write: its writer stopped while saving step {h.step} "
+                                  f"(generation {h.generation})")
+    if h.job != job:
+        raise SnapshotFormatError(f"it holds job {h.job!r}'s snapshot, not job {job!r}'s")
+    if h.rank != rank:
+        raise SnapshotFormatError(f"it holds rank {h.rank}'s snapshot, not rank {rank}'s")
+    if h.end > len(buf):
+        raise SnapshotFormatError(f"it claims {h.end} bytes, the buffer has {len(buf)}")
+    got = body_checksum(buf, h)
+    if got != h.checksum:
+        raise SnapshotFormatError(f"checksum mismatch (step {h.step}: {got:08x}, header says {h.checksum:08x}): "
+                                  "its bytes changed after the save")
+    return h
+
+
+# -- the layout ------------------------------------------------------------------------------
+def encode_layout(tree: Any, tensors: Sequence[TensorSpec]) -> bytes:
+    """msgpack of ``{"tree": tree, "tensors": [...]}``; ``tree`` holds TensorRef where tensors were,
+    and only plain values besides (the caller checked them)."""
+    def default(obj: Any) -> Any:
+        if isinstance(obj, TensorRef):
+            return msgpack.ExtType(_EXT_TENSOR, msgpack.packb(obj.index))
+        if isinstance(obj, tuple):
+            return msgpack.ExtType(_EXT_TUPLE, msgpack.packb(list(obj), default=default, strict_types=True))
+        raise SnapshotFormatError(f"a {type(obj).__name__} cannot be put in a snapshot's layout")
+
+    specs = [[t.dtype, list(t.shape), t.offset, t.nbytes] for t in tensors]
+    packed: bytes = msgpack.packb({"tree": tree, "tensors": specs}, default=default, strict_types=True)
+    return packed
+
+
+def decode_layout(raw: bytes | memoryview, data_len: int) -> tuple[Any, list[TensorSpec]]:
+    """The tree (TensorRef where tensors were) and the tensors' places; SnapshotFormatError for
+    any bytes that are not a consistent layout."""
+    def ext(code: int, data: bytes) -> Any:
+        if code == _EXT_TENSOR:
+            index = msgpack.unpackb(data)
+            if type(index) is not int or index < 0:
+                raise SnapshotFormatError(f"a tensor reference {index!r} that is not an index")
+            return TensorRef(index)
+        if code == _EXT_TUPLE:
+            items = msgpack.unpackb(data, ext_hook=ext, strict_map_key=False, raw=False)
+            if not isinstance(items, list):
+                raise SnapshotFormatError("a tuple that is not a list")
+            return tuple(items)
+        raise SnapshotFormatError(f"an unknown extension type {code}")
+
+    if len(raw) > MAX_LAYOUT:
+        raise SnapshotFormatError(f"a layout of {len(raw)} bytes (at most {MAX_LAYOUT})")
+    try:
+        doc = msgpack.unpackb(raw, ext_hook=ext, strict_map_key=False, raw=False)
+    except SnapshotFormatError:
+        raise
+    except Exception as e:  # msgpack raises many types for bad bytes: all of them mean "not a layout"
+        raise SnapshotFormatError(f"its layout does not decode ({type(e).__name__}: {e})") from e
+    if not isinstance(doc, dict) or set(doc) != {"tree", "tensors"} or not isinstance(doc["tensors"], list):
+        raise SnapshotFormatError("its layout is not a map of tree and tensors")
+    specs = [_spec(item, data_len) for item in doc["tensors"]]
+    _check_refs(doc["tree"], len(specs))
+    return doc["tree"], specs
+
+
+def _spec(item: object, data_len: int) -> TensorSpec:
+    if not (isinstance(item, list) and len(item) == 4):
+        raise SnapshotFormatError(f"a tensor entry {str(item)[:80]} is not [dtype, shape, offset, size]")
+    dtype, shape, offset, nbytes = item
+    if not isinstance(dtype, str) or dtype not in ITEMSIZE:
+        raise SnapshotFormatError(f"a tensor of dtype {str(dtype)[:40]!r}, which snapshots do not hold")
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape) or len(shape) > 64:
+        raise SnapshotFormatError(f"a tensor shape {str(shape)[:80]} that is not a list of sizes")
+    if type(offset) is not int or type(nbytes) is not int or offset < 0 or nbytes < 0 \
+            or offset + nbytes > data_len or offset % ALIGN:
+        raise SnapshotFormatError(f"a tensor at {offset!r} of {nbytes!r} bytes outside the {data_len} data bytes")
+    if math.prod(shape) * ITEMSIZE[dtype] != nbytes:
+        raise SnapshotFormatError(f"a {dtype} tensor of shape {shape} in {nbytes} bytes")
+    return TensorSpec(dtype, tuple(shape), offset, nbytes)
+
+
+def _check_refs(tree: Any, count: int, depth: int = 0) -> None:
+    if depth > 100:
+        raise SnapshotFormatError("a tree nested over 100 deep")
+    if isinstance(tree, TensorRef):
+        if tree.index >= count:
+            raise SnapshotFormatError(f"a reference to tensor {tree.index} of {count}")
+    elif isinstance(tree, Mapping):
+        for v in tree.values():
+            _check_refs(v, count, depth + 1)
+    elif isinstance(tree, (list, tuple)):
+        for v in tree:
+            _check_refs(v, count, depth + 1)

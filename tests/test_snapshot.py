@@ -1,0 +1,342 @@
+"""ft_client.snapshot and its format: fast tests against a fake monitor that owns the memory.
+
+The fake monitor speaks the snapshot handover of docs/protocol.md ("Snapshots") on a real
+Unix socket with real memfds; the daemon's side is tested in test_daemon_snapshots.py and
+the whole path (kill -9, the launcher, peers) in test_snapshot_e2e.py.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import zlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ft_client import snapshot_format as fmt
+from ft_client import wire
+from ft_client.errors import FtError, MemorySnapshotError
+from ft_client.snapshot import Agreement, Held, Snapshotter, agree, from_row, open_pair, partners, to_row
+from ft_client.snapshot_format import HEADER_SIZE, Header, SnapshotFormatError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class FakeMonitor:
+    """Holds memfd pairs per kind and hands them over as the daemon does (or refuses)."""
+
+    def __init__(self, path: str, limit: int = 1 << 30) -> None:
+        self.path = path
+        self.limit = limit
+        self.pairs: dict[str, list[int]] = {}
+        self.sizes: dict[str, int] = {}
+        self.asked: list[dict[str, Any]] = []
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(path)
+        self.sock.listen(8)
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                n = wire.frame_length(conn.recv(4))
+                body = b""
+                while len(body) < n:
+                    body += conn.recv(n - len(body))
+                hello = wire.decode_body(body)
+                assert isinstance(hello, wire.Hello) and hello.role == wire.Role.SNAPSHOT
+                self.asked.append(hello.info)
+                kind, want = hello.info["kind"], hello.info["bytes"]
+                if want > self.limit:
+                    conn.sendall(wire.encode(wire.Error("bad_request", f"{want} bytes asked; the limit is "
+                                                                        f"{self.limit}")))
+                    continue
+                if kind not in self.pairs and want == 0:
+                    conn.sendall(wire.encode(wire.HelloOk(2, {"snapshot": {"kind": kind, "buffers": 0, "bytes": 0}})))
+                    continue
+                if kind not in self.pairs:
+                    self.pairs[kind] = []
+                    for i in range(2):
+                        fd = os.memfd_create(f"fake-{kind}-{i}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+                        os.ftruncate(fd, want)
+                        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+                        self.pairs[kind].append(fd)
+                    self.sizes[kind] = want
+                elif want > self.sizes[kind]:
+                    for fd in self.pairs[kind]:
+                        os.ftruncate(fd, want)
+                    self.sizes[kind] = want
+                reply = wire.encode(wire.HelloOk(2, {"snapshot": {"kind": kind, "buffers": 2,
+                                                                   "bytes": self.sizes[kind]}}))
+                socket.send_fds(conn, [reply], self.pairs[kind])
+
+    def close(self) -> None:
+        self.sock.close()
+        for fds in self.pairs.values():
+            for fd in fds:
+                os.close(fd)
+
+
+@pytest.fixture
+def monitor(tmp_path: Path):
+    m = FakeMonitor(str(tmp_path / "mon.sock"))
+    yield m
+    m.close()
+
+
+def _state(seed: int = 0) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    return {"model": model.state_dict(), "opt": opt.state_dict(), "step": 7, "name": "run", "empty": torch.empty(0),
+            "bf": torch.ones(3, dtype=torch.bfloat16), "sched": {"last_epoch": 3, "betas": (0.9, 0.99)}}
+
+
+def _same(a: Any, b: Any) -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert type(b) is dict and list(a) == list(b)
+        for k in a:
+            _same(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b)
+        for x, y in zip(a, b):
+            _same(x, y)
+    else:
+        assert a == b and type(a) is type(b)
+
+
+# -- the format ------------------------------------------------------------------------------------
+def _header(**kw: Any) -> Header:
+    base = {"state": fmt.COMPLETE, "generation": 3, "step": 20, "rank": 1, "world": 2, "layout_len": 10,
+            "data_offset": 8192, "data_len": 64, "saved_at": 1.5, "job": "j", "checksum": 0}
+    return Header(**{**base, **kw})
+
+
+def test_a_header_reads_back_and_a_flipped_byte_is_refused() -> None:
+    h = _header()
+    raw = bytearray(h.pack())
+    assert fmt.parse_header(raw) == h
+    raw[20] ^= 1
+    with pytest.raises(SnapshotFormatError, match="header's checksum"):
+        fmt.parse_header(raw)
+    assert fmt.describe(bytes(HEADER_SIZE))["state"] == "empty"
+    assert fmt.describe(raw)["state"] == "invalid"
+    assert fmt.describe(h.pack())["step"] == 20
+
+
+def test_any_bytes_give_a_header_or_our_refusal() -> None:
+    import random
+
+    rnd = random.Random(5)
+    good = _header().pack()
+    for _ in range(3000):
+        raw = bytearray(good)
+        for _ in range(rnd.randint(1, 4)):
+            raw[rnd.randrange(len(raw))] = rnd.randrange(256)
+        try:
+            fmt.parse_header(raw[: rnd.randint(0, len(raw))])
+        except SnapshotFormatError:
+            pass
+    for _ in range(3000):
+        blob = bytes(rnd.randrange(256) for _ in range(rnd.randint(0, 64)))
+        try:
+            fmt.decode_layout(blob, 1024)
+        except SnapshotFormatError:
+            pass
+
+
+def test_a_layout_that_lies_about_its_tensors_is_refused() -> None:
+    specs = [fmt.TensorSpec("float32", (2, 3), 0, 24)]
+    tree, got = fmt.decode_layout(fmt.encode_layout({"w": fmt.TensorRef(0), "t": (1, "a")}, specs), 64)
+    assert tree == {"w": fmt.TensorRef(0), "t": (1, "a")} and got == specs
+    for bad, why in [([fmt.TensorSpec("float32", (2, 3), 0, 20)], "in 20 bytes"),
+                     ([fmt.TensorSpec("float32", (2, 3), 64, 24)], "outside"),
+                     ([fmt.TensorSpec("object", (1,), 0, 8)], "dtype")]:
+        with pytest.raises(SnapshotFormatError, match=why):
+            fmt.decode_layout(fmt.encode_layout({"w": fmt.TensorRef(0)}, bad), 64)
+    with pytest.raises(SnapshotFormatError, match="reference to tensor 1"):
+        fmt.decode_layout(fmt.encode_layout([fmt.TensorRef(1)], specs), 64)
+
+
+# -- agreement --------------------------------------------------------------------------------------
+def _h(*slots: tuple[int, int] | None) -> tuple[Held | None, ...]:
+    return tuple(None if x is None else Held(*x) for x in (list(slots) + [None] * 4)[:4])
+
+
+def test_the_newest_step_every_rank_holds_is_agreed() -> None:
+    # rank 1 was killed while saving step 40: it holds 20 and 30; rank 0 finished 40
+    table = [_h((0, 40), (0, 30)), _h((1, 30), (1, 20))]
+    assert agree(table) == Agreement(30, {})
+    lost = [_h((0, 40)), _h()]
+    assert agree(lost).step is None and "no monitor holds a snapshot of rank(s) 1" in agree(lost).why
+    assert "no step is held for every rank" in agree([_h((0, 40)), _h((1, 30))]).why
+    assert to_row(table[1]) == [1, 30, 1, 20, -1, -1, -1, -1] and from_row(to_row(table[1])) == table[1]
+
+
+def test_a_rank_that_lost_its_node_fetches_from_the_monitor_that_kept_its_copy() -> None:
+    # 2 nodes x 1 rank: rank 0 keeps rank 1's copies in its peer pair (slots 2, 3). Rank 1's node
+    # was lost: its new monitor holds nothing.
+    table = [_h((0, 30), (0, 20), (1, 30), (1, 20)), _h()]
+    assert agree(table) == Agreement(30, {1: (0, 2)})
+    # the copy lags one save behind: the newest step everybody can get is 20
+    table = [_h((0, 30), (0, 20), (1, 20), (1, 10)), _h()]
+    assert agree(table) == Agreement(20, {1: (0, 2)})
+    # the ranks were numbered again: each monitor holds the other rank's own snapshots
+    table = [_h((1, 30), (1, 20)), _h((0, 30), (0, 20))]
+    assert agree(table) == Agreement(30, {0: (1, 0), 1: (0, 0)})
+    assert partners(0, 4, 2) == (2, 2) and partners(3, 4, 2) == (1, 1)
+    assert partners(0, 2, 2) is None and partners(1, 8, 8) is None
+
+
+# -- save and restore through the fake monitor -------------------------------------------------------
+def test_a_state_saved_is_restored_whole(monitor: FakeMonitor) -> None:
+    s = Snapshotter(socket_path=monitor.path, job="job1", rank=0)
+    state = _state()
+    assert s.save(7, state)
+    s.wait()
+    step, got = s.restore()  # type: ignore[misc]
+    assert step == 7
+    _same(state, got)
+    # a new process's snapshotter (a restarted rank) finds it too
+    step2, got2 = Snapshotter(socket_path=monitor.path, job="job1", rank=0).restore()  # type: ignore[misc]
+    assert step2 == 7
+    _same(state, got2)
+
+
+def test_stateful_objects_are_saved_by_their_state_dict(monitor: FakeMonitor) -> None:
+    model = torch.nn.Linear(4, 2)
+    s = Snapshotter(socket_path=monitor.path, job="j", rank=0)
+    s.save(1, {"model": model})
+    step, got = s.restore()  # type: ignore[misc]
+    _same(model.state_dict(), got["model"])
+
+
+def test_values_a_snapshot_cannot_hold_are_named_by_path(monitor: FakeMonitor) -> None:
+    s = Snapshotter(socket_path=monitor.path, job="j", rank=0)
+    with pytest.raises(MemorySnapshotError, match=r"state\['a'\]\[0\] is a object"):
+        s.save(1, {"a": [object()]})
+    with pytest.raises(FtError, match="key"):
+        s.save(1, {(1, 2): 3})
+
+
+def test_the_newest_complete_save_survives_a_torn_one(monitor: FakeMonitor) -> None:
+    s = Snapshotter(socket_path=monitor.path, job="j", rank=0)
+    s.save(10, {"w": torch.full((1000,), 10.0)})
+    s.save(20, {"w": torch.full((1000,), 20.0)})
+    s.wait()
+    assert s._own is not None
+    # the next save goes to the buffer holding step 10; its writer dies half-way (WRITING left)
+    i = s._own.target(job="j")
+    b = s._own.buffers[i]
+    h = fmt.parse_header(b.mm[: fmt.HEAD_BYTES])
+    assert h.step == 10
+    b.write_header(Header(**{**h.__dict__, "state": fmt.WRITING, "step": 30, "generation": 9}))
+    lines: list[str] = []
+    step, got = Snapshotter(socket_path=monitor.path, job="j", rank=0, log_line=lines.append).restore()  # type: ignore[misc]
+    assert step == 20 and float(got["w"][0]) == 20.0
+    assert any("torn write" in line and "step 30" in line for line in lines), lines
+
+
+def test_a_checksum_mismatch_falls_back_to_the_other_buffer(monitor: FakeMonitor) -> None:
+    s = Snapshotter(socket_path=monitor.path, job="j", rank=0)
+    s.save(10, {"w": torch.full((1000,), 10.0)})
+    s.save(20, {"w": torch.full((1000,), 20.0)})
+    s.wait()
+    assert s._own is not None
+    newest = s._own.newest(job="j")
+    assert newest is not None and newest[1].step == 20
+    buf = s._own.buffers[newest[0]]
+    buf.mm[newest[1].data_offset + 5] ^= 0xFF
+    lines: list[str] = []
+    step, got = Snapshotter(socket_path=monitor.path, job="j", rank=0, log_line=lines.append).restore()  # type: ignore[misc]
+    assert step == 10 and float(got["w"][0]) == 10.0
+    assert any("checksum mismatch (step 20" in line for line in lines), lines
+
+
+def test_another_jobs_or_another_ranks_snapshot_is_refused(monitor: FakeMonitor) -> None:
+    Snapshotter(socket_path=monitor.path, job="old-job", rank=0).save(10, {"w": torch.ones(3)})
+    lines: list[str] = []
+    s = Snapshotter(socket_path=monitor.path, job="new-job", rank=0, log_line=lines.append)
+    assert s.restore() is None
+    assert "job 'old-job''s snapshot, not job 'new-job''s" in (s.why_not or "")
+    assert "falling back to the file checkpoint" in lines[-1]
+    s = Snapshotter(socket_path=monitor.path, job="old-job", rank=1, log_line=lines.append)
+    assert s.restore() is None and "rank 0's snapshot, not rank 1's" in (s.why_not or "")
+
+
+def test_no_snapshot_held_falls_back_with_one_line(monitor: FakeMonitor) -> None:
+    lines: list[str] = []
+    s = Snapshotter(socket_path=monitor.path, job="j", rank=0, log_line=lines.append)
+    assert s.restore() is None
+    assert len(lines) == 1 and "the monitor holds no snapshot" in lines[0] and "file checkpoint" in lines[0]
+    lines.clear()
+    s = Snapshotter(socket_path=None, job="j", rank=0, log_line=lines.append)
+    s.socket_path = None
+    assert s.restore() is None and "FT_RANK_MONITOR_IPC_SOCKET is not set" in lines[0]
+
+
+def test_memory_refused_by_the_monitor_skips_the_save_with_one_line(monitor: FakeMonitor) -> None:
+    monitor.limit = 1 << 16
+    lines: list[str] = []
+    s = Snapshotter(socket_path=monitor.path, job="j", rank=0, log_line=lines.append)
+    assert not s.save(1, {"w": torch.zeros(1 << 16)})
+    assert not s.save(2, {"w": torch.zeros(1 << 16)})
+    assert len(lines) == 2 and "not saved: the monitor refused" in lines[0]
+
+
+def test_a_state_that_grows_keeps_the_previous_snapshot(monitor: FakeMonitor) -> None:
+    s = Snapshotter(socket_path=monitor.path, job="j", rank=0)
+    s.save(1, {"w": torch.ones(10)})
+    s.save(2, {"w": torch.ones(200_000)})  # asks the monitor for more: the buffers grow in place
+    s.wait()
+    assert monitor.asked[-1]["bytes"] > 800_000
+    step, got = Snapshotter(socket_path=monitor.path, job="j", rank=0).restore()  # type: ignore[misc]
+    assert step == 2 and got["w"].numel() == 200_000
+
+
+def test_a_process_killed_with_sigkill_after_its_save_is_restored_by_the_next(monitor: FakeMonitor) -> None:
+    code = f"""
+import os, signal, torch
+from ft_client.snapshot import Snapshotter
+s = Snapshotter(socket_path={monitor.path!r}, job="j", rank=0)
+torch.manual_seed(1)
+s.save(5, {{"w": torch.randn(1000)}})
+s.wait()
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                       timeout=120)
+    assert p.returncode == -signal.SIGKILL
+    torch.manual_seed(1)
+    step, got = Snapshotter(socket_path=monitor.path, job="j", rank=0).restore()  # type: ignore[misc]
+    assert step == 5 and torch.equal(got["w"], torch.randn(1000))
+
+
+def test_the_checksum_covers_layout_and_data(monitor: FakeMonitor) -> None:
+    s = Snapshotter(socket_path=monitor.path, job="j", rank=0)
+    s.save(3, {"w": torch.arange(10.0)})
+    s.wait()
+    assert s._own is not None
+    got = s._own.newest(job="j")
+    assert got is not None
+    i, h = got
+    mm = s._own.buffers[i].mm
+    assert h.checksum == zlib.crc32(mm[HEADER_SIZE:h.end])
+    assert open_pair(monitor.path, "own", 0, 0) is not None

@@ -46,9 +46,9 @@ Roles (HELLO's ``role``): ``rank``, ``observer``, ``control``, ``launcher``, ``m
 ``snapshot``. A ``snapshot`` connection is one HELLO and its reply: HELLO's info is
 ``{"pid": int, "kind": "own" | "peer", "bytes": int >= 0}`` (the capacity each of the
 kind's two buffers must have; 0: what is held, nothing made); HELLO_OK's session is
-``{"snapshot": {"kind", "buffers": 0 | 2, "bytes": per buffer, "held": all kinds, "limit"}}``
-with the two memfds attached to its first byte (SCM_RIGHTS, buffer 0 then 1) when
-``buffers`` is 2; a refusal is ERROR ``bad_request`` (snapshots off, over
+``{"monitor_pid", "snapshot": {"kind", "buffers": 0 | 2, "bytes": per buffer, "held": all
+kinds, "limit"}}`` with the two memfds attached to its first byte (SCM_RIGHTS, buffer 0
+then 1) when ``buffers`` is 2; a refusal is ERROR ``bad_request`` (snapshots off, over
 ``snapshot_max_bytes``, or more than the host has). The monitor closes the connection after
 either. docs/protocol.md, "Snapshots (role snapshot)", is the normative text.
 

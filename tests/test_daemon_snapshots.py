@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from ft_client import RankMonitorClient, wire
+from ft_client import RankMonitorClient, snapshot_format, wire
 from ft_client.observer import status
 from ft_monitor.core.status import MonitorStatus, format_status
 from ft_monitor.daemon.snapshot_memory import HEADER_SIZE, SnapshotMemory, read_meminfo
@@ -37,6 +37,7 @@ class Reply:
     @property
     def session(self) -> dict[str, Any]:
         assert isinstance(self.msg, wire.HelloOk), self.msg
+        assert self.msg.session["monitor_pid"] == os.getpid()  # the daemon runs in this process
         snap: dict[str, Any] = self.msg.session["snapshot"]
         return snap
 
@@ -198,6 +199,24 @@ def test_status_names_the_newest_complete_step_reading_only_the_headers(workdir:
     r.close()
 
 
+def _header(state: int, step: int) -> bytes:
+    return snapshot_format.Header(state=state, generation=step, step=step, rank=0, world=1, layout_len=0,
+                                  data_offset=HEADER_SIZE, data_len=0, saved_at=0.0, job="j", checksum=0).pack()
+
+
+def test_status_reads_the_step_from_headers_the_client_writes(workdir: Path, started: list[ThreadDaemon]) -> None:
+    d, sock = serve(workdir, started)
+    r = ask(sock, "peer", HEADER_SIZE)
+    os.pwrite(r.fds[0], _header(snapshot_format.COMPLETE, 40), 0)
+    os.pwrite(r.fds[1], _header(snapshot_format.WRITING, 50), 0)  # torn: a writer killed mid-save
+    assert status(str(sock))["snapshots"]["peer"] == {"bytes": HEADER_SIZE, "buffers": 2, "step": 40}
+    os.pwrite(r.fds[1], _header(snapshot_format.COMPLETE, 50), 0)
+    assert status(str(sock))["snapshots"]["peer"]["step"] == 50
+    os.pwrite(r.fds[1], b"garbage", 0)  # invalid: the other buffer's step, and no error
+    assert status(str(sock))["snapshots"]["peer"]["step"] == 40
+    r.close()
+
+
 def test_over_the_limit_is_refused_and_the_daemon_keeps_serving(workdir: Path, started: list[ThreadDaemon],
                                                                 caplog: pytest.LogCaptureFixture) -> None:
     d, sock = serve(workdir, started, snapshot_max_bytes=3 * GiB // 2)
@@ -295,3 +314,25 @@ def test_meminfo_is_read_in_bytes(tmp_path: Path) -> None:
     assert read_meminfo(str(tmp_path / "none")) == (None, None)
     available, total = read_meminfo()
     assert available is not None and total is not None and 0 < available <= total
+
+
+def test_the_clients_snapshots_round_trip_through_the_real_daemon(workdir: Path, started: list[ThreadDaemon]) -> None:
+    """ft_client.snapshot against this daemon (its own tests use a fake monitor)."""
+    torch = pytest.importorskip("torch")
+    from ft_client.errors import MemorySnapshotError
+    from ft_client.snapshot import Snapshotter, open_pair
+
+    d, sock = serve(workdir, started, snapshot_max_bytes=64 * MiB)
+    state = {"w": torch.arange(1000, dtype=torch.float32), "step_seen": 3}
+    s = Snapshotter(socket_path=str(sock), job="j", rank=0)
+    assert s.save(3, state)
+    s.wait()
+    s.close()
+    got = Snapshotter(socket_path=str(sock), job="j", rank=0).restore()  # a restarted rank's process
+    assert got is not None and got[0] == 3 and torch.equal(got[1]["w"], state["w"])
+    own = status(str(sock))["snapshots"]["own"]
+    assert own["buffers"] == 2 and own["step"] == 3
+    with pytest.raises(MemorySnapshotError, match=r"^the monitor refused: 2 x 1.0 GiB of snapshot memory asked "
+                                                  r"\(peer\), .* held; snapshot_max_bytes is 64.0 MiB$"):
+        open_pair(str(sock), "peer", GiB, 0)
+    assert open_pair(str(sock), "peer", 0, 0) is None

@@ -22,8 +22,9 @@ sized to whole pages and sealed ``F_SEAL_SHRINK`` only (a shrunk file under a ma
 would kill its reader with SIGBUS; growing stays possible). The monitor never maps them
 and never reads the tensor bytes: STATUS reads at most each buffer's header
 (`HEADER_SIZE` bytes at offset 0, ``pread``) for the newest complete step, through
-`describe_header`. The descriptors live as long as the daemon (closed at its shutdown),
-not as long as a rank's session or process: that is the point.
+`ft_client.snapshot_format.describe`, a reader that never raises. The descriptors live as
+long as the daemon (closed at its shutdown), not as long as a rank's session or process:
+that is the point.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from ft_client import wire
+from ft_client import snapshot_format, wire
 from ft_client.errors import FtError
 from ft_monitor.core.snapshot_budget import BUFFERS, KINDS, Decision, decide, size_text
 from ft_monitor.core.status import SnapshotPair, SnapshotsStatus, newest_complete_step
@@ -42,15 +43,13 @@ from ft_monitor.daemon.connection import Connection
 
 log = logging.getLogger("ft_monitor.server")
 
-HEADER_SIZE = 4096
-"""The most the monitor reads of a buffer: its header (ft_client.snapshot_format.HEADER_SIZE)."""
+HEADER_SIZE = snapshot_format.HEADER_SIZE
+"""The most the monitor reads of a buffer: its header."""
 MEMINFO = "/proc/meminfo"
 
 Describe = Callable[[bytes], Mapping[str, Any]]
-describe_header: Describe | None = None
-"""What a buffer's header says: ft_client.snapshot_format.describe (keys ``state``,
-``step``, ``rank``, ``generation``; never raises). None: that reader is not part of this
-tree, and STATUS gives no step. `SnapshotMemory` takes it at construction."""
+"""What a buffer's header says (`ft_client.snapshot_format.describe`: keys ``state``, ``step``,
+``rank``, ``generation``; never raises)."""
 
 
 class SnapshotMemoryError(FtError):
@@ -107,12 +106,12 @@ class SnapshotMemory:
     """The snapshot memory one monitor holds, by kind."""
 
     def __init__(self, limit: int, *, meminfo: Callable[[], tuple[int | None, int | None]] = read_meminfo,
-                 describe: Describe | None = None) -> None:
+                 describe: Describe = snapshot_format.describe) -> None:
         self.limit = limit
         """snapshot_max_bytes."""
         self.meminfo = meminfo
-        self.describe = describe if describe is not None else describe_header
-        """Reads a buffer's header for STATUS (None: no step is given)."""
+        self.describe = describe
+        """Reads a buffer's header for STATUS."""
         self.pairs: dict[str, _Pair] = {}
 
     @property
@@ -141,7 +140,7 @@ class SnapshotMemory:
             assert decision.refusal is not None
             self._refuse(conn, decision.refusal)
             return
-        reply = wire.HelloOk(wire.PROTOCOL_VERSION, {"snapshot": {
+        reply = wire.HelloOk(wire.PROTOCOL_VERSION, {"monitor_pid": os.getpid(), "snapshot": {
             "kind": kind, "buffers": len(fds), "bytes": decision.capacity, "held": self.held, "limit": self.limit}})
         if fds:
             if not conn.send_with_fd(reply, fds):
@@ -213,16 +212,13 @@ class SnapshotMemory:
         return SnapshotsStatus(self.held, self.limit, pairs.get("own"), pairs.get("peer"))
 
     def _newest_step(self, fds: Iterable[int]) -> int | None:
-        describe = self.describe
-        if describe is None:
-            return None
         found = []
         for fd in fds:
             try:
                 header = os.pread(fd, HEADER_SIZE, 0)
             except OSError:
                 continue
-            found.append(describe(header))
+            found.append(self.describe(header))
         return newest_complete_step(found)
 
     def close(self) -> None:

@@ -42,6 +42,16 @@ msgpack. The body is an array whose first element is the message type tag::
     RECORD_REFUSED [29, reason]                        push (monitor -> rank, its connection: the monitor refused
                                                        the rank's progress record; progress goes through the socket)
 
+Roles (HELLO's ``role``): ``rank``, ``observer``, ``control``, ``launcher``, ``monitor`` and
+``snapshot``. A ``snapshot`` connection is one HELLO and its reply: HELLO's info is
+``{"pid": int, "kind": "own" | "peer", "bytes": int >= 0}`` (the capacity each of the
+kind's two buffers must have; 0: what is held, nothing made); HELLO_OK's session is
+``{"monitor_pid", "snapshot": {"kind", "buffers": 0 | 2, "bytes": per buffer, "held": all
+kinds, "limit"}}`` with the two memfds attached to its first byte (SCM_RIGHTS, buffer 0
+then 1) when ``buffers`` is 2; a refusal is ERROR ``bad_request`` (snapshots off, over
+``snapshot_max_bytes``, or more than the host has). The monitor closes the connection after
+either. docs/protocol.md, "Snapshots (role snapshot)", is the normative text.
+
 Nothing here unpickles or evaluates anything: msgpack with ``raw=False`` and
 ``strict_map_key=True`` yields only None, bool, int, float, str, bytes, list, dict.
 """

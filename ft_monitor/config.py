@@ -98,6 +98,7 @@ class FaultToleranceConfig(BaseModel):
     flight_recorder_entries: int = 0
     roll_call_timeout: float = 5.0
     native_stacks: bool = False
+    snapshot_max_bytes: int = rules.SNAPSHOT_MAX_BYTES_DEFAULT
 
     # -- rules -----------------------------------------------------------------
     @field_validator("*", mode="before")

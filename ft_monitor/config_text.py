@@ -185,6 +185,7 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     **dict.fromkeys(("rank_termination_signal", "stack_dump_signal"), rules.signal_number),
     **dict.fromkeys(("skip_section_response", "progress_record", "native_stacks"), _boolean),
     "flight_recorder_entries": _then(rules.flight_recorder_entries),
+    "snapshot_max_bytes": _then(rules.snapshot_max_bytes),
     "log_level": _log_level,
     "on_hang": _then(rules.on_hang, _word),
     "startup_until": _then(rules.startup_until, _word),

@@ -553,6 +553,18 @@ def test_serve_takes_the_pydantic_way_when_something_needs_saying(argv: list[str
     assert rc is None
 
 
+def test_snapshot_max_bytes_from_every_source(tmp_path: Path) -> None:
+    assert load_config(environ=NO_ENV).snapshot_max_bytes == 16 * 2**30 == 17179869184
+    cfg = write_yaml(tmp_path, "fault_tolerance:\n  snapshot_max_bytes: 1073741824\n")
+    assert load_config(cfg, NO_ENV).snapshot_max_bytes == 2**30
+    assert load_config(cfg, {"FT_SNAPSHOT_MAX_BYTES": "0"}).snapshot_max_bytes == 0
+    assert load_config(cfg, {"FT_SNAPSHOT_MAX_BYTES": "0"},
+                       parse_cli("--ft-snapshot-max-bytes", "4096")).snapshot_max_bytes == 4096
+    with pytest.raises(ConfigError, match=r"^invalid setting snapshot_max_bytes = '-1' \(from env "
+                                          r"FT_SNAPSHOT_MAX_BYTES\): must be a whole number of bytes from 0"):
+        load_config(environ={"FT_SNAPSHOT_MAX_BYTES": "-1"})
+
+
 def test_the_text_parsers_agree_with_the_pydantic_model_on_every_table_value() -> None:
     from ft_monitor.config_text import PARSERS, quick_settings
     from tests.test_hostile_input import BAD

@@ -642,6 +642,7 @@ BAD: dict[str, list[str]] = {
     "flight_recorder_entries": ["-1", "x", "1.5", "2000000"],
     "roll_call_timeout": ["0", "-1", "x"],
     "native_stacks": ["maybe", "2"],
+    "snapshot_max_bytes": ["-1", "x", "1.5", "16GiB", str(2**63)],
 }
 _XFAIL_BAD: dict[tuple[str, str], str] = {}
 

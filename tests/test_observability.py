@@ -17,7 +17,7 @@ from ft_monitor.core.policy import iteration_now
 from ft_monitor.core.section_stats import SectionHistogram, SectionStats
 from ft_monitor.core.settings import Settings
 from ft_monitor.core.state import Session
-from ft_monitor.core.status import build_status
+from ft_monitor.core.status import SnapshotPair, SnapshotsStatus, build_status
 from ft_monitor.launcher.agent import RestartTiming
 from ft_monitor.launcher.events import SCHEMA, EventLog, EventSchemaError, read_events, validate_event
 from ft_monitor.launcher.goodput import Incident, goodput
@@ -115,7 +115,9 @@ def test_metrics_are_the_snapshot_in_prometheus_names_and_units() -> None:
     snap = Snapshot(
         start=1000.0,
         ranks=(RankView(rank=4, local_rank=0, last_progress=1005.0, iteration=12,
-                        sections={"step": _hist(0.05, 0.2)}, timeouts=t.to_wire(), slow=True, slow_ratio=2.5),),
+                        sections={"step": _hist(0.05, 0.2)}, timeouts=t.to_wire(), slow=True, slow_ratio=2.5,
+                        snapshot_held=3 << 20, snapshot_limit=16 << 30),
+               RankView(rank=5, local_rank=1, last_progress=None, iteration=None, sections={}, timeouts={}),),
         hangs={("section", "step"): 1}, restarts={"process": 1},
         restart_phases={("process", "total"): (3.0,), ("process", "stop"): (0.05,)}, incident_lost=(7.5,),
         goodput=goodput({4: 5.0}, [], start=1000.0, now=1010.0))
@@ -136,6 +138,8 @@ def test_metrics_are_the_snapshot_in_prometheus_names_and_units() -> None:
     assert v("ft_section_duration_seconds_count", section="step", **ids) == 2
     assert v("ft_rank_last_progress_timestamp_seconds", **ids) == 1005.0
     assert v("ft_rank_slow", **ids) == 1 and v("ft_rank_slow_ratio", **ids) == 2.5
+    assert v("ft_snapshot_bytes_held", **ids) == 3 << 20 and v("ft_snapshot_bytes_limit", **ids) == 16 << 30
+    assert ("ft_snapshot_bytes_held", (("local_rank", "1"), ("rank", "5"))) not in samples  # an older monitor
     assert v("ft_timeout_seconds", rank="4", kind="section", section="step", source="configured") == 60
     assert v("ft_timeout_seconds", rank="4", kind="heartbeat", section="", source="configured") == 30
     assert ("ft_timeout_seconds", (("kind", "section"), ("rank", "4"), ("section", "ckpt"),
@@ -178,11 +182,13 @@ class FakeMonitors:
         self.timeouts = Timeouts.from_config(Settings(rank_section_timeouts={"step": 60, "data": 60}))
         self.now = 0.0
         self.last_iteration: dict[int, int | None] = {0: None, 1: None}
+        self.snapshots: dict[int, SnapshotsStatus | None] = {0: None, 1: None}
 
     def statuses(self) -> dict[int, Any]:
         return {lr: build_status(now=self.now, monitor_pid=1, socket=f"/m{lr}", started_at=0.0, sessions=1,
                                  timeouts=self.timeouts, iteration_high=None, session=s, hangs=[],
-                                 section_stats=self.stats[lr], last_iteration=self.last_iteration[lr])
+                                 section_stats=self.stats[lr], last_iteration=self.last_iteration[lr],
+                                 snapshots=self.snapshots[lr])
                 for lr, s in self.sessions.items()}
 
     def end_sessions(self) -> None:
@@ -278,6 +284,27 @@ def test_the_iteration_reported_at_the_end_is_where_each_rank_ended_not_the_last
     assert end["iteration"] == 30
     snap = tel.snapshot
     assert 'ft_rank_iteration{local_rank="0",rank="0"} 30.0' in generate_latest(registry(lambda: snap)).decode()
+
+
+def test_each_ranks_snapshot_memory_reaches_the_metrics_and_stays_while_it_restarts(tmp_path: Path) -> None:
+    clock = {"t": 0.0}
+    mon = FakeMonitors()
+    tel = Telemetry(config=Settings(), monitors=mon, host="h", nproc=2, max_restarts=0,
+                    clock=lambda: clock["t"], monotonic=lambda: clock["t"])
+    tel.attempt_started(0, "run", 0, {0: 0, 1: 1}, {}, str(tmp_path))
+    _stepped(mon, 0, 3)
+    mon.snapshots[0] = SnapshotsStatus(4 << 20, 1 << 30, own=SnapshotPair(2 << 20, 2, 3))
+    clock["t"] = 2.0
+    tel.tick()
+    mon.end_sessions()  # the rank's process is gone; its monitor still holds the memory
+    clock["t"] = 4.0
+    tel.tick()
+    tel.finish(0, "")
+    tel.close(None)
+    text = generate_latest(registry(lambda: tel.snapshot)).decode()
+    assert 'ft_snapshot_bytes_held{local_rank="0",rank="0"} 4.194304e+06' in text
+    assert 'ft_snapshot_bytes_limit{local_rank="0",rank="0"} 1.073741824e+09' in text
+    assert 'ft_snapshot_bytes_held{local_rank="1"' not in text  # its monitor said nothing of snapshots
 
 
 def test_a_crash_restart_is_timed_by_the_telemetry_itself(tmp_path: Path) -> None:

@@ -35,6 +35,7 @@ NON_DEFAULT: dict[str, Any] = {
     "startup_timeout": "45", "startup_until": "First_Step", "process_group_timeout": 600, "scheduler_grace_time": 30,
     "timeout_check": "strict", "progress_record": "off",
     "flight_recorder_entries": "2000", "roll_call_timeout": "2.5", "native_stacks": "yes",
+    "snapshot_max_bytes": "0",
 }
 
 
@@ -107,6 +108,9 @@ def test_settings_are_frozen_and_typed() -> None:
                               "restarts the group), 'inprocess'"),
         ({"flight_recorder_entries": -1}, "invalid setting flight_recorder_entries = -1: must be a whole number "
                                           "from 0 (Flight Recorder off) to 1000000"),
+        ({"snapshot_max_bytes": -1}, "invalid setting snapshot_max_bytes = -1: must be a whole number of bytes "
+                                     "from 0 (snapshots off) to 9223372036854775807"),
+        ({"snapshot_max_bytes": 1.5}, "invalid setting snapshot_max_bytes = 1.5: must be a whole number of bytes"),
         ({"roll_call_timeout": 0}, "invalid setting roll_call_timeout = 0: must be a number of seconds > 0"),
         ({"on_monitor_lost": "ignore"}, "invalid setting on_monitor_lost = 'ignore': must be 'warn' (log once, keep "
                                         "training) or 'raise'"),

@@ -176,3 +176,22 @@ def test_the_last_exit_travels_in_status_and_anything_else_there_is_none() -> No
     for bad in ("x", {"pid": True, "reason": "r", "at": 1.0}, {"pid": 1, "reason": 7, "at": 1.0},
                 {"pid": 1, "reason": "r", "at": "soon"}, None):
         assert MonitorStatus.from_wire({**st.to_wire(), "last_exit": bad}).last_exit is None
+
+
+def test_snapshot_memory_is_one_line_and_absent_from_an_older_monitor() -> None:
+    mib = 1 << 20
+    assert not any(line.startswith("snapshots:") for line in format_status(idle_status()).splitlines())
+    held = {"held": 4 * 100 * mib, "limit": 16 << 30, "own": {"bytes": 100 * mib, "buffers": 2, "step": 120},
+            "peer": {"bytes": 100 * mib, "buffers": 2, "step": None}}
+    assert "snapshots: 2 x 100.0 MiB own (step 120), 2 x 100.0 MiB peer, 400.0 MiB held of 16.0 GiB" in \
+        format_status(idle_status(snapshots=held)).splitlines()
+    none = {"held": 0, "limit": 16 << 30, "own": None, "peer": None}
+    assert "snapshots: none held" in format_status(connected_status(snapshots=none)).splitlines()
+    off = {"held": 0, "limit": 0, "own": None, "peer": None}
+    assert "snapshots: off (snapshot_max_bytes is 0)" in format_status(idle_status(snapshots=off)).splitlines()
+    # what is not a snapshot map is read as none sent (a reader never fails on it)
+    for odd in ({"held": -1, "limit": 0}, {"held": True, "limit": 1}, [], "x"):
+        assert "snapshots:" not in format_status(idle_status(snapshots=odd))
+    odd_pair = {"held": 1, "limit": 2, "own": {"bytes": "x", "buffers": 2}, "peer": {"bytes": 4096, "buffers": 2,
+                                                                                    "step": True}}
+    assert "snapshots: 2 x 4.0 KiB peer, 1 bytes held of 2 bytes" in format_status(idle_status(snapshots=odd_pair))

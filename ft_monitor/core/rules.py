@@ -170,6 +170,16 @@ def flight_recorder_entries(v: Any) -> int:
     return v
 
 
+SNAPSHOT_MAX_BYTES_DEFAULT = 16 * 2**30
+
+
+def snapshot_max_bytes(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_WHOLE:
+        raise ValueError(f"must be a whole number of bytes from 0 (snapshots off) to {MAX_WHOLE}: the snapshot "
+                         "memory one monitor may hold (default 17179869184 = 16 GiB)")
+    return v
+
+
 def metrics_port(v: Any) -> int | None:
     if v is None:
         return None

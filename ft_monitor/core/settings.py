@@ -111,6 +111,7 @@ class Settings:
     flight_recorder_entries: int = _setting(0, rules.flight_recorder_entries)
     roll_call_timeout: float = _setting(5.0, rules.positive_seconds)
     native_stacks: bool = _setting(False, rules.boolean)
+    snapshot_max_bytes: int = _setting(rules.SNAPSHOT_MAX_BYTES_DEFAULT, rules.snapshot_max_bytes)
 
     def __init__(self, data: Mapping[str, Any] | None = None, /, **values: Any) -> None:
         if data is not None and not isinstance(data, Mapping):

@@ -16,6 +16,8 @@ from ft_client.errors import FtError
 from ft_client.timeouts import Timeouts
 from ft_monitor.core.policy import next_deadline
 from ft_monitor.core.section_stats import RECENT, SectionStats, SectionStatsError
+from ft_monitor.core.snapshot_budget import SETTING as SNAPSHOT_SETTING
+from ft_monitor.core.snapshot_budget import size_text
 from ft_monitor.core.state import Session
 
 MAX_STATUS_SECTIONS = 50
@@ -95,6 +97,73 @@ class InprocessRestart:
         return cls(d["iteration"], d["reason"], d["fault_rank"], d["source"], dict(d["times"]))
 
 
+def _whole(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotPair:
+    """One kind's pair of snapshot buffers, as the monitor holds it."""
+
+    capacity: int
+    """Bytes per buffer."""
+    buffers: int
+    step: int | None = None
+    """The newest complete step its buffers' headers name (None: none, or not read)."""
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"bytes": self.capacity, "buffers": self.buffers, "step": self.step}
+
+    @classmethod
+    def from_wire(cls, d: Any) -> SnapshotPair | None:
+        if not isinstance(d, dict) or not _whole(d.get("bytes")) or not _whole(d.get("buffers")):
+            return None
+        step = d.get("step")
+        return cls(d["bytes"], d["buffers"], step if isinstance(step, int) and not isinstance(step, bool) else None)
+
+
+def newest_complete_step(headers: Iterable[Mapping[str, Any]]) -> int | None:
+    """The newest step among a pair's buffers whose header (ft_client.snapshot_format.describe's
+    map) says complete; None when none does."""
+    steps = [h["step"] for h in headers if isinstance(h, Mapping) and h.get("state") == "complete"
+             and isinstance(h.get("step"), int) and not isinstance(h.get("step"), bool)]
+    return max(steps, default=None)
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotsStatus:
+    """The snapshot memory the monitor holds (docs/protocol.md, "Snapshots (role snapshot)")."""
+
+    held: int
+    """Bytes of every memory file held, all kinds."""
+    limit: int
+    """snapshot_max_bytes (0: snapshots off)."""
+    own: SnapshotPair | None = None
+    peer: SnapshotPair | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"held": self.held, "limit": self.limit,
+                "own": None if self.own is None else self.own.to_wire(),
+                "peer": None if self.peer is None else self.peer.to_wire()}
+
+    @classmethod
+    def from_wire(cls, d: Any) -> SnapshotsStatus | None:
+        """None for anything that is not one (an older monitor sends none)."""
+        if not isinstance(d, dict) or not _whole(d.get("held")) or not _whole(d.get("limit")):
+            return None
+        return cls(d["held"], d["limit"], SnapshotPair.from_wire(d.get("own")), SnapshotPair.from_wire(d.get("peer")))
+
+    def describe(self) -> str:
+        """One line for `ft-monitor status`."""
+        if self.limit == 0 and not self.held:
+            return f"snapshots: off ({SNAPSHOT_SETTING} is 0)"
+        pairs = [f"{p.buffers} x {size_text(p.capacity)} {kind}" + (f" (step {p.step})" if p.step is not None else "")
+                 for kind, p in (("own", self.own), ("peer", self.peer)) if p is not None and p.buffers]
+        if not pairs:
+            return "snapshots: none held"
+        return f"snapshots: {', '.join(pairs)}, {size_text(self.held)} held of {size_text(self.limit)}"
+
+
 @dataclass(frozen=True, slots=True)
 class RankStatus:
     rank: int
@@ -148,6 +217,8 @@ class MonitorStatus:
     last_exit: ExitSummary | None = None
     """The latest session's process said it was exiting, and why (None otherwise): the launcher
     orders the workers that failed together by it (the rank that raised first)."""
+    snapshots: SnapshotsStatus | None = None
+    """The snapshot memory the monitor holds (None from an older monitor)."""
 
     @property
     def connected(self) -> bool:
@@ -166,6 +237,7 @@ class MonitorStatus:
             "section_stats": self.section_stats.to_wire(),
             "last_iteration": self.last_iteration,
             "last_exit": None if self.last_exit is None else self.last_exit.to_wire(),
+            "snapshots": None if self.snapshots is None else self.snapshots.to_wire(),
         }
         r = self.rank
         if r is not None:
@@ -231,6 +303,7 @@ class MonitorStatus:
                 section_stats=SectionStats.from_wire(st.get("section_stats")),
                 last_iteration=st.get("last_iteration"),
                 last_exit=ExitSummary.from_wire(st.get("last_exit")),
+                snapshots=SnapshotsStatus.from_wire(st.get("snapshots")),
             )
         except SectionStatsError as e:
             raise StatusError(str(e)) from e
@@ -242,7 +315,8 @@ def build_status(*, now: float, monitor_pid: int, socket: str, started_at: float
                  timeouts: Timeouts, iteration_high: int | None, session: Session | None,
                  hangs: Iterable[HangSummary], last_restart: InprocessRestart | None = None,
                  section_stats: SectionStats | None = None, progress: str | None = None,
-                 last_iteration: int | None = None, last_exit: ExitSummary | None = None) -> MonitorStatus:
+                 last_iteration: int | None = None, last_exit: ExitSummary | None = None,
+                 snapshots: SnapshotsStatus | None = None) -> MonitorStatus:
     """The status at ``now`` (pure); ``progress``: how the connected rank reports it."""
     hangs = list(hangs)
     rank = None
@@ -268,7 +342,7 @@ def build_status(*, now: float, monitor_pid: int, socket: str, started_at: float
         hangs_detected=len(hangs), iteration_high=iteration_high, timeouts=timeouts.to_wire(), rank=rank,
         last_hang=hangs[-1] if hangs else None, last_restart=last_restart,
         section_stats=section_stats or SectionStats(),
-        last_iteration=last_iteration, last_exit=last_exit,
+        last_iteration=last_iteration, last_exit=last_exit, snapshots=snapshots,
     )
 
 
@@ -328,6 +402,8 @@ def format_status(status: MonitorStatus | Mapping[str, Any]) -> str:
     if timed:
         lines.append("section times (median of the last %d, count): " % RECENT + ", ".join(
             f"{name!r} {_secs3(h.median_recent())} x{h.count}" for name, h in sorted(timed.items())))
+    if st.snapshots is not None:
+        lines.append(st.snapshots.describe())
     if st.last_hang is not None:
         h = st.last_hang
         lines.append(f"last hang: rank {h.rank} pid {h.pid}: {h.message} (report {h.report})")

@@ -19,6 +19,7 @@ import os
 import socket
 import struct
 import termios
+from collections.abc import Sequence
 from typing import Protocol
 
 from ft_client import wire
@@ -132,12 +133,14 @@ class Connection(asyncio.Protocol):
             return
         t.write(wire.encode(msg))
 
-    def send_with_fd(self, msg: wire.Message, fd: int) -> bool:
-        """Send ``msg`` with descriptor ``fd`` attached to its first byte (SCM_RIGHTS), straight
-        on the socket: the event loop's transport cannot pass descriptors, and doing it beside
-        the transport keeps the stream's order only while nothing waits in the transport (a
-        handshake's reply is a connection's first output). Returns False, having sent nothing,
-        when it cannot be done; a part the socket did not take goes through the transport."""
+    def send_with_fd(self, msg: wire.Message, fd: int | Sequence[int]) -> bool:
+        """Send ``msg`` with descriptor ``fd`` (or the descriptors, in order) attached to its
+        first byte (SCM_RIGHTS), straight on the socket: the event loop's transport cannot pass
+        descriptors, and doing it beside the transport keeps the stream's order only while
+        nothing waits in the transport (a handshake's reply is a connection's first output).
+        Returns False, having sent nothing, when it cannot be done; a part the socket did not
+        take goes through the transport. The caller keeps its descriptors (the peer gets copies)."""
+        fds = [fd] if isinstance(fd, int) else list(fd)
         t = self.transport
         if t is None or self.closing or t.get_write_buffer_size():
             return False
@@ -150,9 +153,10 @@ class Connection(asyncio.Protocol):
         except OSError:
             return False
         try:
-            sent = socket.send_fds(sock, [frame], [fd], socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
+            sent = socket.send_fds(sock, [frame], fds, socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
         except OSError as e:
-            log.warning("cannot pass a descriptor to pid %d: %s", self.pid, e.strerror or e)
+            log.warning("cannot pass %s to pid %d: %s", "a descriptor" if len(fds) == 1 else f"{len(fds)} descriptors",
+                        self.pid, e.strerror or e)
             return False
         finally:
             sock.detach()

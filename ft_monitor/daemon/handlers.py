@@ -4,7 +4,8 @@
 connection may send nothing else; the rank's connection sends progress
 (heartbeats, sections, iterations) into its session, and may push learned
 timeouts (UPDATE_CONFIG, the reverse edge of the handshake's config) and say
-GOODBYE; observers (and the rank) may ask STATUS and PING. Decisions on
+GOODBYE; observers (and the rank) may ask STATUS and PING; a `snapshot` connection
+gets the rank's snapshot memory at its HELLO and is closed. Decisions on
 progress live in state.py; this module only applies messages to the daemon's
 state and answers.
 """
@@ -96,6 +97,9 @@ def hello(d: HandlerHost, conn: Connection, msg: wire.Hello) -> None:
         return
     if msg.role == wire.Role.LAUNCHER:
         launcher_hello(d, conn)
+        return
+    if msg.role == wire.Role.SNAPSHOT:
+        d.snapshot_memory.hello(conn, msg)  # snapshot_memory.py: one reply, then closed
         return
     if msg.role != wire.Role.RANK:
         raise wire.ProtocolError(f"unknown role {msg.role!r}")

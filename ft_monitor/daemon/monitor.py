@@ -10,6 +10,7 @@ Data flow (reverse edges marked <-)::
          executor --HANG_NOTICE--> launcher (LauncherHandoff) <-ACK: the launcher stops the group
          executor --signals--> rank (ProcessOps: pidfds), --files--> hang report, stack dump
     observer --STATUS--> status.build_status <-STATUS_REPLY
+    snapshot --HELLO(kind, bytes)--> SnapshotMemory (snapshot_memory.py) <-HELLO_OK + two memfds, closed
 
 `MonitorDaemon` owns the loop-side lifecycle (`startup`, `shutdown`, the socket
 file's watch), admits connections under a cap, holds the connected rank's
@@ -49,6 +50,7 @@ from ft_monitor.daemon.launcher_link import LauncherHandoff
 from ft_monitor.daemon.listener import ListenerError, bind_unix_listener, remove_socket_file
 from ft_monitor.daemon.rank import Hold, RankResources
 from ft_monitor.daemon.rank_snapshot import RankSnapshots
+from ft_monitor.daemon.snapshot_memory import SnapshotMemory
 from ft_monitor.daemon.startup_watch import StartupWatch
 from ft_monitor.processes.exits import ExitWatch
 from ft_monitor.processes.procinfo import describe_wait_status, zombie_exit_status
@@ -138,6 +140,9 @@ class MonitorDaemon:
         """The launcher that started this daemon: the only process that may announce workers."""
         self.snapshots = RankSnapshots(self)
         """The rank's part in a roll call (DUMP_REQUEST from the launcher)."""
+        self.snapshot_memory = SnapshotMemory(config.snapshot_max_bytes)
+        """The rank's in-memory snapshots (`snapshot` connections): kept across its sessions and
+        processes, closed at shutdown."""
         self._diagnosed: tuple[int, str, str | None, float] | None = None
         """With ``on_hang: dump``: the hang (pid, reason, section, onset) last diagnosed and left running."""
 
@@ -212,6 +217,7 @@ class MonitorDaemon:
             rank.conn.close()
             rank.close()
         remove_socket_file(self.socket_path, self._inode)
+        self.snapshot_memory.close()
         if self.reserve is not None:
             self.reserve.release()
 
@@ -489,4 +495,5 @@ class MonitorDaemon:
             iteration_high=self.iteration_high, session=self.rank.session if self.rank else None,
             hangs=self.hangs, last_restart=self.last_restart, section_stats=self.section_stats,
             progress=progress, last_iteration=self.last_iteration, last_exit=self.last_exit,
+            snapshots=self.snapshot_memory.status(),
         )

@@ -7,7 +7,7 @@ protocols, never `monitor.MonitorDaemon`. Each protocol names exactly what its m
 touches, the config values it reads included (the daemon's `Settings` satisfies every
 ``*Settings`` protocol; the start-up watch takes the settings whole, as
 `startup.dump_spec` does). Where a part uses another part, it sees a narrow view of it
-too (`StartupGate`, `RollCall`, `StartingWorkers`, the executor's `DumpTools`). Only
+too (`StartupGate`, `RollCall`, `SnapshotKeeper`, `StartingWorkers`, the executor's `DumpTools`). Only
 `monitor` knows all the parts: `MonitorDaemon` passes itself in, so the parts import this
 module and the daemon imports the parts, one way; mypy checks at those calls that it
 fits. (`connection.ConnectionHost` is the same for a connection, kept beside it.)
@@ -137,6 +137,13 @@ class RollCall(Protocol):
         """Snapshot the rank in a task and reply on ``conn``."""
 
 
+class SnapshotKeeper(Protocol):
+    """What the handlers ask of the snapshot memory (snapshot_memory)."""
+
+    def hello(self, conn: Connection, msg: wire.Hello) -> None:
+        """Answer a `snapshot` HELLO on ``conn`` (the descriptors, or why not) and close it."""
+
+
 class HandlerHost(RecordHost, Protocol):
     """What `handlers` needs from the daemon to act on a message (the record's host too)."""
 
@@ -184,6 +191,10 @@ class HandlerHost(RecordHost, Protocol):
     @property
     def snapshots(self) -> RollCall:
         """Answers the launcher's DUMP_REQUEST."""
+
+    @property
+    def snapshot_memory(self) -> SnapshotKeeper:
+        """Holds the rank's snapshot memory and hands it to `snapshot` connections."""
 
     def observer_active(self, conn: Connection) -> None:
         """An observer sent something: it is the most recently active (the cap evicts others first)."""

@@ -45,6 +45,10 @@ class RankView:
     """`Timeouts.to_wire()` of the timeouts in force in its monitor."""
     slow: bool = False
     slow_ratio: float | None = None
+    snapshot_held: int | None = None
+    """Bytes of snapshot memory its monitor holds (None: not known, an older monitor)."""
+    snapshot_limit: int | None = None
+    """Its monitor's snapshot_max_bytes."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +96,11 @@ def collect(snap: Snapshot) -> Iterator[Metric]:
                              "the others' by slow_rank_ratio), else 0.", labels=["rank", "local_rank"])
     ratio = GaugeMetricFamily("ft_rank_slow_ratio", "The rank's median section time over the other ranks' median "
                               "(the slow-rank section).", labels=["rank", "local_rank"])
+    snap_held = GaugeMetricFamily("ft_snapshot_bytes_held", "Snapshot memory the rank's monitor holds: its own "
+                                  "snapshot's buffers and the peer copy it keeps (bytes).",
+                                  labels=["rank", "local_rank"])
+    snap_limit = GaugeMetricFamily("ft_snapshot_bytes_limit", "The most snapshot memory the rank's monitor may hold "
+                                   "(snapshot_max_bytes; 0: snapshots off).", labels=["rank", "local_rank"])
     for r in snap.ranks:
         ids = [str(r.rank), str(r.local_rank)]
         if r.last_progress is not None:
@@ -112,7 +121,11 @@ def collect(snap: Snapshot) -> Iterator[Metric]:
         slow.add_metric(ids, 1.0 if r.slow else 0.0)
         if r.slow_ratio is not None and math.isfinite(r.slow_ratio):
             ratio.add_metric(ids, r.slow_ratio)
-    yield from (progress, iteration, durations, timeouts, slow, ratio)
+        if r.snapshot_held is not None:
+            snap_held.add_metric(ids, r.snapshot_held)
+        if r.snapshot_limit is not None:
+            snap_limit.add_metric(ids, r.snapshot_limit)
+    yield from (progress, iteration, durations, timeouts, slow, ratio, snap_held, snap_limit)
 
     hangs = CounterMetricFamily("ft_hangs", "Hangs detected on this node, by reason and section.",
                                 labels=["reason", "section"])

@@ -56,6 +56,8 @@ class _RankMemory:
     iteration: int | None = None
     timeouts: dict[str, Any] = field(default_factory=dict)
     sections: dict[str, SectionHistogram] = field(default_factory=dict)
+    snapshot_held: int | None = None
+    snapshot_limit: int | None = None
 
 
 @dataclass
@@ -335,6 +337,8 @@ class Telemetry:
                 mem.iteration = st.last_iteration
             self._timeouts_seen(now, mem, st.timeouts)
             mem.sections = dict(st.section_stats.sections)
+            if st.snapshots is not None:
+                mem.snapshot_held, mem.snapshot_limit = st.snapshots.held, st.snapshots.limit
         return statuses
 
     def _timeouts_seen(self, now: float, mem: _RankMemory, timeouts: dict[str, Any]) -> None:
@@ -485,7 +489,8 @@ class Telemetry:
             v = self.verdicts.get(mem.rank)
             views.append(RankView(rank=mem.rank, local_rank=lr, last_progress=mem.last_progress,
                                   iteration=mem.iteration, sections=dict(mem.sections), timeouts=dict(mem.timeouts),
-                                  slow=mem.rank in self.flagged, slow_ratio=None if v is None else v.ratio))
+                                  slow=mem.rank in self.flagged, slow_ratio=None if v is None else v.ratio,
+                                  snapshot_held=mem.snapshot_held, snapshot_limit=mem.snapshot_limit))
         self.snapshot = Snapshot(
             start=self.start, ranks=tuple(views), hangs=dict(self.hang_counts), restarts=dict(self.restart_counts),
             restart_phases={k: tuple(v) for k, v in self.phases.items()},

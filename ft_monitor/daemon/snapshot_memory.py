@@ -1,0 +1,228 @@
+"""The rank's snapshot memory, held by its monitor: memfds made, grown, handed over, kept.
+
+`ft_client.snapshot` saves a rank's training state into two memory files (double-buffered:
+a crash in the middle of a write leaves the other buffer whole) that the rank's monitor
+owns, so they outlive the rank's process; a new process of the same rank asks for them
+again and maps them. A monitor holds at most two such pairs: the rank's own (kind
+``own``) and the copy of another rank's snapshot it keeps for node loss (kind ``peer``).
+
+A `snapshot` connection is one request (docs/protocol.md, "Snapshots (role snapshot)"):
+HELLO with ``{"pid", "kind", "bytes"}``; the monitor makes the kind's pair, or grows both
+of its buffers in place (``ftruncate``, which keeps their contents: the newest complete
+snapshot survives), never shrinks it and never makes it anew, within the budget that
+`core.snapshot_budget.decide` rules on (``snapshot_max_bytes``, and the host's
+``MemAvailable`` less a reserve, read here from /proc/meminfo); it answers HELLO_OK with
+the two descriptors attached (SCM_RIGHTS), or ERROR ``bad_request`` saying why, and closes
+the connection once the reply is flushed. Any process of the monitor's user may ask
+(the socket already admits no one else); no rank connection is needed (a rank's new
+process restores before it starts monitoring).
+
+Each buffer is ``memfd_create("ft-snapshot-<kind>-<i>", MFD_CLOEXEC | MFD_ALLOW_SEALING)``,
+sized to whole pages and sealed ``F_SEAL_SHRINK`` only (a shrunk file under a mapping
+would kill its reader with SIGBUS; growing stays possible). The monitor never maps them
+and never reads the tensor bytes: STATUS reads at most each buffer's header
+(`HEADER_SIZE` bytes at offset 0, ``pread``) for the newest complete step, through
+`ft_client.snapshot_format.describe`, a reader that never raises. The descriptors live as
+long as the daemon (closed at its shutdown), not as long as a rank's session or process:
+that is the point.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from ft_client import snapshot_format, wire
+from ft_client.errors import FtError
+from ft_monitor.core.snapshot_budget import BUFFERS, KINDS, Decision, decide, size_text
+from ft_monitor.core.status import SnapshotPair, SnapshotsStatus, newest_complete_step
+from ft_monitor.daemon.connection import Connection
+
+log = logging.getLogger("ft_monitor.server")
+
+HEADER_SIZE = snapshot_format.HEADER_SIZE
+"""The most the monitor reads of a buffer: its header."""
+MEMINFO = "/proc/meminfo"
+
+Describe = Callable[[bytes], Mapping[str, Any]]
+"""What a buffer's header says (`ft_client.snapshot_format.describe`: keys ``state``, ``step``,
+``rank``, ``generation``; never raises)."""
+
+
+class SnapshotMemoryError(FtError):
+    """The memory files could not be made or grown here; the reason is for the log and the ERROR."""
+
+
+def read_meminfo(path: str = MEMINFO) -> tuple[int | None, int | None]:
+    """The host's (MemAvailable, MemTotal) in bytes; None for what cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            text = f.read(64 * 1024).decode("ascii", "replace")
+    except OSError:
+        return None, None
+    found: dict[str, int] = {}
+    for line in text.splitlines():
+        name, _, rest = line.partition(":")
+        parts = rest.split()
+        if name in ("MemAvailable", "MemTotal") and parts and parts[0].isdigit():
+            found[name] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
+    return found.get("MemAvailable"), found.get("MemTotal")
+
+
+def _make_buffer(kind: str, index: int, size: int) -> int:
+    fd = os.memfd_create(f"ft-snapshot-{kind}-{index}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+class _Pair:
+    """One kind's buffers: their descriptors and sizes (equal, unless a growth failed half-way)."""
+
+    __slots__ = ("fds", "sizes")
+
+    def __init__(self, fds: list[int], sizes: list[int]) -> None:
+        self.fds = fds
+        self.sizes = sizes
+
+    @property
+    def capacity(self) -> int:
+        return min(self.sizes)
+
+    def close(self) -> None:
+        fds, self.fds = self.fds, []
+        for fd in fds:
+            os.close(fd)
+
+
+class SnapshotMemory:
+    """The snapshot memory one monitor holds, by kind."""
+
+    def __init__(self, limit: int, *, meminfo: Callable[[], tuple[int | None, int | None]] = read_meminfo,
+                 describe: Describe = snapshot_format.describe) -> None:
+        self.limit = limit
+        """snapshot_max_bytes."""
+        self.meminfo = meminfo
+        self.describe = describe
+        """Reads a buffer's header for STATUS."""
+        self.pairs: dict[str, _Pair] = {}
+
+    @property
+    def held(self) -> int:
+        """Bytes of every memory file held, all kinds."""
+        return sum(sum(p.sizes) for p in self.pairs.values())
+
+    # -- the request ------------------------------------------------------------------
+    def hello(self, conn: Connection, msg: wire.Hello) -> None:
+        """A `snapshot` HELLO: grant (HELLO_OK with the descriptors) or refuse (ERROR), then close."""
+        conn.hello_done(wire.Role.SNAPSHOT)
+        conn.release_process()  # never signalled
+        kind, asked = msg.info.get("kind"), msg.info.get("bytes")
+        if kind not in KINDS:
+            self._refuse(conn, f"kind must be one of {', '.join(map(repr, KINDS))}, not {kind!r:.40}")
+            return
+        if isinstance(asked, bool) or not isinstance(asked, int) or asked < 0:
+            self._refuse(conn, f"bytes must be a whole number >= 0, not {asked!r:.40}")
+            return
+        try:
+            decision, fds = self.grant(kind, asked)
+        except SnapshotMemoryError as e:
+            self._refuse(conn, str(e))
+            return
+        if not decision.ok:
+            assert decision.refusal is not None
+            self._refuse(conn, decision.refusal)
+            return
+        reply = wire.HelloOk(wire.PROTOCOL_VERSION, {"monitor_pid": os.getpid(), "snapshot": {
+            "kind": kind, "buffers": len(fds), "bytes": decision.capacity, "held": self.held, "limit": self.limit}})
+        if fds:
+            if not conn.send_with_fd(reply, fds):
+                self._refuse(conn, "the snapshot memory could not be passed over the socket (SCM_RIGHTS)")
+                return
+        else:
+            conn.send(reply)
+        log.info("snapshot memory (%s) handed to pid %d: %s; %s held of %s (%s)", kind, conn.pid,
+                 f"{len(fds)} x {size_text(decision.capacity)}" if fds else "none held",
+                 size_text(self.held), size_text(self.limit),
+                 f"grown by {size_text(decision.growth)}" if decision.growth else "as held")
+        conn.close()  # the transport sends what it still holds first
+
+    def _refuse(self, conn: Connection, why: str) -> None:
+        log.warning("refused snapshot memory to pid %d: %s", conn.pid, why)
+        conn.fail(wire.ErrorCode.BAD_REQUEST, why)
+
+    def grant(self, kind: str, asked: int) -> tuple[Decision, list[int]]:
+        """Make or grow the ``kind`` pair to hold ``asked`` bytes per buffer, if the budget
+        allows: the decision, and the pair's descriptors (still the monitor's; none when
+        refused or when nothing is held and nothing was asked)."""
+        pair = self.pairs.get(kind)
+        held_capacity = pair.capacity if pair is not None else 0
+        available, total = self.meminfo() if self.limit else (None, None)
+        d = decide(kind=kind, asked=asked, held_capacity=held_capacity, held_total=self.held, limit=self.limit,
+                   available=available, total=total)
+        if not d.ok:
+            return d, []
+        if pair is None:
+            if not d.capacity:
+                return d, []
+            pair = self.pairs[kind] = self._make(kind, d.capacity)
+        elif d.capacity > held_capacity:
+            self._grow(kind, pair, d.capacity)
+        return d, list(pair.fds)
+
+    def _make(self, kind: str, capacity: int) -> _Pair:
+        if not hasattr(os, "memfd_create") or not hasattr(fcntl, "F_ADD_SEALS"):
+            raise SnapshotMemoryError("this Python has no memfd_create or file sealing (Linux 3.17 or later is "
+                                      "needed)")
+        fds: list[int] = []
+        try:
+            for i in range(BUFFERS):
+                fds.append(_make_buffer(kind, i, capacity))
+        except OSError as e:
+            for fd in fds:
+                os.close(fd)
+            raise SnapshotMemoryError(f"cannot make the snapshot memory ({kind}, {BUFFERS} x "
+                                      f"{size_text(capacity)}): {e.strerror or e}") from e
+        return _Pair(fds, [capacity] * BUFFERS)
+
+    def _grow(self, kind: str, pair: _Pair, capacity: int) -> None:
+        """Both buffers to ``capacity`` in place: their contents stay."""
+        for i, fd in enumerate(pair.fds):
+            if pair.sizes[i] >= capacity:
+                continue
+            try:
+                os.ftruncate(fd, capacity)
+            except OSError as e:
+                raise SnapshotMemoryError(f"cannot grow the snapshot memory ({kind}) to {BUFFERS} x "
+                                          f"{size_text(capacity)}: {e.strerror or e}") from e
+            pair.sizes[i] = capacity
+
+    # -- what is held ---------------------------------------------------------------------
+    def status(self) -> SnapshotsStatus:
+        """For STATUS: sizes, and each kind's newest complete step from its buffers' headers."""
+        pairs = {kind: SnapshotPair(p.capacity, len(p.fds), self._newest_step(p.fds))
+                 for kind, p in self.pairs.items()}
+        return SnapshotsStatus(self.held, self.limit, pairs.get("own"), pairs.get("peer"))
+
+    def _newest_step(self, fds: Iterable[int]) -> int | None:
+        found = []
+        for fd in fds:
+            try:
+                header = os.pread(fd, HEADER_SIZE, 0)
+            except OSError:
+                continue
+            found.append(self.describe(header))
+        return newest_complete_step(found)
+
+    def close(self) -> None:
+        """At the daemon's shutdown: the memory goes with the monitor."""
+        pairs, self.pairs = self.pairs, {}
+        for p in pairs.values():
+            p.close()

@@ -1,0 +1,338 @@
+"""The monitor's snapshot memory (role `snapshot`) against a real daemon on a real Unix socket.
+
+The daemon runs on a loop in a thread of this process (`tests.test_client_states.ThreadDaemon`);
+the client here is the few lines a `snapshot` connection takes (HELLO, one reply with the
+descriptors, the monitor's close), written in this file: the real client is ft_client's.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import mmap
+import os
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ft_client import RankMonitorClient, snapshot_format, wire
+from ft_client.observer import status
+from ft_monitor.core.status import MonitorStatus, format_status
+from ft_monitor.daemon.snapshot_memory import HEADER_SIZE, SnapshotMemory, read_meminfo
+from tests.test_client_states import QUIET, ThreadDaemon
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+
+
+class Reply:
+    """What a `snapshot` HELLO got: the message, the descriptors that came with it, and
+    whether the monitor closed the connection after it."""
+
+    def __init__(self, msg: wire.Message, fds: list[int], closed: bool) -> None:
+        self.msg, self.fds, self.closed = msg, fds, closed
+
+    @property
+    def session(self) -> dict[str, Any]:
+        assert isinstance(self.msg, wire.HelloOk), self.msg
+        assert self.msg.session["monitor_pid"] == os.getpid()  # the daemon runs in this process
+        snap: dict[str, Any] = self.msg.session["snapshot"]
+        return snap
+
+    @property
+    def error(self) -> wire.Error:
+        assert isinstance(self.msg, wire.Error), self.msg
+        assert not self.fds
+        return self.msg
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
+
+
+def ask(path: Path, kind: str, nbytes: Any, *, info: dict[str, Any] | None = None) -> Reply:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(5.0)
+    try:
+        s.connect(str(path))
+        hello = {"pid": os.getpid(), "kind": kind, "bytes": nbytes} if info is None else info
+        s.sendall(wire.encode(wire.Hello(wire.PROTOCOL_VERSION, wire.Role.SNAPSHOT, 0, hello)))
+        dec = wire.FrameDecoder()
+        fds: list[int] = []
+        msgs: list[wire.Message] = []
+        while not msgs:
+            data, got, _, _ = socket.recv_fds(s, 65536, 4)
+            fds += got
+            assert data, "closed before a reply"
+            msgs += dec.feed(data)
+        closed = s.recv(1) == b""
+        return Reply(msgs[0], fds, closed)
+    finally:
+        s.close()
+
+
+def seals(fd: int) -> int:
+    return fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+
+
+def name_of(fd: int) -> str:
+    return os.readlink(f"/proc/self/fd/{fd}")
+
+
+@pytest.fixture
+def started(workdir: Path) -> Iterator[list[ThreadDaemon]]:
+    daemons: list[ThreadDaemon] = []
+    yield daemons
+    for d in daemons:
+        d.stop()
+
+
+def serve(workdir: Path, started: list[ThreadDaemon], **config: Any) -> tuple[ThreadDaemon, Path]:
+    sock = workdir / "m.sock"
+    d = ThreadDaemon(sock, **{**QUIET, **config})
+    started.append(d)
+    return d, sock
+
+
+def memory(d: ThreadDaemon) -> SnapshotMemory:
+    assert d.daemon is not None
+    return d.daemon.snapshot_memory
+
+
+def test_a_pair_is_made_handed_over_kept_and_grown_in_place(workdir: Path, started: list[ThreadDaemon]) -> None:
+    d, sock = serve(workdir, started)
+    n = MiB + 1
+    cap = MiB + 4096
+    r = ask(sock, "own", n)
+    assert r.closed and len(r.fds) == 2
+    assert r.session == {"kind": "own", "buffers": 2, "bytes": cap, "held": 2 * cap, "limit": 16 * GiB}
+    for i, fd in enumerate(r.fds):
+        assert os.fstat(fd).st_size == cap >= n
+        assert seals(fd) == fcntl.F_SEAL_SHRINK  # not grow, not seal: the monitor grows them later
+        assert name_of(fd).startswith(f"/memfd:ft-snapshot-own-{i}")
+    for fd in memory(d).pairs["own"].fds:  # the monitor's own: no program it starts inherits them
+        assert fcntl.fcntl(fd, fcntl.F_GETFD) & fcntl.FD_CLOEXEC
+    with mmap.mmap(r.fds[0], cap) as mm:
+        mm[:5] = b"step1"
+        mm[cap - 4:] = b"tail"
+    r.close()  # the rank's process is gone: only the monitor holds the memory
+
+    again = ask(sock, "own", 0)
+    assert again.session == {"kind": "own", "buffers": 2, "bytes": cap, "held": 2 * cap, "limit": 16 * GiB}
+    with mmap.mmap(again.fds[0], cap) as mm:
+        assert mm[:5] == b"step1" and mm[cap - 4:] == b"tail"
+    kept = again.fds[0]
+    mapped = mmap.mmap(kept, cap)  # a mapping made before the growth stays good
+
+    grown = ask(sock, "own", 2 * n)
+    cap2 = 2 * MiB + 4096
+    assert grown.session["bytes"] == cap2 and grown.session["held"] == 2 * cap2 and len(grown.fds) == 2
+    assert [os.fstat(fd).st_size for fd in grown.fds] == [cap2, cap2]
+    assert os.fstat(kept).st_size == cap2  # the same file, grown: not a new one
+    assert os.fstat(kept).st_ino == os.fstat(grown.fds[0]).st_ino
+    with mmap.mmap(grown.fds[0], cap2) as mm:
+        assert mm[:5] == b"step1" and mm[cap - 4:cap] == b"tail" and mm[cap:cap2] == bytes(cap2 - cap)
+    assert mapped[:5] == b"step1"
+    mapped.close()
+    # asking for less never shrinks
+    smaller = ask(sock, "own", 4096)
+    assert smaller.session["bytes"] == cap2 and [os.fstat(fd).st_size for fd in smaller.fds] == [cap2, cap2]
+    for x in (again, grown, smaller):
+        x.close()
+
+
+def test_nothing_held_and_nothing_asked_is_an_empty_answer(workdir: Path, started: list[ThreadDaemon]) -> None:
+    d, sock = serve(workdir, started)
+    r = ask(sock, "peer", 0)
+    assert r.session == {"kind": "peer", "buffers": 0, "bytes": 0, "held": 0, "limit": 16 * GiB}
+    assert r.fds == [] and r.closed
+    assert memory(d).pairs == {}
+
+
+def test_own_and_peer_are_two_pairs_counted_together_and_shown_in_status(workdir: Path,
+                                                                         started: list[ThreadDaemon]) -> None:
+    d, sock = serve(workdir, started, snapshot_max_bytes=64 * MiB)
+    st = MonitorStatus.from_wire(status(str(sock)))
+    assert st.snapshots is not None and st.snapshots.held == 0 and st.snapshots.limit == 64 * MiB
+    assert "snapshots: none held" in format_status(st).splitlines()
+    own = ask(sock, "own", 8 * MiB)
+    peer = ask(sock, "peer", 4 * MiB)
+    assert peer.session["held"] == 24 * MiB
+    assert os.fstat(own.fds[0]).st_ino != os.fstat(peer.fds[0]).st_ino
+    assert name_of(peer.fds[1]).startswith("/memfd:ft-snapshot-peer-1")
+    wire_status = status(str(sock))
+    assert wire_status["snapshots"] == {"held": 24 * MiB, "limit": 64 * MiB,
+                                        "own": {"bytes": 8 * MiB, "buffers": 2, "step": None},
+                                        "peer": {"bytes": 4 * MiB, "buffers": 2, "step": None}}
+    assert "snapshots: 2 x 8.0 MiB own, 2 x 4.0 MiB peer, 24.0 MiB held of 64.0 MiB" in \
+        format_status(wire_status).splitlines()
+    own.close()
+    peer.close()
+
+
+def test_status_names_the_newest_complete_step_reading_only_the_headers(workdir: Path,
+                                                                       started: list[ThreadDaemon]) -> None:
+    d, sock = serve(workdir, started)
+    seen: list[bytes] = []
+
+    def describe(header: bytes) -> dict[str, Any]:  # ft_client.snapshot_format.describe's keys
+        seen.append(header)
+        state = {b"C": "complete", b"W": "writing"}.get(header[:1], "empty")
+        return {"state": state, "step": int(header[1:9]) if state != "empty" else None, "rank": 0,
+                "generation": 1}
+
+    memory(d).describe = describe
+    r = ask(sock, "own", 3 * HEADER_SIZE)
+    assert status(str(sock))["snapshots"]["own"]["step"] is None  # both empty
+    os.pwrite(r.fds[0], b"C00000120", 0)
+    os.pwrite(r.fds[1], b"W00000130", 0)
+    os.pwrite(r.fds[1], b"tensor bytes", HEADER_SIZE)
+    seen.clear()
+    assert status(str(sock))["snapshots"]["own"]["step"] == 120  # buffer 1 is being written
+    assert [len(h) for h in seen] == [HEADER_SIZE, HEADER_SIZE] and all(b"tensor" not in h for h in seen)
+    os.pwrite(r.fds[1], b"C00000130", 0)
+    assert status(str(sock))["snapshots"]["own"]["step"] == 130
+    assert "snapshots: 2 x 12.0 KiB own (step 130), 24.0 KiB held of 16.0 GiB" in format_status(status(str(sock)))
+    r.close()
+
+
+def _header(state: int, step: int) -> bytes:
+    return snapshot_format.Header(state=state, generation=step, step=step, rank=0, world=1, layout_len=0,
+                                  data_offset=HEADER_SIZE, data_len=0, saved_at=0.0, job="j", checksum=0).pack()
+
+
+def test_status_reads_the_step_from_headers_the_client_writes(workdir: Path, started: list[ThreadDaemon]) -> None:
+    d, sock = serve(workdir, started)
+    r = ask(sock, "peer", HEADER_SIZE)
+    os.pwrite(r.fds[0], _header(snapshot_format.COMPLETE, 40), 0)
+    os.pwrite(r.fds[1], _header(snapshot_format.WRITING, 50), 0)  # torn: a writer killed mid-save
+    assert status(str(sock))["snapshots"]["peer"] == {"bytes": HEADER_SIZE, "buffers": 2, "step": 40}
+    os.pwrite(r.fds[1], _header(snapshot_format.COMPLETE, 50), 0)
+    assert status(str(sock))["snapshots"]["peer"]["step"] == 50
+    os.pwrite(r.fds[1], b"garbage", 0)  # invalid: the other buffer's step, and no error
+    assert status(str(sock))["snapshots"]["peer"]["step"] == 40
+    r.close()
+
+
+def test_over_the_limit_is_refused_and_the_daemon_keeps_serving(workdir: Path, started: list[ThreadDaemon],
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    d, sock = serve(workdir, started, snapshot_max_bytes=3 * GiB // 2)
+    held = ask(sock, "peer", 256 * MiB)
+    with caplog.at_level(logging.WARNING, "ft_monitor.server"):
+        r = ask(sock, "own", GiB)
+    assert r.closed
+    assert (r.error.code, r.error.message) == (
+        wire.ErrorCode.BAD_REQUEST,
+        "2 x 1.0 GiB of snapshot memory asked (own), 512.0 MiB held; snapshot_max_bytes is 1.5 GiB")
+    lines = [rec.getMessage() for rec in caplog.records if "snapshot memory" in rec.getMessage()]
+    assert lines == [f"refused snapshot memory to pid {os.getpid()}: 2 x 1.0 GiB of snapshot memory asked (own), "
+                     "512.0 MiB held; snapshot_max_bytes is 1.5 GiB"]
+    st = status(str(sock))  # still serving, nothing changed
+    assert st["snapshots"]["held"] == 512 * MiB and st["snapshots"]["own"] is None
+    # growing the pair that is held is refused the same way, and leaves it as it was
+    r = ask(sock, "peer", GiB)
+    assert r.error.message == ("2 x 1.0 GiB of snapshot memory asked (peer), 512.0 MiB held; snapshot_max_bytes "
+                               "is 1.5 GiB")
+    assert [os.fstat(fd).st_size for fd in held.fds] == [256 * MiB, 256 * MiB]
+    # what fits is still granted
+    ok = ask(sock, "own", 256 * MiB)
+    assert ok.session["held"] == GiB
+    held.close()
+    ok.close()
+
+
+def test_more_than_the_host_has_is_refused_with_both_numbers(workdir: Path, started: list[ThreadDaemon]) -> None:
+    d, sock = serve(workdir, started)
+    memory(d).meminfo = lambda: (3 * GiB, 8 * GiB)  # 2 GiB over the 1 GiB reserve
+    r = ask(sock, "own", 2 * GiB)
+    assert r.error.code == wire.ErrorCode.BAD_REQUEST
+    assert r.error.message == ("2 x 2.0 GiB of snapshot memory asked (own) needs 4.0 GiB more; the host has 3.0 GiB "
+                               "available (MemAvailable) and keeps 1.0 GiB in reserve (the larger of 1 GiB and 5% "
+                               "of MemTotal)")
+    ok = ask(sock, "own", GiB)
+    assert ok.session["bytes"] == GiB
+    ok.close()
+
+
+def test_snapshots_off_refuses_every_request(workdir: Path, started: list[ThreadDaemon]) -> None:
+    d, sock = serve(workdir, started, snapshot_max_bytes=0)
+    for kind, n in (("own", MiB), ("peer", 0)):
+        r = ask(sock, kind, n)
+        assert r.closed and r.error.code == wire.ErrorCode.BAD_REQUEST
+        assert r.error.message == "snapshots are off on this monitor: snapshot_max_bytes is 0"
+    assert "snapshots: off (snapshot_max_bytes is 0)" in format_status(status(str(sock))).splitlines()
+
+
+@pytest.mark.parametrize("info, message", [
+    ({"pid": 1, "kind": "mine", "bytes": 1}, "kind must be one of 'own', 'peer', not 'mine'"),
+    ({"pid": 1, "bytes": 1}, "kind must be one of 'own', 'peer', not None"),
+    ({"pid": 1, "kind": "own", "bytes": -1}, "bytes must be a whole number >= 0, not -1"),
+    ({"pid": 1, "kind": "own", "bytes": True}, "bytes must be a whole number >= 0, not True"),
+    ({"pid": 1, "kind": "own", "bytes": 1.5}, "bytes must be a whole number >= 0, not 1.5"),
+    ({"pid": 1, "kind": "own"}, "bytes must be a whole number >= 0, not None"),
+])
+def test_a_bad_request_is_refused_and_closed(workdir: Path, started: list[ThreadDaemon], info: dict[str, Any],
+                                             message: str) -> None:
+    d, sock = serve(workdir, started)
+    r = ask(sock, "", 0, info=info)
+    assert r.closed and (r.error.code, r.error.message) == (wire.ErrorCode.BAD_REQUEST, message)
+    assert status(str(sock))["snapshots"]["held"] == 0
+
+
+def test_the_memory_outlives_rank_sessions_and_goes_with_the_daemon(workdir: Path,
+                                                                   started: list[ThreadDaemon]) -> None:
+    d, sock = serve(workdir, started)
+    r = ask(sock, "own", MiB)
+    os.pwrite(r.fds[0], b"kept", 0)
+    r.close()
+    for _ in range(2):  # a rank's sessions begin and end (its processes come and go)
+        c = RankMonitorClient(str(sock))
+        c.init_workload_monitoring()
+        c.shutdown_workload_monitoring()
+    again = ask(sock, "own", 0)
+    assert os.pread(again.fds[0], 4, 0) == b"kept"
+    again.close()
+    held = [fd for p in memory(d).pairs.values() for fd in p.fds]
+    assert len(held) == 2 and all(name_of(fd).startswith("/memfd:ft-snapshot-own") for fd in held)
+    d.stop()
+    for fd in held:  # closed (or the number reused by something else)
+        try:
+            assert not name_of(fd).startswith("/memfd:ft-snapshot-own")
+        except FileNotFoundError:
+            pass
+
+
+def test_meminfo_is_read_in_bytes(tmp_path: Path) -> None:
+    p = tmp_path / "meminfo"
+    p.write_text("MemTotal:       16384000 kB\nMemFree:         1000 kB\nMemAvailable:    8192000 kB\n")
+    assert read_meminfo(str(p)) == (8192000 * KiB, 16384000 * KiB)
+    p.write_text("MemTotal: lots\n")
+    assert read_meminfo(str(p)) == (None, None)
+    assert read_meminfo(str(tmp_path / "none")) == (None, None)
+    available, total = read_meminfo()
+    assert available is not None and total is not None and 0 < available <= total
+
+
+def test_the_clients_snapshots_round_trip_through_the_real_daemon(workdir: Path, started: list[ThreadDaemon]) -> None:
+    """ft_client.snapshot against this daemon (its own tests use a fake monitor)."""
+    torch = pytest.importorskip("torch")
+    from ft_client.errors import MemorySnapshotError
+    from ft_client.snapshot import Snapshotter, open_pair
+
+    d, sock = serve(workdir, started, snapshot_max_bytes=64 * MiB)
+    state = {"w": torch.arange(1000, dtype=torch.float32), "step_seen": 3}
+    s = Snapshotter(socket_path=str(sock), job="j", rank=0)
+    assert s.save(3, state)
+    s.wait()
+    s.close()
+    got = Snapshotter(socket_path=str(sock), job="j", rank=0).restore()  # a restarted rank's process
+    assert got is not None and got[0] == 3 and torch.equal(got[1]["w"], state["w"])
+    own = status(str(sock))["snapshots"]["own"]
+    assert own["buffers"] == 2 and own["step"] == 3
+    with pytest.raises(MemorySnapshotError, match=r"^the monitor refused: 2 x 1.0 GiB of snapshot memory asked "
+                                                  r"\(peer\), .* held; snapshot_max_bytes is 64.0 MiB$"):
+        open_pair(str(sock), "peer", GiB, 0)
+    assert open_pair(str(sock), "peer", 0, 0) is None

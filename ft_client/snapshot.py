@@ -618,9 +618,8 @@ class Snapshotter:
             if side is not None:
                 failure = self._confirm(side, failure)
         if agreement.step is None or failure:
-            why = failure or "; ".join(notes) or agreement.why or "no snapshot"
-            if side is not None and notes and agreement.why and not failure:
-                why += f" ({agreement.why})"
+            mine = any(h is not None and h.rank == self.rank for h in held[:2])
+            why = failure or (agreement.why if mine else "; ".join(notes) or agreement.why) or "no snapshot"
             self.why_not = f"no snapshot to restore: {why}; falling back to the file checkpoint"
             self._say(f"ft_client.snapshot: {self.why_not}")
             return None

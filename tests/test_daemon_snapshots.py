@@ -336,3 +336,34 @@ def test_the_clients_snapshots_round_trip_through_the_real_daemon(workdir: Path,
                                                   r"\(peer\), .* held; snapshot_max_bytes is 64.0 MiB$"):
         open_pair(str(sock), "peer", GiB, 0)
     assert open_pair(str(sock), "peer", 0, 0) is None
+
+
+def test_a_monitor_restart_loses_its_snapshots_and_says_so(workdir: Path) -> None:
+    """The memory dies with the monitor: a new process finds nothing (one line, the file
+    checkpoint next); a live rank notices the new monitor at its next save and saves there."""
+    torch = pytest.importorskip("torch")
+    from ft_client.snapshot import Snapshotter
+    from tests.procs import Daemon
+
+    first = Daemon(workdir).wait_ready()
+    try:
+        lines: list[str] = []
+        s = Snapshotter(socket_path=str(first.socket), job="j", rank=0, log_line=lines.append)
+        assert s.save(1, {"w": torch.ones(10)})
+        s.wait()
+    finally:
+        first.stop()
+        first.socket.unlink(missing_ok=True)
+    second = Daemon(workdir).wait_ready()
+    try:
+        fresh = Snapshotter(socket_path=str(second.socket), job="j", rank=0, log_line=lines.append)
+        assert fresh.restore() is None
+        assert lines[-1] == ("ft_client.snapshot: no snapshot to restore: the monitor holds no snapshot for this "
+                             "rank (a first start, or a monitor that restarted); falling back to the file checkpoint")
+        assert s.save(2, {"w": torch.full((10,), 2.0)})  # the live rank's next save
+        s.wait()
+        assert "the monitor restarted: the snapshots it held are gone" in lines[-1]
+        got = Snapshotter(socket_path=str(second.socket), job="j", rank=0).restore()
+        assert got is not None and got[0] == 2 and float(got[1]["w"][0]) == 2.0
+    finally:
+        second.stop()

@@ -21,6 +21,7 @@ import fcntl
 import mmap
 import os
 import stat
+from collections.abc import Callable
 
 from ft_client import record
 from ft_client.record import RecordError, RecordWriter
@@ -36,30 +37,39 @@ def open_record(fd: int, info: RecordInfo, asked_ns: int, answered_ns: int) -> R
         os.close(fd)
 
 
-def _open(fd: int, info: RecordInfo, asked_ns: int, answered_ns: int) -> RecordWriter:
-    if (info.version, info.size, info.slots) != (record.VERSION, record.SIZE, record.SLOTS):
-        raise RecordError(f"the monitor describes a record of version {info.version}, {info.size} bytes, "
-                          f"{info.slots} slots; this client writes version {record.VERSION}, {record.SIZE} bytes, "
-                          f"{record.SLOTS} slots")
+def map_sealed(fd: int, *, what: str, size: str, size_ok: Callable[[int], bool],
+               error: Callable[[str], Exception]) -> mmap.mmap:
+    """Map the monitor's memory file ``fd`` shared, read-write, whole, kept out of forked
+    children; ``error(why)`` is raised when it is not a ``size`` memory file sealed against
+    shrinking (a store into a mapping cut from under it would kill this process)."""
     st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_size != record.SIZE:
-        raise RecordError(f"the descriptor passed is not a {record.SIZE}-byte memory file "
-                          f"(mode {st.st_mode:o}, {st.st_size} bytes)")
+    if not stat.S_ISREG(st.st_mode) or not size_ok(st.st_size):
+        raise error(f"the descriptor passed is not a {size} memory file (mode {st.st_mode:o}, {st.st_size} bytes)")
     try:
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
     except OSError as e:
-        raise RecordError(f"the descriptor passed cannot be sealed ({e.strerror}): not a memfd") from e
+        raise error(f"the descriptor passed cannot be sealed ({e.strerror}): not a memfd") from e
     if not seals & fcntl.F_SEAL_SHRINK:
-        raise RecordError("the record is not sealed against shrinking: a store into it could crash this process")
+        raise error(f"{what} is not sealed against shrinking: a store into it could crash this process")
     try:
-        mm = mmap.mmap(fd, record.SIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        mm = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     except OSError as e:
-        raise RecordError(f"cannot map the record: {e.strerror or e}") from e
+        raise error(f"cannot map {what}: {e.strerror or e}") from e
     if hasattr(mmap, "MADV_DONTFORK"):
         try:
             mm.madvise(mmap.MADV_DONTFORK)
         except OSError:
             pass
+    return mm
+
+
+def _open(fd: int, info: RecordInfo, asked_ns: int, answered_ns: int) -> RecordWriter:
+    if (info.version, info.size, info.slots) != (record.VERSION, record.SIZE, record.SLOTS):
+        raise RecordError(f"the monitor describes a record of version {info.version}, {info.size} bytes, "
+                          f"{info.slots} slots; this client writes version {record.VERSION}, {record.SIZE} bytes, "
+                          f"{record.SLOTS} slots")
+    mm = map_sealed(fd, what="the record", size=f"{record.SIZE}-byte", size_ok=lambda n: n == record.SIZE,
+                    error=RecordError)
     words = memoryview(mm).cast("q")
     head = tuple(words[:8])
     if head[record.W_MAGIC] != record.MAGIC or head[record.W_VERSION] != record.VERSION \

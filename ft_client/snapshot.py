@@ -31,13 +31,11 @@ Nothing another process wrote is unpickled: the layout is msgpack (`snapshot_for
 from __future__ import annotations
 
 import datetime
-import fcntl
 import logging
 import mmap
 import os
 import select
 import socket
-import stat
 import threading
 import time
 import zlib
@@ -48,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 from ft_client import env, wire
 from ft_client import snapshot_format as fmt
 from ft_client.errors import MemorySnapshotError
+from ft_client.record_open import map_sealed
 from ft_client.snapshot_format import HEADER_SIZE, Header, SnapshotFormatError, TensorRef, TensorSpec
 
 if TYPE_CHECKING:
@@ -71,24 +70,9 @@ class _Buffer:
     """One mapped memory file of the monitor's."""
 
     def __init__(self, fd: int) -> None:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size < HEADER_SIZE:
-            raise MemorySnapshotError(f"the monitor passed a descriptor that is not a memory file "
-                                      f"(mode {st.st_mode:o}, {st.st_size} bytes)")
-        try:
-            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-        except OSError as e:
-            raise MemorySnapshotError(f"the monitor passed a descriptor that cannot be sealed: {e}") from e
-        if not seals & fcntl.F_SEAL_SHRINK:
-            raise MemorySnapshotError("the monitor's snapshot memory is not sealed against shrinking: "
-                                      "a store into it could crash this process")
-        self.size = st.st_size
-        self.mm = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        if hasattr(mmap, "MADV_DONTFORK"):
-            try:
-                self.mm.madvise(mmap.MADV_DONTFORK)  # data-loader workers get no copy of it
-            except OSError:
-                pass
+        self.mm = map_sealed(fd, what="the monitor's snapshot memory", size=f"{HEADER_SIZE}+ byte",
+                             size_ok=lambda n: n >= HEADER_SIZE, error=MemorySnapshotError)
+        self.size = len(self.mm)
 
     def header(self) -> Header | None:
         try:

@@ -259,6 +259,8 @@ def train(args: argparse.Namespace, client: RankMonitorClient, memory: dict[int,
         while not os.path.exists(args.linger_until) and time.monotonic() < end:
             client.send_heartbeat()
             time.sleep(0.05)
+    if args.snapshot_every:
+        snapshot.wait()  # the last save's copy to the partner uses a process group: finish it first
     dist.destroy_process_group()
     if call is None:
         client.shutdown_workload_monitoring()

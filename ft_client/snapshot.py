@@ -12,6 +12,7 @@
         train_step()
         if step % 10 == 0:
             snapshot.save(step + 1, {"model": model, "opt": opt, "step": step + 1})
+    snapshot.wait()                          # before destroy_process_group(): a partner copy may run
 
 `save` copies the state's tensors into one of two memory files that the rank's monitor
 daemon owns (they outlive this process: a `kill -9` loses nothing saved), then finishes

@@ -95,6 +95,32 @@ def test_a_rank_killed_under_the_in_process_wrapper_resumes_from_the_snapshot(
     assert _losses(out) == baseline
 
 
+def test_a_rank_of_a_two_launcher_job_killed_with_sigkill_resumes_from_the_snapshot(workdir: Path) -> None:
+    # the same job twice on two launchers (2 ranks each, peer copies on): without a fault, and
+    # with rank 3 SIGKILLing itself at step 17; every rank ends with the fault-free loss
+    jobs = {}
+    try:
+        for name, fault in (("clean", ()), ("killed", ("--die", "rank=3,step=17,attempt=0"))):  # side by side
+            common = ("--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+                      "--rdzv-id", f"ft-snap-{name}")
+            d = workdir / name
+            d.mkdir()
+            jobs[name] = [Launcher(d, "--max-restarts", "2", train_args=(*SNAP, "--ckpt-every", "10", *fault),
+                                   name=node, launcher_flags=common, env=JOB_SECRET) for node in ("node0", "node1")]
+        for launchers in jobs.values():
+            for la in launchers:
+                assert la.wait() == exit_codes.SUCCESS, la.output()
+    finally:
+        for launchers in jobs.values():
+            for la in launchers:
+                la.kill()
+    clean, killed = ("".join(la.output() for la in jobs[name]) for name in ("clean", "killed"))
+    resumed = _resumed(killed)
+    assert set(resumed) == {"0", "1", "2", "3"} and len(set(resumed.values())) == 1, killed
+    assert min(resumed.values()) in (17, 18) and "from disk" not in killed, killed
+    assert set(_losses(clean)) == {"0", "1", "2", "3"} and _losses(killed) == _losses(clean)
+
+
 def test_a_lost_node_resumes_from_the_copy_its_partner_kept(workdir: Path) -> None:
     # two launchers of 2 ranks each ("nodes"): rank r's snapshot is also kept by rank r + 2's
     # monitor. Node 1 is killed with its monitors (SIGKILL to its process group); a new node 1

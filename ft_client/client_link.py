@@ -12,7 +12,7 @@ import time
 import weakref
 from typing import TYPE_CHECKING, Any, cast
 
-from ft_client import env, exit_teardown, exiting, record, wire
+from ft_client import env, exit_teardown, exiting, loaded_modules, record, wire
 from ft_client.client_state import CONNECT_TIMEOUT, ClientState, ConnState
 from ft_client.client_state import UNSENT as _UNSENT
 from ft_client.errors import MonitorBrokenError, MonitorClosedError, RankMonitorClientError
@@ -136,6 +136,7 @@ class ClientLink(ClientState):
             exiting.watch(self)
             exit_teardown.install()
             _die_with_launcher()
+            loaded_modules.report()  # --ft-preload auto: what the launcher's worker template should import
 
     def _adopt(self, transport: Transport, hello: wire.HelloOk, asked_ns: int) -> Timeouts:
         """Take a new connection's session (config from the monitor, its progress record);

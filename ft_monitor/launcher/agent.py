@@ -42,6 +42,7 @@ elsewhere are importable from here too.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -126,13 +127,19 @@ class FtLocalElasticAgent(HangHandling, _lea.LocalElasticAgent):
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         self.ft.monitors.check()
         self.ft.inprocess_store = store_address(worker_group.store)
-        with _worker_env(self.ft):
+        warm = self.ft.warm.forking(self._attempt()) if self.ft.warm is not None else contextlib.nullcontext([])
+        t0 = time.monotonic()
+        with _worker_env(self.ft), warm as forked:
             pids: dict[int, Any] = super()._start_workers(worker_group)
+        if forked:
+            log.info("ft-launcher: attempt %d: %d worker(s) forked from the worker template in %.3f s (pids %s)",
+                     self._attempt(), len(forked), time.monotonic() - t0, ", ".join(map(str, forked)))
         self.ft.groups.close()
         self.ft.groups.track(pids.values())  # torch starts each worker in its own session
         self.ft.worker_pids = set(pids.values())
         self.ft.attempts.append({"attempt": self._attempt(), "pids": {
-            w.global_rank: pids[w.local_rank] for w in worker_group.workers if w.local_rank in pids}})
+            w.global_rank: pids[w.local_rank] for w in worker_group.workers if w.local_rank in pids},
+            "started": "forked" if forked else "exec"})
         files = self._error_files()
         self.ft.announce_workers([(w.local_rank, w.global_rank, pids[w.local_rank], files.get(w.local_rank))
                                   for w in worker_group.workers if w.local_rank in pids])
@@ -147,6 +154,8 @@ class FtLocalElasticAgent(HangHandling, _lea.LocalElasticAgent):
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         ft = self.ft
         ft.monitors.check()
+        if ft.warm is not None:
+            ft.warm.poll()
         self._note_first_step()
         self._note_inprocess()
         if time.monotonic() - self._pinned_at >= PIN_INTERVAL:

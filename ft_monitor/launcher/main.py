@@ -51,6 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the job's secret (same on every node, readable only by you; or set $FT_JOB_SECRET): "
                              "signs the launchers' messages in the rendezvous store. Without it, hang attribution "
                              "and shutdown across nodes are off")
+    parser.add_argument("--ft-warm-restart", "--ft_warm_restart", dest="ft_warm_restart", action="store_true",
+                        help="fork the workers of every restart from a worker template that has already imported "
+                             "torch and --ft-preload's modules (no interpreter start, no imports); attempt 0 and "
+                             "anything the template cannot run start as usual (docs/launcher.md, 'Warm restarts')")
+    parser.add_argument("--ft-preload", "--ft_preload", dest="ft_preload", default=None, metavar="MODULES",
+                        help="with --ft-warm-restart: comma-separated modules the template imports besides torch, "
+                             "or 'auto': those the first attempt's workers had loaded")
     return parser
 
 
@@ -102,6 +109,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     absolute_paths(args)
+    if args.ft_preload:
+        from ft_monitor.launcher.warm import parse_preload
+
+        try:
+            parse_preload(args.ft_preload)
+        except ValueError as e:
+            print(f"ft-launcher: {e}", file=sys.stderr)
+            return exit_codes.LAUNCHER_ERROR
     cli = cli_overrides(args)
     try:
         config = Settings.from_config(load_config(args.ft_cfg_path, os.environ, cli, log=log))
@@ -201,6 +216,7 @@ def launch(args: argparse.Namespace, config: Settings | FaultToleranceConfig, su
                    ProgressTracker(config.max_no_progress_cycles, config.min_progress_iterations),
                    job_secret=job_secret, local_key=os.urandom(32) if job_secret is None and single else None)
     server.authorize(monitor=monitors.is_monitor, worker=ft.is_worker)
+    ft.warm = _warm_starts(args, run_dir)
     telemetry = Telemetry(config=config, monitors=monitors, host=socket.gethostname(), nproc=monitors.nproc,
                           max_restarts=args.max_restarts, job_secret=job_secret)
     try:
@@ -229,6 +245,8 @@ def launch(args: argparse.Namespace, config: Settings | FaultToleranceConfig, su
     finally:
         ft.groups.kill()
         ft.groups.close()
+        if ft.warm is not None:
+            ft.warm.close()
         _finish_telemetry(telemetry, metrics, code, ft.outcome_message, args)
         monitors.stop(config.termination_grace_time)
         server.stop()
@@ -238,6 +256,26 @@ def launch(args: argparse.Namespace, config: Settings | FaultToleranceConfig, su
     if summary_json:
         _write_summary(ft, code, summary_json, observed)
     return code
+
+
+def _warm_starts(args: argparse.Namespace, run_dir: Path) -> Any:
+    """The worker template of ``--ft-warm-restart`` (started now, warm by the first restart), or None."""
+    preload = getattr(args, "ft_preload", None)
+    if not getattr(args, "ft_warm_restart", False):
+        if preload:
+            log.warning("ft-launcher: --ft-preload does nothing without --ft-warm-restart")
+        return None
+    from ft_monitor.launcher.warm import WarmStarts, parse_preload
+
+    names, auto = parse_preload(preload)
+    directory = run_dir / "template"
+    directory.mkdir(mode=0o700)
+    warm = WarmStarts(directory, names, auto)
+    warm.start()
+    if warm.template is not None:
+        log.info("ft-launcher: warm restarts: a worker template (pid %d) imports %s%s", warm.template.pid,
+                 ", ".join(names), " and then what the workers load" if auto else "")
+    return warm
 
 
 def _start_metrics(config: Settings, telemetry: Any) -> Any:
@@ -342,10 +380,21 @@ def _print_summary(ft: Any, code: int, observed: dict[str, Any] | None = None) -
             lines.append(f"    diagnosis: {row['diagnosis']}")
     if ft.monitors.restarts:
         lines.append(f"  monitors restarted: {ft.monitors.restarts}")
+    if ft.warm is not None:
+        lines.append(f"  warm restarts: {_warm_line(ft)}")
     if ft.outcome is not None:
         lines.append(f"  stopped: {ft.outcome_message}")
     lines.append(f"  exit code {code}")
     print("\n".join(lines), file=sys.stderr)
+
+
+def _warm_line(ft: Any) -> str:
+    """What --ft-warm-restart did: which attempts were forked, and why others were not."""
+    forked = ", ".join(f"attempt {a} ({len(p)} forked)" for a, p in sorted(ft.warm.forked.items()))
+    parts = [forked or "no attempt forked"]
+    if ft.warm.fallbacks:
+        parts.append(f"started as usual: {ft.warm.fallbacks[-1].split('warm restart: ', 1)[-1]}")
+    return "; ".join(parts)
 
 
 def _write_summary(ft: Any, code: int, path: str, observed: dict[str, Any] | None = None) -> None:
@@ -356,6 +405,9 @@ def _write_summary(ft: Any, code: int, path: str, observed: dict[str, Any] | Non
                                  "inprocess_restarts": ft.inprocess_restarts, "attempts": ft.attempts,
                                  "diagnoses": ft.diagnoses,
                                  "monitor_restarts": ft.monitors.restarts, "outcome": ft.outcome_message,
+                                 "warm_restarts": None if ft.warm is None else {
+                                     "forked": {str(a): p for a, p in ft.warm.forked.items()},
+                                     "fallbacks": ft.warm.fallbacks, "preload": ft.warm.preload},
                                  "observability": observed or {}})
     except OSError as e:
         log.error("ft-launcher: cannot write the summary %s: %s", path, e)

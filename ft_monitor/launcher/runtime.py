@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ft_client.jobkey import launcher_inprocess_key
+from ft_client.loaded_modules import MODULES_FILE_ENV
 from ft_monitor.core.settings import Settings
 from ft_monitor.launcher.control import LauncherServer
 from ft_monitor.launcher.groups import WorkerGroups
@@ -53,6 +54,8 @@ class FtRuntime:
     """Each roll call's diagnosis: attempt, hung rank, path of diagnosis.json, verdict line (summary JSON)."""
     inprocess_store: str | None = None
     """``host:port`` of the rendezvous store, given to the workers for the in-process Wrapper."""
+    warm: Any = None
+    """`warm.WarmStarts` with ``--ft-warm-restart``: restarts fork their workers from a template."""
 
     def is_worker(self, pid: int) -> bool:
         """A current worker, or a process it started (a workload request may come from either)."""
@@ -60,8 +63,12 @@ class FtRuntime:
 
     def worker_env(self, local_rank: int) -> dict[str, str]:
         """The variables `worker_env.started_with_ft_env` adds to this worker's environment."""
-        return worker_variables(self.config, self.monitors.socket(local_rank), self.server.path,
-                                self.inprocess_store)
+        out = worker_variables(self.config, self.monitors.socket(local_rank), self.server.path,
+                               self.inprocess_store)
+        modules_file = self.warm.modules_file(local_rank) if self.warm is not None else None
+        if modules_file is not None:
+            out[MODULES_FILE_ENV] = modules_file
+        return out
 
     def inprocess_key(self, run_id: str) -> str | None:
         """The workers' $FT_INPROCESS_KEY for run ``run_id`` (None: they choose, and warn)."""

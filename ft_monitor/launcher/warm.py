@@ -1,0 +1,221 @@
+"""Warm process restarts (``--ft-warm-restart``): the next attempt's workers are forked
+from a per-node template that has already imported torch and the training code's modules
+(docs/launcher.md, "Warm restarts").
+
+`WarmStarts` owns the template (`forked.Template`, started when the launcher starts and
+kept warm) and decides, for each attempt torch starts, whether its workers are forked or
+started as usual:
+
+* attempt 0 always starts as usual (the template serves restarts only);
+* a restart's workers are forked when the template is alive and answers; anything else
+  (it died, it refuses: threads, CUDA, an entry point it cannot run) starts them as usual,
+  with one line saying why (`fallbacks`);
+* with ``--ft-preload auto``, the template is made again, once, with the top-level modules
+  the first attempt's workers had loaded (each writes them to a file named by
+  `MODULES_FILE_ENV` when it starts monitoring: read from the workers, not guessed).
+
+The fork goes through torch's own start: during `forking`, torch's `get_subprocess_handler`
+makes `ForkedHandler`s, whose `_popen` asks the template instead of `subprocess.Popen`;
+torch's SubprocessContext then watches, signals and reaps the workers as its own
+children (the launcher is their child subreaper).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+from ft_client import loaded_modules
+from ft_client.safefiles import read_bounded
+
+log = logging.getLogger("ft_monitor.launcher")
+
+MODULES_FILE_ENV = loaded_modules.MODULES_FILE_ENV
+"""Where a worker writes the top-level modules it has loaded (``--ft-preload auto``)."""
+READY_WAIT = 60.0
+"""Seconds a restart waits for a template that is still importing before it starts cold."""
+MAX_MODULES = 2000
+
+
+def parse_preload(text: str | None) -> tuple[list[str], bool]:
+    """(modules, auto) from ``--ft-preload`` (comma-separated names, or ``auto``); torch always."""
+    if text is None or not text.strip():
+        return ["torch"], False
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    auto = "auto" in names
+    names = [n for n in names if n != "auto"]
+    for n in names:
+        if not all(part.isidentifier() for part in n.split(".")):
+            raise ValueError(f"--ft-preload: {n!r} is not a module name")
+    return (["torch"] + [n for n in names if n != "torch"]), auto
+
+
+def modules_from_file(raw: bytes) -> list[str]:
+    """The module names a worker wrote (a JSON list of str); [] for anything else."""
+    try:
+        names = json.loads(raw)
+    except ValueError:
+        return []
+    if not isinstance(names, list):
+        return []
+    return [n for n in names[:MAX_MODULES] if isinstance(n, str) and n.isidentifier() and not n.startswith("_")]
+
+
+class WarmStarts:
+    """The template of one node and the decision to fork from it."""
+
+    def __init__(self, directory: Path, preload: list[str], auto: bool, env: Mapping[str, str] | None = None) -> None:
+        self.directory = directory
+        self.preload = preload
+        self.auto = auto
+        self.env = dict(os.environ if env is None else env)
+        self.template: Any = None
+        self._ready = False
+        self._auto_done = not auto
+        self.fallbacks: list[str] = []
+        self.forked: dict[int, list[int]] = {}
+        """attempt -> the pids forked for it."""
+
+    # -- the template -------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the template (not waiting for its imports); one line if it cannot start."""
+        from ft_monitor.launcher.forked import Template, TemplateError, set_child_subreaper
+
+        if not set_child_subreaper():
+            self._say("the launcher cannot become its workers' child subreaper (prctl refused)")
+            return
+        try:
+            self.template = Template.start(self.directory, self.preload, self.env)
+        except (OSError, TemplateError) as e:
+            self._say(f"the worker template did not start: {e}")
+            self.template = None
+        self._ready = False
+
+    def modules_file(self, local_rank: int) -> str | None:
+        """The file a worker writes its modules to (``auto`` only, until the template is made again)."""
+        if self._auto_done:
+            return None
+        return str(self.directory / f"modules-{local_rank}.json")
+
+    def poll(self) -> None:
+        """From the agent's monitor loop: with ``auto``, once the first worker has written its
+        modules, make the template again with them (the old one serves until the new is up)."""
+        if self._auto_done:
+            return
+        found: set[str] = set()
+        for p in self.directory.glob("modules-*.json"):
+            try:
+                found.update(modules_from_file(read_bounded(str(p), 1 << 20)))
+            except OSError:
+                continue
+        if not found:
+            return
+        self._auto_done = True
+        wanted = self.preload + sorted(found - set(self.preload))
+        log.info("ft-launcher: --ft-preload auto: the workers loaded %d top-level modules; the template imports "
+                 "them for the next restart", len(wanted))
+        old = self.template
+        self.preload = wanted
+        self.start()
+        if old is not None:
+            old.close()
+
+    def _ready_now(self, wait: float) -> str | None:
+        """None when the template answers; else why not (after waiting up to ``wait`` s while it imports)."""
+        from ft_monitor.launcher.forked import TemplateError
+
+        t = self.template
+        if t is None:
+            return "no worker template is running"
+        if self._ready and t.alive():
+            return None
+        if not t.alive():
+            return f"the worker template (pid {t.pid}) has exited"
+        try:
+            t.wait_ready(wait)
+        except TemplateError as e:
+            return f"the worker template is not ready: {e}"
+        self._ready = True
+        return None
+
+    def close(self) -> None:
+        if self.template is not None:
+            self.template.close()
+            self.template = None
+
+    def _say(self, why: str) -> None:
+        text = f"ft-launcher: warm restart: {why}; starting the workers as usual"
+        if text not in self.fallbacks:
+            log.warning("%s", text)
+        self.fallbacks.append(text)
+
+    # -- the fork, inside torch's start --------------------------------------------------------
+    @contextlib.contextmanager
+    def forking(self, attempt: int) -> Iterator[list[int]]:
+        """While torch starts attempt ``attempt``'s workers: fork them from the template when
+        it can (the pids forked are appended to the yielded list)."""
+        pids: list[int] = []
+        if attempt == 0:
+            yield pids
+            return
+        why = self._ready_now(READY_WAIT)
+        if why is not None:
+            self._say(why)
+            yield pids
+            return
+        import torch.distributed.elastic.multiprocessing.api as api
+
+        original = getattr(api, "get_subprocess_handler")  # torch internals: checked at start (torch_support)
+        said: list[str] = []
+
+        def get_subprocess_handler(**kwargs: Any) -> Any:
+            if not said:
+                try:
+                    handler = ForkedHandler(self.template, **kwargs)
+                    pids.append(handler.proc.pid)
+                    return handler
+                except Exception as e:  # noqa: BLE001 - any refusal: this attempt starts as usual
+                    said.append(str(e))
+                    self._say(str(e))
+            return original(**kwargs)
+
+        setattr(api, "get_subprocess_handler", get_subprocess_handler)
+        try:
+            yield pids
+        finally:
+            setattr(api, "get_subprocess_handler", original)
+            if pids:
+                self.forked[attempt] = list(pids)
+
+
+def _forked_handler_base() -> Any:
+    from torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler import SubprocessHandler
+
+    return SubprocessHandler
+
+
+class ForkedHandler(_forked_handler_base()):  # type: ignore[misc]
+    """torch's SubprocessHandler, whose process is forked from the template instead of
+    started by Popen; torch opens the log files and builds the environment as for any worker."""
+
+    def __init__(self, template: Any, **kwargs: Any) -> None:
+        self._template = template
+        self._started_at = time.monotonic()
+        super().__init__(**kwargs)
+
+    def _popen(self, args: Sequence[str], env: dict[str, str]) -> Any:
+        out: IO[Any] | None = self._stdout
+        err: IO[Any] | None = self._stderr
+        try:
+            return self._template.spawn([str(a) for a in args], env, os.getcwd(), out, err)
+        except BaseException:
+            for f in (out, err):
+                if f is not None:
+                    f.close()
+            raise

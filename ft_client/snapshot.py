@@ -39,7 +39,6 @@ import select
 import socket
 import threading
 import time
-import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -365,6 +364,8 @@ class Snapshotter:
         self._side: Any = None
         self._side_world: Any = None
         self._saves = 0
+        self._staging: dict[int, Any] = {}
+        self._verified: dict[int, Header] = {}
         self._peer_note_said = False
         self._refusal_said: str | None = None
         self.last_save_s = 0.0
@@ -464,14 +465,14 @@ class Snapshotter:
                       job=self.job, checksum=0)
         buf.write_header(head)
         pending = []
-        for t, spec in zip(tensors, specs):
+        for index, (t, spec) in enumerate(zip(tensors, specs)):
             if spec.nbytes == 0:
                 continue
             dst = _view(buf.mm, data_offset, spec)
             if t.device.type == "cpu":
                 dst.copy_(t)
             else:  # a device tensor: copied asynchronously into pinned memory, then here off this thread
-                staged = _pinned_like(t)
+                staged = self._staged(index, t)
                 staged.copy_(t, non_blocking=True)
                 pending.append((dst, staged))
             del dst
@@ -495,16 +496,25 @@ class Snapshotter:
                 dst.copy_(staged)
             pending.clear()
             buf.mm[HEADER_SIZE:HEADER_SIZE + len(layout)] = layout
-            body = memoryview(buf.mm)[HEADER_SIZE:head.data_offset + head.data_len]
-            try:
-                crc = zlib.crc32(body)
-            finally:
-                body.release()
-            buf.write_header(Header(**{**head.__dict__, "state": fmt.COMPLETE, "checksum": crc}))
+            done = Header(**{**head.__dict__, "state": fmt.COMPLETE, "checksum": fmt.body_checksum(buf.mm, head)})
+            buf.write_header(done)
+            assert self._own is not None
+            _forget_later_steps(self._own, buf, done)
             if side is not None:
                 self._copy_to_partner(side, buf)
         except BaseException as e:  # reported by the next save or wait
             self._thread_error = e
+
+    def _staged(self, index: int, t: torch.Tensor) -> torch.Tensor:
+        """The pinned host tensor the ``index``-th device tensor of a state is copied into: one
+        per position (a parameter and its optimizer moments have one shape, and each needs its
+        own), made again when that position's shape or dtype changes."""
+        import torch
+
+        got = self._staging.get(index)
+        if got is None or got.shape != t.shape or got.dtype != t.dtype:
+            got = self._staging[index] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        return got
 
     def wait(self) -> None:
         """Wait until the last save is complete in the monitor's memory (and at its partner's)."""
@@ -575,6 +585,7 @@ class Snapshotter:
             r.wait()
         del out, into
         dst.write_header(head)
+        _forget_later_steps(pair, dst, head)
 
     # -- restore ---------------------------------------------------------------------------------
     def restore(self, map_location: Any = "cpu") -> tuple[int, Any] | None:
@@ -585,6 +596,7 @@ class Snapshotter:
         self.wait()
         self.why_not = None
         notes: list[str] = []
+        self._verified.clear()
         held = self._holdings(notes)
         dist = _dist()
         world = self._world()
@@ -639,6 +651,7 @@ class Snapshotter:
                         continue
                     h = fmt.check(b.mm, job=self.job, rank=self.rank)
                     out[i] = Held(h.rank, h.step)
+                    self._verified[i] = h
                 except SnapshotFormatError as e:
                     if not str(e).startswith("empty"):
                         notes.append(f"buffer {i} refused: {e}")
@@ -703,6 +716,9 @@ class Snapshotter:
         for b in self._own.buffers:
             h = b.header()
             if h is not None and h.step == step and h.rank == self.rank and h.state == fmt.COMPLETE:
+                i = self._own.buffers.index(b)
+                if self._verified.get(i) == h:  # checked whole when its holdings were listed
+                    return b, h
                 return b, fmt.check(b.mm, job=self.job, rank=self.rank)
         raise MemorySnapshotError(f"step {step} is not in this rank's memory")
 
@@ -769,17 +785,16 @@ def _dist() -> Any:
     return mod
 
 
-_pinned: dict[tuple[Any, ...], Any] = {}
-
-
-def _pinned_like(t: torch.Tensor) -> torch.Tensor:
-    import torch
-
-    key = (t.dtype, tuple(t.shape), t.device.index)
-    got = _pinned.get(key)
-    if got is None:
-        got = _pinned[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    return got
+def _forget_later_steps(pair: _Pair, written: _Buffer, head: Header) -> None:
+    """After ``head`` is complete in ``written``: a snapshot of a later step (of the same rank)
+    in the pair's other buffer is from before a rollback (the job went back to an earlier
+    checkpoint); emptied, so that the newest save, not the highest step, is restored."""
+    for b in pair.buffers:
+        if b is written:
+            continue
+        h = b.header()
+        if h is not None and h.rank == head.rank and h.step > head.step:
+            b.write_header(Header(**{**h.__dict__, "state": fmt.EMPTY}))
 
 
 def _record_event(tensors: list[torch.Tensor]) -> Any:

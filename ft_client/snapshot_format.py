@@ -8,7 +8,7 @@ rank's training state::
     [data_offset, + data_len)      the tensors' bytes, each at a 64-byte aligned offset
 
 The header says who wrote it (job, rank, world size), which step, how the bytes are
-laid out, and a CRC-32 over everything after the header. A save first stamps the
+laid out, and an XXH3-64 checksum over everything after the header. A save first stamps the
 header `WRITING`, then writes the layout and the bytes, and stamps it `COMPLETE` with
 the checksum last: a writer killed in between leaves `WRITING` (a torn write), and
 the other buffer of the pair still holds the previous snapshot whole.
@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgpack
+import xxhash
 
 from ft_client.errors import MemorySnapshotError
 
@@ -48,9 +49,9 @@ _EXT_TENSOR = 1
 _EXT_TUPLE = 2
 
 # magic, version, state, generation, step, rank, world, layout_len, data_offset, data_len,
-# saved_at (wall clock), job, checksum (crc32 of [HEADER_SIZE, data_offset + data_len)),
+# saved_at (wall clock), job, checksum (XXH3-64 of [HEADER_SIZE, data_offset + data_len)),
 # head_crc (crc32 of the packed fields before it)
-_HEAD = struct.Struct("<8sIIQqqqQQQd64sI")
+_HEAD = struct.Struct("<8sIIQqqqQQQd64sQ")
 _CRC = struct.Struct("<I")
 HEAD_BYTES = _HEAD.size + _CRC.size
 
@@ -166,9 +167,18 @@ def describe(raw: Bytes) -> dict[str, Any]:
             "bytes": h.end, "job": h.job}
 
 
+def checksum(data: Bytes) -> int:
+    """XXH3-64 of ``data`` (xxhash releases the GIL while it hashes: the training thread runs on)."""
+    return int(xxhash.xxh3_64_intdigest(data))
+
+
 def body_checksum(buf: Bytes, header: Header) -> int:
-    """CRC-32 of the layout and the data (what COMPLETE's ``checksum`` covers)."""
-    return zlib.crc32(memoryview(buf)[HEADER_SIZE:header.end])
+    """XXH3-64 of the layout and the data (what COMPLETE's ``checksum`` covers)."""
+    view = memoryview(buf)[HEADER_SIZE:header.end]
+    try:
+        return checksum(view)
+    finally:
+        view.release()
 
 
 def check(buf: Bytes, *, job: str, rank: int) -> Header:
@@ -188,7 +198,7 @@ def check(buf: Bytes, *, job: str, rank: int) -> Header:
         raise SnapshotFormatError(f"it claims {h.end} bytes, the buffer has {len(buf)}")
     got = body_checksum(buf, h)
     if got != h.checksum:
-        raise SnapshotFormatError(f"checksum mismatch (step {h.step}: {got:08x}, header says {h.checksum:08x}): "
+        raise SnapshotFormatError(f"checksum mismatch (step {h.step}: {got:016x}, header says {h.checksum:016x}): "
                                   "its bytes changed after the save")
     return h
 

@@ -14,12 +14,12 @@ import socket
 import subprocess
 import sys
 import threading
-import zlib
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import xxhash
 
 from ft_client import snapshot_format as fmt
 from ft_client import wire
@@ -338,5 +338,27 @@ def test_the_checksum_covers_layout_and_data(monitor: FakeMonitor) -> None:
     assert got is not None
     i, h = got
     mm = s._own.buffers[i].mm
-    assert h.checksum == zlib.crc32(mm[HEADER_SIZE:h.end])
+    assert h.checksum == xxhash.xxh3_64_intdigest(mm[HEADER_SIZE:h.end])
     assert open_pair(monitor.path, "own", 0, 0) is not None
+
+
+def test_a_rollback_restores_the_newest_save_not_the_highest_step(monitor: FakeMonitor) -> None:
+    # the job went back to a file checkpoint (step 15) after holding a snapshot of step 30
+    s = Snapshotter(socket_path=monitor.path, job="j", rank=0)
+    s.save(30, {"w": torch.full((4,), 30.0)})
+    s.save(15, {"w": torch.full((4,), 15.0)})
+    s.wait()
+    step, got = Snapshotter(socket_path=monitor.path, job="j", rank=0).restore()  # type: ignore[misc]
+    assert step == 15 and float(got["w"][0]) == 15.0
+
+
+def test_device_tensors_of_one_shape_each_get_their_own_staging(monkeypatch: pytest.MonkeyPatch,
+                                                                monitor: FakeMonitor) -> None:
+    # a parameter and its two Adam moments have one shape: one staging tensor per position
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: real_empty(*a, **k))
+    s = Snapshotter(socket_path=monitor.path, job="j", rank=0)
+    w = torch.ones(4)
+    a, b, c = s._staged(0, w), s._staged(1, w), s._staged(2, w)
+    assert len({id(a), id(b), id(c)}) == 3
+    assert s._staged(1, w) is b and s._staged(1, torch.ones(5)) is not b

@@ -64,7 +64,6 @@ import os
 import random
 import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -73,22 +72,19 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 VENV_PY = ROOT / ".venv" / "bin" / "python"
 
-if __name__ == "__main__" and sys.argv[1:2] not in (["--worker"], ["--stand-in"]):
+if __name__ == "__main__" and sys.argv[1:2] != ["--worker"]:
     if VENV_PY.exists() and Path(sys.prefix).resolve() != (ROOT / ".venv").resolve():
         os.execv(str(VENV_PY), [str(VENV_PY), *sys.argv])
     sys.path.insert(0, str(ROOT))
 
 from bench.harness import (  # noqa: E402
-    PY,
     Daemon,
     Figure,
     Mode,
     Worker,
-    clean_env,
     cleanup,
     private_dir,
     resolve_loop,
-    wait_until,
 )
 
 SEED = 26
@@ -142,75 +138,18 @@ def run(mode: Mode, loop: str, sizes: list[int] | None = None, rows: tuple[str, 
     return figures
 
 
-def _monitor(d: Path, loop: str, name: str) -> Any:
-    """A real `ft-monitor serve`; the stand-in below when this tree's daemon keeps no snapshots."""
+def _monitor(d: Path, loop: str, name: str) -> Daemon:
+    """A real `ft-monitor serve` (its snapshot memory limit, 16 GiB by default, holds every row)."""
     daemon = Daemon(d, loop, name=name).wait_ready()
     from ft_client.errors import MemorySnapshotError
     from ft_client.snapshot import open_pair
 
     try:
         open_pair(str(daemon.socket), "own", 0, 0)
-    except MemorySnapshotError:
+    except MemorySnapshotError as e:
         daemon.stop()
-        (d / name).unlink(missing_ok=True)
-        return _StandIn(d / name)
+        raise RuntimeError(f"`ft-monitor serve` keeps no snapshots here: {e}") from e
     return daemon
-
-
-class _StandIn:
-    """A stand-in monitor process (tests/test_snapshot.py's FakeMonitor): memfd pairs made,
-    grown and handed over as the daemon's snapshot role does, without budget or status."""
-
-    kind = "stand-in"
-
-    def __init__(self, path: Path) -> None:
-        self.socket = path
-        self.proc = subprocess.Popen([PY, "-m", "bench.snapshot", "--stand-in", str(path)], cwd=ROOT,
-                                     env=clean_env(), start_new_session=True)
-        wait_until(path.exists, 30, f"stand-in monitor at {path}")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(10)
-
-
-def stand_in(path: str) -> None:
-    import fcntl
-
-    from ft_client import wire
-
-    pairs: dict[str, list[int]] = {}
-    sizes: dict[str, int] = {}
-    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    srv.bind(path)
-    srv.listen(8)
-    while True:
-        conn, _ = srv.accept()
-        with conn:
-            n = wire.frame_length(conn.recv(4))
-            body = b""
-            while len(body) < n:
-                body += conn.recv(n - len(body))
-            hello = wire.decode_body(body)
-            assert isinstance(hello, wire.Hello)
-            kind, want = hello.info["kind"], hello.info["bytes"]
-            if kind not in pairs and want == 0:
-                conn.sendall(wire.encode(wire.HelloOk(2, {"snapshot": {"kind": kind, "buffers": 0, "bytes": 0}})))
-                continue
-            if kind not in pairs:
-                pairs[kind] = []
-                for i in range(2):
-                    fd = os.memfd_create(f"stand-in-{kind}-{i}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-                    os.ftruncate(fd, want)
-                    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
-                    pairs[kind].append(fd)
-                sizes[kind] = want
-            elif want > sizes[kind]:
-                for fd in pairs[kind]:
-                    os.ftruncate(fd, want)
-                sizes[kind] = want
-            reply = wire.encode(wire.HelloOk(2, {"snapshot": {"kind": kind, "buffers": 2, "bytes": sizes[kind]}}))
-            socket.send_fds(conn, [reply], pairs[kind])
 
 
 def _one_size(p: dict[str, Any], loop: str, rows: tuple[str, ...]) -> list[Figure]:
@@ -222,7 +161,6 @@ def _one_size(p: dict[str, Any], loop: str, rows: tuple[str, ...]) -> list[Figur
     out: list[Figure] = []
     try:
         mon = _monitor(d, loop, "mon.sock")
-        monitor = getattr(mon, "kind", "ft-monitor serve")
         try:
             sock = ["--socket", str(mon.socket)]
             if "steps" in rows or "kill" in rows:  # the kill row loads the files the steps' process writes
@@ -242,8 +180,6 @@ def _one_size(p: dict[str, Any], loop: str, rows: tuple[str, ...]) -> list[Figur
             out += _incident_figures(label, incidents, p)
         if "peer" in rows:
             out += _peer_figures(label, _peer(p, d, loop, common), p)
-        for f in out:
-            f.details["monitor"] = monitor
     finally:
         cleanup(d)
         cleanup(files)
@@ -377,6 +313,13 @@ def _step_figures(label: str, r: dict[str, Any], p: dict[str, Any]) -> list[Figu
         Figure(id=f"{pre}.save_wait", what=f"{label}: save() + wait(), quiet (complete in the monitor's memory)",
                unit="ms", samples=r["save_wait_ms"]),
     ]
+    files = r.get("files") or {}
+    for key, what in (("torch_save_ms", "torch.save of the same state to a local file (no fsync), once"),
+                      ("dcp_save_ms", "torch.distributed.checkpoint.save of it (no group), once")):
+        if key in files:
+            out.append(Figure(id=f"{pre}.{key.removesuffix('_ms')}", what=f"{label}: {what}", unit="ms",
+                              samples=[files[key]], details={"how": "for comparison: the file checkpoint's write, "
+                                                             "blocking, into the page cache"}))
     return out
 
 
@@ -766,7 +709,5 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--worker"]:
         worker(sys.argv[2:])
-    elif sys.argv[1:2] == ["--stand-in"]:
-        stand_in(sys.argv[2])
     else:
         sys.exit(main())

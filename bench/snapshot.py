@@ -14,7 +14,7 @@ The state: a model-like dict of float32 tensors and an Adam-like optimizer state
 with seeded uniform noise. 16 weight matrices of [1024, n] and 16 vectors of 1024 (layer
 norms), one `exp_avg` and one `exp_avg_sq` per parameter and a 0-d `step` tensor, the
 param groups' plain values; the model is a third of the bytes, the optimizer two thirds:
-100 MB is 160 tensors (32 + 128), totals exact to within a row of 1024 floats. Every
+128 tensors (32 parameters, 96 optimizer tensors), totals exact to within a column of 1024 floats. Every
 monitor is a real `ft-monitor serve` daemon started as its own process (one per state
 size; one per rank for the peer row); every rank a real process (`--worker`), one torch
 thread (OMP_NUM_THREADS=1: on a GPU node the step runs on the GPU, and the snapshot's
@@ -23,7 +23,7 @@ background thread (layout, crc32, header, peer copy) has the other core here).
 Rows, per state size:
 
 1. **Step time** (`snap.SIZE.step.*`, `.added.*`): the step is fixed CPU work, WORK_MATMULS
-   matmuls of two fixed [1024, 1024] float32 matrices (~150 ms on the machine this was
+   matmuls of two fixed [1024, 1024] float32 matrices (~110 ms on the machine this was
    written on). Blocks of BLOCK steps, three modes rotated every repetition: no save; save
    every 10 steps (after the 1st and 11th step of a block, so the background finish
    overlaps the next steps as in a long run); save after every step. A block's time runs

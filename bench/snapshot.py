@@ -347,7 +347,8 @@ def _incident_figures(label: str, incs: list[dict[str, Any]], p: dict[str, Any])
                unit="ms", samples=col["dcp_load"], details={"how": how}),
     ]
     for m in ("torch_load", "dcp_load"):
-        ratio = med[m] / med["restore"] if med[m] and med["restore"] else None
+        a, b = med[m], med["restore"]
+        ratio = a / b if a and b else None
         out.append(Figure(id=f"{pre}.restore_vs_{m}", what=f"{label}: {m} median / restore median", unit="x",
                           value=None if ratio is None else round(ratio, 2)))
     out.append(Figure(id=f"{pre}.restored_equal", what=f"{label}: restored state equal to the file's", unit="",
@@ -572,13 +573,13 @@ def _worker_steps(args: argparse.Namespace, snap: Any, errors: list[str]) -> dic
             blocks[m].append(_ms(b0) / args.block)
     files: dict[str, Any] = {}
     if args.files:
-        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
         t0 = time.perf_counter()
         torch.save(state, os.path.join(args.files, "state.pt"))
         files["torch_save_ms"] = _ms(t0)
         t0 = time.perf_counter()
-        dcp.save(state, checkpoint_id=os.path.join(args.files, "dcp"))
+        dcp_save(state, checkpoint_id=os.path.join(args.files, "dcp"))
         files["dcp_save_ms"] = _ms(t0)
     return {"blocks": blocks, "per_step_median": {m: statistics.median(v) for m, v in per_step.items()},
             "save_calls": save_calls, "copy_ms": copy_ms, "copy_memfd_ms": memfd_ms, "crc_ms": crc_ms,
@@ -600,7 +601,7 @@ def _equal(a: Any, b: Any) -> bool:
 
 def _worker_load(args: argparse.Namespace, snap: Any, errors: list[str]) -> dict[str, Any]:
     import torch
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
     from ft_client import snapshot_format as fmt
 
@@ -614,7 +615,7 @@ def _worker_load(args: argparse.Namespace, snap: Any, errors: list[str]) -> dict
         elif what == "torch_load":
             got[what] = torch.load(os.path.join(args.files, "state.pt"), weights_only=True)
         else:
-            dcp.load(into, checkpoint_id=os.path.join(args.files, "dcp"))
+            dcp_load(into, checkpoint_id=os.path.join(args.files, "dcp"))
             got[what] = into
         times[what] = _ms(t0)
     restored = got["restore"]

@@ -159,6 +159,7 @@ def _one_size(p: dict[str, Any], loop: str, rows: tuple[str, ...]) -> list[Figur
     files.mkdir(exist_ok=True)
     common = ["--bytes", str(n), "--work", *map(str, p["work"])]
     out: list[Figure] = []
+    load_start = _loadavg()
     try:
         mon = _monitor(d, loop, "mon.sock")
         try:
@@ -180,6 +181,8 @@ def _one_size(p: dict[str, Any], loop: str, rows: tuple[str, ...]) -> list[Figur
             out += _incident_figures(label, incidents, p)
         if "peer" in rows:
             out += _peer_figures(label, _peer(p, d, loop, common), p)
+        for f in out:  # a busy neighbour on a shared machine shows here
+            f.details["loadavg_1min"] = [load_start, _loadavg()]
     finally:
         cleanup(d)
         cleanup(files)
@@ -233,6 +236,10 @@ def _incidents(p: dict[str, Any], sock: list[str], common: list[str], files: Pat
                         "kill_in_step": kill_after + 1, "kill_fraction": round(fraction, 3), "order": order})
             i += 1
     return got
+
+
+def _loadavg() -> float:
+    return round(os.getloadavg()[0], 2)
 
 
 def _free_port() -> int:

@@ -40,6 +40,7 @@ from bench import (  # noqa: E402
     import_time,
     ingest,
     restart,
+    snapshot,
     stalled,
     startup,
     step_overhead,
@@ -58,6 +59,8 @@ BENCHMARKS: dict[str, tuple[bool, Callable[..., list[Figure]]]] = {
     "step_overhead": (False, step_overhead.run),
     "idle_cpu": (False, idle_cpu.run),
     "diagnosis": (False, lambda mode, loop: diagnosis.run(mode)),  # the launcher's daemons pick their own loop
+    # the full set runs its quick variant (100 MB); the 1 GB rows: bench/snapshot.py
+    "snapshot": (False, lambda mode, loop: snapshot.run(Mode("quick") if mode.name == "full" else mode, loop)),
 }
 
 

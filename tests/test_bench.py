@@ -43,6 +43,11 @@ EXPECTED_IDS = {  # the figures each group of benchmarks writes (bench/run.py --
                       for k in ("bare", "client", "calls", "noise", "overhead")},
     "diagnosis": {*(f"diagnosis.n2.{k}" for k in ("verdict_to_written", "roll_call", "dump_wait", "all_answered")),
                   "fr.overhead"},
+    "snapshot": {f"snap.1MB.{k}" for k in (
+        "step.none", "step.every10", "step.every1", "added.every10", "added.every1", "noise", "copy", "copy_memfd",
+        "crc32", "save_call", "save_wait", "torch_save", "dcp_save", "restore", "torch_load", "dcp_load",
+        "restore_vs_torch_load", "restore_vs_dcp_load", "restored_equal", "lost.k1", "peer.local", "peer.with_copy",
+        "peer.transfer")},
 }
 CLIENT_KEYS = {"heartbeat.b2b", "section.b2b", "unmonitored.b2b", "heartbeat.paced", "section.paced",
                "unmonitored.paced", "ping.b2b", "set_timeouts.b2b", "ping.paced"}
@@ -88,6 +93,9 @@ def test_smoke_run_writes_the_expected_json(tmp_path: Path, group: str) -> None:
         assert all(by_id[f"step.{p}.{v}.overhead"]["n"] >= 1 for p in ("record", "socket") for v in ("b2b", "gap"))
     if group == "diagnosis":
         assert by_id["diagnosis.n2.roll_call"]["n"] == 1 and by_id["diagnosis.n2.all_answered"]["met"] is True
+    if group == "snapshot":  # 1 MB: a real daemon, a kill -9 restored, two ranks copying to each other
+        assert by_id["snap.1MB.restored_equal"]["met"] is True and by_id["snap.1MB.lost.k1"]["n"] == 1
+        assert by_id["snap.1MB.peer.transfer"]["n"] == 1 and by_id["snap.1MB.peer.transfer"]["met"] is not False
     measured = [f for f in figures if f["n"]]
     assert measured and all(f["median"] is not None and f["min"] <= f["median"] <= f["max"] for f in measured)
 

@@ -30,8 +30,9 @@ class Launcher:
 
     def __init__(self, workdir: Path, *args: str, train_args: tuple[str, ...] = (), name: str = "launcher",
                  launcher_flags: tuple[str, ...] = ("--standalone",), env: dict[str, str] | None = None,
-                 relative: bool = False) -> None:
-        """``relative``: started in ``workdir``, with --log-dir and --ft-summary-json relative to it."""
+                 relative: bool = False, entry: tuple[str, ...] = (TRAIN,)) -> None:
+        """``relative``: started in ``workdir``, with --log-dir and --ft-summary-json relative to it;
+        ``entry``: what torchrun runs (the training script; a module name after ``-m``)."""
         self.marker = uuid.uuid4().hex
         self.out_path = workdir / f"{name}.out"
         self.summary_path = workdir / f"{name}-summary.json"
@@ -40,7 +41,7 @@ class Launcher:
         log_dir, summary = (p.relative_to(workdir) if relative else p for p in paths)
         argv = [sys.executable, "-m", "ft_monitor.launcher.main", *launcher_flags, "--nproc-per-node", "2",
                 "--log-dir", str(log_dir), "--ft-summary-json", str(summary), *FT_FLAGS, *args,
-                TRAIN, "--ckpt-dir", str(workdir / "ckpt"), *train_args]
+                *entry, "--ckpt-dir", str(workdir / "ckpt"), *train_args]
         self._out = open(self.out_path, "w")
         self.proc = subprocess.Popen(argv, stdout=self._out, stderr=subprocess.STDOUT,
                                      cwd=workdir if relative else ROOT,

@@ -61,18 +61,22 @@ def test_a_dump_file_holds_one_header_and_the_dump_after_it(workdir: Path) -> No
     assert "in wait_to_be_stopped" in "\n".join(lines)
 
 
-def test_launcher_restarts_workers_hung_before_init_each_dumped_where_it_hung(workdir: Path) -> None:
+@pytest.mark.parametrize("warm", [False, True], ids=["exec", "forked"])
+def test_launcher_restarts_workers_hung_before_init_each_dumped_where_it_hung(workdir: Path, warm: bool) -> None:
     """Attempt 0: rank 1 asleep before anything; 1: rank 0 in init_process_group waiting
     for rank 1, connected but never joining; 2: rank 0 stuck importing a module; 3: all finish.
     In attempt 1 rank 0's start-up deadline fires, but the roll call dumps it (not connected:
-    through the start-up hook) waiting in init_process_group, and names rank 1 (before: rank 0)."""
+    through the start-up hook) waiting in init_process_group, and names rank 1 (before: rank 0).
+    ``forked``: with --ft-warm-restart, attempts 1 to 3 are forked from the worker template
+    (the start-up hook armed in the fork, the deadline timed from the fork)."""
     summary_path = workdir / "summary.json"
     # In attempt 1 rank 0 must reach init_process_group before its deadline: importing torch
     # took more than 8 s at a load of 12 on 2 cores, and the deadline then rightly named rank 0.
     startup = round(8 * slack(), 1)
     argv = [sys.executable, "-m", "ft_monitor.launcher.main", "--standalone", "--nproc-per-node", "2",
             "--max-restarts", "3", "--log-dir", str(workdir / "logs"), "--ft-summary-json", str(summary_path),
-            "--ft-startup-timeout", str(startup), "--ft-termination-grace-time", "1", WORKER]
+            "--ft-startup-timeout", str(startup), "--ft-termination-grace-time", "1",
+            *(["--ft-warm-restart"] if warm else []), WORKER]
     log = workdir / "launcher.out"
     with open(log, "w") as f:
         proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
@@ -88,7 +92,10 @@ def test_launcher_restarts_workers_hung_before_init_each_dumped_where_it_hung(wo
                 proc.wait(5)
     output = log.read_text()
     assert rc == exit_codes.SUCCESS, output
-    hangs = json.loads(summary_path.read_text())["hangs"]
+    summary = json.loads(summary_path.read_text())
+    started = [a["started"] for a in summary["attempts"]]
+    assert started == (["exec", "forked", "forked", "forked"] if warm else ["exec"] * 4), (started, output)
+    hangs = summary["hangs"]
     assert [(h["attempt"], h["rank"], h["reason"]) for h in hangs] == [(0, 1, "startup"), (1, 1, "startup"),
                                                                       (2, 0, "startup")], hangs
     where = ["in sleep_before_init", "in wait_to_be_stopped", "stuck_at_import.py"]

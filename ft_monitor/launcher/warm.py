@@ -26,6 +26,7 @@ import contextlib
 import json
 import logging
 import os
+import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -210,12 +211,13 @@ class ForkedHandler(_forked_handler_base()):  # type: ignore[misc]
         super().__init__(**kwargs)
 
     def _popen(self, args: Sequence[str], env: dict[str, str]) -> Any:
-        out: IO[Any] | None = self._stdout
-        err: IO[Any] | None = self._stderr
+        # without torch's redirects a worker writes where the launcher does, as Popen's would
+        out: IO[Any] = self._stdout if self._stdout is not None else sys.stdout
+        err: IO[Any] = self._stderr if self._stderr is not None else sys.stderr
         try:
             return self._template.spawn([str(a) for a in args], env, os.getcwd(), out, err)
         except BaseException:
-            for f in (out, err):
+            for f in (self._stdout, self._stderr):
                 if f is not None:
                     f.close()
             raise

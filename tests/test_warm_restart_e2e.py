@@ -1,0 +1,85 @@
+"""End-to-end: ft-launcher --ft-warm-restart forks each restart's workers from the worker
+template (examples/train_ddp.py, DDP on gloo): environment, output, exit codes, error
+files and the stop of a forked group, as torchrun's own start gives them; and the
+cases it cannot serve start the workers as usual with one line saying why."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from ft_monitor.launcher import exit_codes
+from tests.procs import ROOT
+from tests.test_e2e_launcher import Launcher
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+
+
+def test_restarts_fork_their_workers_from_the_template(workdir: Path) -> None:
+    # attempt 0: rank 1 hangs at step 12 (the group is stopped: SIGTERM to each forked
+    # worker's process group in the next attempt too); attempt 1 (forked): rank 0 raises at
+    # step 13 (its error file names the exception); attempt 2 (forked): trains to the end
+    la = Launcher(workdir, "--max-restarts", "3", "--ft-warm-restart", "--ft-preload", "numpy",
+                  train_args=("--hang", "rank=1,step=12,attempt=0", "--crash", "rank=0,step=13,attempt=1"))
+    try:
+        assert la.wait() == exit_codes.SUCCESS, la.output()
+    finally:
+        la.kill()
+    out = la.output()
+    summary = la.summary()
+    assert [a["started"] for a in summary["attempts"]] == ["exec", "forked", "forked"], out
+    assert len(re.findall(r"attempt \d: 2 worker\(s\) forked from the worker template", out)) == 2, out
+    # the forked workers' environment: their rank, their attempt (TORCHELASTIC_RESTART_COUNT)
+    for rank in (0, 1):
+        assert f"[rank {rank}] attempt 1: resumed at step 10" in out and f"[rank {rank}] attempt 2: finished 30" in out
+    # the crash of a forked worker: exit code 1 and its exception, read from its error file
+    crash = [r for r in summary["restarts"] if r["attempt"] == 1]
+    assert crash and crash[0]["cause"] == "failure" and "rank 0 crashed at step 13" in crash[0]["message"], summary
+    warm = summary["warm_restarts"]
+    assert set(warm["forked"]) == {"1", "2"} and not warm["fallbacks"] and "numpy" in warm["preload"]
+    assert "warm restarts: attempt 1 (2 forked), attempt 2 (2 forked)" in out
+    pids = [set(a["pids"].values()) for a in summary["attempts"]]
+    assert not pids[0] & pids[1] and not pids[1] & pids[2]
+
+
+def test_an_entry_point_the_template_cannot_run_starts_as_usual_with_one_line(workdir: Path) -> None:
+    # `-m module`: the template runs scripts only; the restart starts the workers as usual
+    la = Launcher(workdir, "--max-restarts", "1", "--ft-warm-restart", "-m",
+                  train_args=("--die", "rank=1,step=3,attempt=0"), entry=("examples.train_ddp",))
+    try:
+        assert la.wait() == exit_codes.SUCCESS, la.output()
+    finally:
+        la.kill()
+    out = la.output()
+    assert [a["started"] for a in la.summary()["attempts"]] == ["exec", "exec"], out
+    lines = [line for line in out.splitlines() if "warm restart:" in line]
+    assert len(lines) == 1 and "-m" in lines[0] and "starting the workers as usual" in lines[0], lines
+    assert "attempt 1: finished 30 steps" in out
+
+
+def test_preload_auto_imports_what_the_workers_loaded(workdir: Path) -> None:
+    la = Launcher(workdir, "--max-restarts", "1", "--ft-warm-restart", "--ft-preload", "auto",
+                  train_args=("--die", "rank=1,step=8,attempt=0"))
+    try:
+        assert la.wait() == exit_codes.SUCCESS, la.output()
+    finally:
+        la.kill()
+    out = la.output()
+    summary = la.summary()
+    assert [a["started"] for a in summary["attempts"]] == ["exec", "forked"], out
+    # the workers' own modules, read from them: the training script imports ft_client and torch
+    assert {"torch", "ft_client"} <= set(summary["warm_restarts"]["preload"]), summary["warm_restarts"]
+    assert "--ft-preload auto: the workers loaded" in out
+
+
+def test_preload_names_are_checked_at_launch(workdir: Path) -> None:
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-m", "ft_monitor.launcher.main", "--standalone", "--nproc-per-node", "1",
+                        "--ft-warm-restart", "--ft-preload", "torch,not a module", "x.py"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120, env={**os.environ})
+    assert p.returncode == exit_codes.LAUNCHER_ERROR and "'not a module' is not a module name" in p.stderr

@@ -3,7 +3,10 @@ variables cannot take effect, and its requests read field by field (issue 27).""
 
 from __future__ import annotations
 
+import msgpack
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ft_monitor.core.template_argv import Plan, Refusal, fork_problem, ignored_env, plan
 from ft_monitor.core.template_request import (
@@ -13,6 +16,8 @@ from ft_monitor.core.template_request import (
     parse_spawn_reply,
     parse_status_reply,
 )
+from ft_monitor.launcher import template_wire
+from ft_monitor.launcher.template_wire import TemplateError
 
 PY = "/venv/bin/python"
 LINKS = {"/venv/bin/python": "/usr/lib/python3.11", "/venv/bin/python3": "/usr/lib/python3.11",
@@ -115,3 +120,34 @@ def test_replies_are_read_field_by_field() -> None:
     assert isinstance(parse_status_reply({**status, "threads": "1"}), Refusal)
     assert isinstance(parse_status_reply({**status, "cuda_initialized": 0}), Refusal)
     assert isinstance(parse_status_reply({**status, "failed": {"a": 1}}), Refusal)
+
+
+PLAIN = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=8)
+    | st.binary(max_size=8),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=6), children, max_size=4),
+    max_leaves=20,
+)
+
+
+@given(st.one_of(PLAIN, st.fixed_dictionaries({"op": st.sampled_from(["spawn", "status"])}, optional={
+    "argv": PLAIN | st.lists(st.text(max_size=6), max_size=3), "env": PLAIN, "cwd": PLAIN | st.just("/w"),
+    "stdio": PLAIN})), st.integers(0, 3))
+@settings(max_examples=300, deadline=None)
+def test_parse_request_is_total(obj: object, nfds: int) -> None:
+    assert isinstance(parse_request(obj, nfds), (StatusRequest, SpawnRequest, Refusal))
+
+
+@given(PLAIN)
+@settings(max_examples=200, deadline=None)
+def test_parse_replies_are_total(obj: object) -> None:
+    parse_spawn_reply(obj)
+    parse_status_reply(obj)
+
+
+def test_frames_refuse_extension_types_and_garbage() -> None:
+    with pytest.raises(TemplateError, match="extension type 5"):
+        template_wire.decode(msgpack.packb(msgpack.ExtType(5, b"x")))
+    with pytest.raises(TemplateError, match="not valid msgpack"):
+        template_wire.decode(b"\xc1")
+    assert template_wire.decode(template_wire.encode({"op": "status"})[4:]) == {"op": "status"}

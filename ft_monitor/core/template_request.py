@@ -61,7 +61,7 @@ def _text_problem(value: object, what: str) -> str | None:
         return f"{what} must be a string, got {type(value).__name__}"
     if "\0" in value:
         return f"{what} contains a NUL character"
-    if len(value.encode("utf-8", "surrogateescape")) > MAX_ARG_BYTES:
+    if len(value.encode("utf-8", "surrogatepass")) > MAX_ARG_BYTES:
         return f"{what} is longer than {MAX_ARG_BYTES} bytes"
     return None
 

@@ -39,6 +39,11 @@ What a forked worker cannot have (the interpreter started before its environment
   reseeds itself at fork);
 * the spawn reply's ``ignored_env`` names those of the first two kinds that differ between
   the template's environment and the worker's (`ft_monitor.core.template_argv.ignored_env`).
+
+Smaller differences from a worker started the normal way: stdin is /dev/null (torchrun's
+workers inherit the launcher's); ``sys.flags`` are the template's (``-u`` and ``-B`` are
+applied, not flagged); an uncaught KeyboardInterrupt's traceback starts in the template's
+frames (the exit, by SIGINT, is the interpreter's).
 """
 
 from __future__ import annotations
@@ -56,7 +61,6 @@ import socket
 import stat
 import sys
 import types
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,8 +75,9 @@ from ft_monitor.launcher.template_wire import TemplateError
 
 REQUEST_TIMEOUT = 10.0
 """How long one connection may take to send its request."""
-CHILD_TIMEOUT = 10.0
-"""How long the forked worker may take to say it is ready (its set-up: a few milliseconds)."""
+CHILD_TIMEOUT = 5.0
+"""How long the forked worker may take to say it is ready (its set-up: a few milliseconds);
+less than the launcher's wait for the reply (`forked.Template.spawn`'s timeout, 10 s)."""
 _PR_SET_PDEATHSIG = 1
 _LOG = "ft-monitor template"
 
@@ -514,7 +519,7 @@ def _parent_alive(parent: int) -> bool:
     return os.getppid() == parent
 
 
-def main(argv: list[str] | None = None, on_ready: Callable[[], None] | None = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ft_monitor.launcher.template")
     parser.add_argument("--socket", required=True, help="the Unix socket to serve on (its directory private)")
     parser.add_argument("--preload", default="", help="modules to import, comma-separated")

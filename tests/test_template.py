@@ -189,13 +189,19 @@ def test_signals_reach_the_worker_and_the_launcher_reaps_it(launcher: Launcher) 
     for how, sig in (("killpg", signal.SIGTERM), ("signal", signal.SIGKILL)):
         got = launcher.spawn("wait")
         pid = got["pid"]
-        wait_until(lambda got=got: got["out"].read_text().startswith("ready"), 20, "the worker's ready line")
-        assert launcher.call(cmd="poll", pid=pid) == {"returncode": None}
-        assert launcher.call(cmd="wait", pid=pid, seconds=0.05) == {"timeout": True}
-        ids = launcher.call(cmd="ids", pid=pid)
-        assert ids == {"sid": pid, "pgid": pid, "ppid": launcher.pid}  # its own session, the launcher's child
-        launcher.call(cmd=how, pid=pid, sig=int(sig))
-        assert finished(launcher, pid) == -sig
+        try:
+            wait_until(lambda got=got: got["out"].read_text().startswith("ready"), 20, "the worker's ready line")
+            assert launcher.call(cmd="poll", pid=pid) == {"returncode": None}
+            assert launcher.call(cmd="wait", pid=pid, seconds=0.05) == {"timeout": True}
+            ids = launcher.call(cmd="ids", pid=pid)
+            assert ids == {"sid": pid, "pgid": pid, "ppid": launcher.pid}  # its own session, the launcher's child
+            launcher.call(cmd=how, pid=pid, sig=int(sig))
+            assert finished(launcher, pid) == -sig
+        finally:
+            try:
+                os.killpg(pid, signal.SIGKILL)  # a failed check leaves no sleeping worker behind
+            except ProcessLookupError:
+                pass
 
 
 def test_what_the_template_cannot_run_is_refused_and_it_serves_on(launcher: Launcher) -> None:

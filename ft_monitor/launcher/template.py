@@ -40,8 +40,9 @@ What a forked worker cannot have (the interpreter started before its environment
 * the spawn reply's ``ignored_env`` names those of the first two kinds that differ between
   the template's environment and the worker's (`ft_monitor.core.template_argv.ignored_env`).
 
-Smaller differences from a worker started the normal way: stdin is /dev/null (torchrun's
-workers inherit the launcher's); ``sys.flags`` are the template's (``-u`` and ``-B`` are
+Smaller differences from a worker started the normal way: its /proc/PID/cmdline (what
+``ps`` shows) is the template's command line; stdin is /dev/null (torchrun's workers inherit
+the launcher's); ``sys.flags`` are the template's (``-u`` and ``-B`` are
 applied, not flagged); an uncaught KeyboardInterrupt's traceback starts in the template's
 frames (the exit, by SIGINT, is the interpreter's).
 """

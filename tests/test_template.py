@@ -244,21 +244,38 @@ def test_the_template_ignores_sigint(launcher: Launcher) -> None:
     assert launcher.call(cmd="status", name="main")["ok"]
 
 
+def test_a_template_replaced_by_another_in_the_same_directory_leaves_it_serving(launcher: Launcher) -> None:
+    """--ft-preload auto: the launcher starts a new template, then stops the old one."""
+    d = launcher.dir / "replaced"
+    d.mkdir()
+    old = launcher.call(cmd="start", name="old", dir=str(d), preload=[])
+    new = launcher.call(cmd="start", name="new", dir=str(d), preload=["json"])
+    assert old["socket"] != new["socket"]
+    assert launcher.call(cmd="close", name="old") == {"returncode": 0}
+    assert launcher.call(cmd="status", name="new")["preloaded"] == ["json"]
+    got = launcher.spawn("exit", "0", name="new")
+    assert finished(launcher, got["pid"]) == 0
+    launcher.call(cmd="close", name="new")
+
+
 def test_a_template_with_a_second_thread_refuses_to_fork(launcher: Launcher) -> None:
     d = launcher.dir / "threads"
     d.mkdir()
     started = launcher.call(cmd="start", name="threads", dir=str(d), preload=["tests.workers.template_thread"])
     assert "error" not in started, started
     try:
-        assert launcher.call(cmd="status", name="threads")["threads"] == 2
+        status = launcher.call(cmd="status", name="threads")
+        assert status["threads"] == 2
+        assert status["unsafe"] == {"tests.workers.template_thread": "started 1 thread(s)"}
         answer = launcher.spawn("report", name="threads")
         assert answer["refused"].startswith("the template has 2 threads (")
         assert "preload-thread" in answer["refused"]
-        assert "locks held by threads that do not exist in the child" in answer["refused"]
+        assert answer["refused"].endswith("locks held by threads that do not exist in the child "
+                                          "(tests.workers.template_thread started 1 thread(s) at import)")
     finally:
         closed = launcher.call(cmd="close", name="threads")
     assert closed == {"returncode": 0}  # SIGTERM: a clean exit
-    assert not (d / "template.sock").exists()
+    assert not Path(started["socket"]).exists()
     assert "stopped" in (d / "template.log").read_text()
 
 
@@ -312,6 +329,7 @@ def test_cuda_initialised_in_the_template_is_refused() -> None:
         assert helper.call(cmd="status", name="cuda")["cuda_initialized"] is True
         answer = helper.spawn("report", name="cuda")
         assert "initialised CUDA" in answer["refused"]
+        assert "tests.workers.template_cuda initialised CUDA at import" in answer["refused"]
     finally:
         helper.close()
         cleanup_dir(d)

@@ -67,6 +67,8 @@ def test_fork_problem() -> None:
                    "locks held by threads that do not exist in the child")
     why = fork_problem(["python"], True)
     assert why is not None and "initialised CUDA" in why
+    why = fork_problem(["python", "python"], False, {"mod": "started 1 thread(s)"})
+    assert why is not None and why.endswith("do not exist in the child (mod started 1 thread(s) at import)")
     assert "0 threads" in (fork_problem([], False) or "")
 
 
@@ -116,7 +118,10 @@ def test_replies_are_read_field_by_field() -> None:
     assert isinstance(parse_spawn_reply("x"), Refusal)
     status = {"ok": True, "pid": 5, "preloaded": ["torch"], "failed": {}, "threads": 1, "cuda_initialized": False,
               "rss_kb": 100}
-    assert parse_status_reply(status) == status
+    assert parse_status_reply(status) == {**status, "unsafe": {}}
+    assert parse_status_reply({**status, "unsafe": {"m": "initialised CUDA"}}) == \
+        {**status, "unsafe": {"m": "initialised CUDA"}}
+    assert isinstance(parse_status_reply({**status, "unsafe": {"m": 1}}), Refusal)
     assert isinstance(parse_status_reply({**status, "threads": "1"}), Refusal)
     assert isinstance(parse_status_reply({**status, "cuda_initialized": 0}), Refusal)
     assert isinstance(parse_status_reply({**status, "failed": {"a": 1}}), Refusal)

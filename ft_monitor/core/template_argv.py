@@ -93,16 +93,20 @@ def plan(argv: Sequence[str], executable: str, *, realpath: Callable[[str], str]
                 dont_write_bytecode="B" in flags)
 
 
-def fork_problem(threads: Sequence[str], cuda_initialized: bool) -> str | None:
+def fork_problem(threads: Sequence[str], cuda_initialized: bool,
+                 unsafe: Mapping[str, str] | None = None) -> str | None:
     """Why the template must not fork now, or None. ``threads``: the name of each of its
-    threads (``/proc/self/task/*/comm``)."""
+    threads (``/proc/self/task/*/comm``); ``unsafe``: the preloaded modules seen doing either
+    at import, and what they did (named in the reason, so that they can be left out)."""
+    culprits = "; ".join(f"{m} {what} at import" for m, what in (unsafe or {}).items())
+    suffix = f" ({culprits})" if culprits else ""
     if len(threads) != 1:
         names = ", ".join(threads) if threads else "none could be read"
         return (f"the template has {len(threads)} threads ({names}): forking it would copy a process with "
-                f"locks held by threads that do not exist in the child")
+                f"locks held by threads that do not exist in the child{suffix}")
     if cuda_initialized:
-        return ("the template has initialised CUDA: a CUDA context does not survive a fork (a preloaded module "
-                "must not touch the GPU at import)")
+        return (f"the template has initialised CUDA: a CUDA context does not survive a fork (a preloaded module "
+                f"must not touch the GPU at import){suffix}")
     return None
 
 

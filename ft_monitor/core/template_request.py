@@ -6,7 +6,7 @@ map (`ft_monitor.launcher.template_wire` owns the bytes)::
 
     {"op": "status"}
         -> {"ok": true, "pid", "preloaded": [name], "failed": {name: why}, "threads",
-            "cuda_initialized", "rss_kb"}
+            "cuda_initialized", "rss_kb", "unsafe": {name: what it did at import}}
     {"op": "spawn", "argv": [str], "env": {str: str}, "cwd": absolute path,
      "stdio": ["stdout", "stderr"]}    descriptors attached (SCM_RIGHTS), in stdio's order
         -> {"ok": true, "pid": the worker's pid, "ignored_env": [name]}
@@ -164,7 +164,9 @@ def parse_status_reply(obj: object) -> dict[str, Any] | Refusal:
         if not isinstance(value, types) or (types == (int,) and isinstance(value, bool)):
             return Refusal(f"the template's status has no valid {name}: {value!r}")
         out[name] = value
+    unsafe = obj.get("unsafe", {})
+    out["unsafe"] = unsafe if isinstance(unsafe, dict) else {}
     if not all(isinstance(n, str) for n in out["preloaded"]) or \
-            not all(isinstance(k, str) and isinstance(v, str) for k, v in out["failed"].items()):
+            not all(isinstance(k, str) and isinstance(v, str) for m in ("failed", "unsafe") for k, v in out[m].items()):
         return Refusal("the template's status lists names that are not strings")
     return out

@@ -16,6 +16,7 @@ own process group); `ForkedProcess` gives those, with ``returncode`` as Popen re
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import select
@@ -43,6 +44,7 @@ UNKNOWN_RETURNCODE = 1
 """The returncode reported for a worker whose exit status this process cannot read (it is not
 this process's child: ECHILD)."""
 STOP_GRACE = 5.0
+_started = itertools.count()
 LOG_TAIL = 2000
 
 
@@ -164,11 +166,12 @@ class Template:
     @classmethod
     def start(cls, directory: Path, preload: Sequence[str], env: Mapping[str, str], *,
               sys_path: Sequence[str] = (), cwd: str | None = None) -> Template:
-        """Start the template (its socket ``directory/template.sock``, its log
+        """Start the template (its socket ``directory/template-PID-N.sock``, one per template so
+        that a template started to replace another never shares its path; its log appended to
         ``directory/template.log``; ``directory`` private to this user) importing ``preload``,
         with ``env``; ``sys_path``: directories put first on its sys.path while it imports (the
         script's directory, where the user's modules are). Returns at once: see `wait_ready`."""
-        socket_path = directory / "template.sock"
+        socket_path = directory / f"template-{os.getpid()}-{next(_started)}.sock"
         log_path = directory / "template.log"
         try:
             socket_path.unlink()
@@ -202,7 +205,8 @@ class Template:
 
     def wait_ready(self, timeout: float) -> None:
         """Return once the template answers its status; TemplateError if it exits first or does
-        not answer within ``timeout`` seconds (it is stopped then)."""
+        not answer within ``timeout`` seconds (it is left running: it may still be importing,
+        and a later call can wait again)."""
         end = time.monotonic() + timeout
         while True:
             if not self.alive():
@@ -216,9 +220,8 @@ class Template:
                 except TemplateError:
                     pass
             if time.monotonic() >= end:
-                self.close()
-                raise TemplateError(f"the worker template (pid {self.pid}) did not answer within {timeout:.0f}s; "
-                                    f"stopped; see {self.log_path}:\n{self.log_tail()}")
+                raise TemplateError(f"the worker template (pid {self.pid}) did not answer within {timeout:g}s "
+                                    f"(still importing?); see {self.log_path}:\n{self.log_tail()}")
             time.sleep(0.02)
 
     def _request(self, obj: dict[str, Any], fds: Sequence[int], timeout: float) -> object:

@@ -124,11 +124,15 @@ def rss_kb() -> int:
     return 0
 
 
-def preload(names: list[str]) -> tuple[list[str], dict[str, str]]:
-    """Import each module; those that fail are one line on stderr each, and left out."""
+def preload(names: list[str]) -> tuple[list[str], dict[str, str], dict[str, str]]:
+    """Import each module; those that fail are one line on stderr each, and left out. Also
+    returns the modules seen starting a thread or initialising CUDA at import (the template
+    will refuse to fork: the refusal names them)."""
     done: list[str] = []
     failed: dict[str, str] = {}
+    unsafe: dict[str, str] = {}
     for name in names:
+        threads, cuda = len(thread_names()), cuda_initialized()
         try:
             importlib.import_module(name)
         except KeyboardInterrupt:
@@ -138,8 +142,18 @@ def preload(names: list[str]) -> tuple[list[str], dict[str, str]]:
             failed[name] = why
             _say(f"preload {name} failed, going on without it: {why}")
             continue
+        finally:
+            did = []
+            started = len(thread_names()) - threads
+            if started > 0:
+                did.append(f"started {started} thread(s)")
+            if cuda_initialized() and not cuda:
+                did.append("initialised CUDA")
+            if did:
+                unsafe[name] = " and ".join(did)
+                _say(f"preload {name} {unsafe[name]} at import: the template cannot fork")
         done.append(name)
-    return done, failed
+    return done, failed, unsafe
 
 
 @dataclass
@@ -154,16 +168,19 @@ class Server:
     """The template's socket and its serve loop (in the template process)."""
 
     def __init__(self, socket_path: str, parent: int, preloaded: list[str], failed: dict[str, str],
-                 start_env: dict[str, str], template_only_paths: set[str]) -> None:
+                 start_env: dict[str, str], template_only_paths: set[str],
+                 unsafe: dict[str, str] | None = None) -> None:
         self.socket_path = socket_path
         self.parent = parent
         self.preloaded = preloaded
         self.failed = failed
+        self.unsafe = unsafe or {}
         self.start_env = start_env
         self.template_only_paths = template_only_paths
         self.pid = os.getpid()
         self.stopping = False
         self.listener: socket.socket | None = None
+        self.socket_id = (0, 0)
         self.wake_r = self.wake_w = -1
 
     # ---- the loop -------------------------------------------------------------------
@@ -176,6 +193,8 @@ class Server:
         finally:
             os.umask(old_umask)
         os.chmod(self.socket_path, stat.S_IRUSR | stat.S_IWUSR)
+        st = os.stat(self.socket_path)
+        self.socket_id = (st.st_dev, st.st_ino)
         listener.listen(16)
         self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.set_wakeup_fd(self.wake_w, warn_on_full_buffer=False)
@@ -212,7 +231,9 @@ class Server:
         if self.listener is not None:
             self.listener.close()
             try:
-                os.unlink(self.socket_path)
+                st = os.stat(self.socket_path)
+                if (st.st_dev, st.st_ino) == self.socket_id:  # still ours, not a successor's
+                    os.unlink(self.socket_path)
             except FileNotFoundError:
                 pass
         for fd in (self.wake_r, self.wake_w):
@@ -258,11 +279,12 @@ class Server:
 
     def status(self) -> dict[str, Any]:
         return {"ok": True, "pid": os.getpid(), "preloaded": list(self.preloaded), "failed": dict(self.failed),
-                "threads": len(thread_names()), "cuda_initialized": cuda_initialized(), "rss_kb": rss_kb()}
+                "threads": len(thread_names()), "cuda_initialized": cuda_initialized(), "rss_kb": rss_kb(),
+                "unsafe": dict(self.unsafe)}
 
     # ---- a spawn ---------------------------------------------------------------------
     def _spawn(self, conn: socket.socket, req: SpawnRequest, fds: list[int]) -> Worker | None:
-        problem = template_argv.fork_problem(thread_names(), cuda_initialized())
+        problem = template_argv.fork_problem(thread_names(), cuda_initialized(), self.unsafe)
         plan = template_argv.plan(req.argv, sys.executable, realpath=os.path.realpath)
         if problem is None and isinstance(plan, Refusal):
             problem = plan.why
@@ -544,8 +566,8 @@ def main(argv: list[str] | None = None) -> int:
     template_only |= set(extra)
     sys.path[:0] = extra
     names = [n.strip() for n in args.preload.split(",") if n.strip()]
-    preloaded, failed = preload(names)
-    server = Server(args.socket, parent, preloaded, failed, start_env, template_only)
+    preloaded, failed, unsafe = preload(names)
+    server = Server(args.socket, parent, preloaded, failed, start_env, template_only, unsafe)
     worker = server.serve()
     if worker is None:
         _say("stopped")

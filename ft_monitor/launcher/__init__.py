@@ -19,7 +19,8 @@ torch's. The subclass adds what the monitors need:
 The launcher and its daemons run with the same typed settings
 (`ft_monitor.core.settings.Settings`, validated once by `ft_monitor.config`).
 
-Everything here runs in the launcher's process (`main` is ft-launcher's entry point). May
+Everything here runs in the launcher's process (`main` is ft-launcher's entry point), but
+`template`, which is the worker template's own process (started by `forked.Template`). May
 import: the core, forensics and processes rooms, and ft_client; never the daemon (daemons
 are reached over their sockets and started through `ft_monitor.processes.monitor_process`)
 nor the views (only `main`, the entry point, shows the live view).

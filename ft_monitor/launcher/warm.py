@@ -57,7 +57,7 @@ def parse_preload(text: str | None) -> tuple[list[str], bool]:
     return (["torch"] + [n for n in names if n != "torch"]), auto
 
 
-def modules_from_file(raw: bytes) -> list[str]:
+def modules_from_file(raw: str | bytes) -> list[str]:
     """The module names a worker wrote (a JSON list of str); [] for anything else."""
     try:
         names = json.loads(raw)

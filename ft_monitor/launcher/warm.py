@@ -41,7 +41,7 @@ MODULES_FILE_ENV = loaded_modules.MODULES_FILE_ENV
 """Where a worker writes the top-level modules it has loaded (``--ft-preload auto``)."""
 READY_WAIT = 60.0
 """Seconds a restart waits for a template that is still importing before it starts cold."""
-MAX_MODULES = 2000
+MAX_MODULES = 20000
 
 
 def parse_preload(text: str | None) -> tuple[list[str], bool]:
@@ -58,14 +58,15 @@ def parse_preload(text: str | None) -> tuple[list[str], bool]:
 
 
 def modules_from_file(raw: str | bytes) -> list[str]:
-    """The module names a worker wrote (a JSON list of str); [] for anything else."""
+    """The module names a worker wrote (a JSON list of dotted names); [] for anything else."""
     try:
         names = json.loads(raw)
     except ValueError:
         return []
     if not isinstance(names, list):
         return []
-    return [n for n in names[:MAX_MODULES] if isinstance(n, str) and n.isidentifier() and not n.startswith("_")]
+    return [n for n in names[:MAX_MODULES]
+            if isinstance(n, str) and len(n) < 256 and all(p.isidentifier() for p in n.split("."))]
 
 
 class WarmStarts:
@@ -119,8 +120,8 @@ class WarmStarts:
             return
         self._auto_done = True
         wanted = self.preload + sorted(found - set(self.preload))
-        log.info("ft-launcher: --ft-preload auto: the workers loaded %d top-level modules; the template imports "
-                 "them for the next restart", len(wanted))
+        log.info("ft-launcher: --ft-preload auto: the workers loaded %d modules; the template imports them for "
+                 "the next restart", len(wanted))
         old = self.template
         self.preload = wanted
         self.start()

@@ -27,8 +27,9 @@ builtin base that callers caught before (``ValueError`` for bad values,
     │   └── SnapshotFormatError         ... bytes that are not a complete snapshot (snapshot_format.py)
     └── ft_monitor's: ConfigError, SettingsError, UsageError, ListenerError, SessionError,
         NoticeError, StatusError, ReportError, SealError (a StoreMessageError), MonitorStartError,
-        HttpRequestError, MetricsServerError, SnapshotError, EvidenceError, TemplateError (the worker
-        template cannot serve) and its TemplateRefused (it refused a request, saying why)
+        HttpRequestError, MetricsServerError, SnapshotError, EvidenceError, PreloadError
+        (--ft-preload names no module), TemplateError (the worker template cannot serve)
+        and its TemplateRefused (it refused a request, saying why)
 
 Closed and broken are types (as trio's ClosedResourceError and
 BrokenResourceError are), not fields; the cause is kept (``raise ... from e``).

@@ -110,11 +110,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     absolute_paths(args)
     if args.ft_preload:
-        from ft_monitor.launcher.warm import parse_preload
+        from ft_monitor.core.preload import PreloadError, parse_preload
 
         try:
             parse_preload(args.ft_preload)
-        except ValueError as e:
+        except PreloadError as e:
             print(f"ft-launcher: {e}", file=sys.stderr)
             return exit_codes.LAUNCHER_ERROR
     cli = cli_overrides(args)
@@ -265,7 +265,8 @@ def _warm_starts(args: argparse.Namespace, run_dir: Path) -> Any:
         if preload:
             log.warning("ft-launcher: --ft-preload does nothing without --ft-warm-restart")
         return None
-    from ft_monitor.launcher.warm import WarmStarts, parse_preload
+    from ft_monitor.core.preload import parse_preload
+    from ft_monitor.launcher.warm import WarmStarts
 
     names, auto = parse_preload(preload)
     directory = run_dir / "template"

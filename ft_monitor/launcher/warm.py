@@ -23,7 +23,6 @@ children (the launcher is their child subreaper).
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import sys
@@ -34,6 +33,7 @@ from typing import IO, Any
 
 from ft_client import loaded_modules
 from ft_client.safefiles import read_bounded
+from ft_monitor.core.preload import modules_from_file
 
 log = logging.getLogger("ft_monitor.launcher")
 
@@ -41,32 +41,6 @@ MODULES_FILE_ENV = loaded_modules.MODULES_FILE_ENV
 """Where a worker writes the top-level modules it has loaded (``--ft-preload auto``)."""
 READY_WAIT = 60.0
 """Seconds a restart waits for a template that is still importing before it starts cold."""
-MAX_MODULES = 20000
-
-
-def parse_preload(text: str | None) -> tuple[list[str], bool]:
-    """(modules, auto) from ``--ft-preload`` (comma-separated names, or ``auto``); torch always."""
-    if text is None or not text.strip():
-        return ["torch"], False
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    auto = "auto" in names
-    names = [n for n in names if n != "auto"]
-    for n in names:
-        if not all(part.isidentifier() for part in n.split(".")):
-            raise ValueError(f"--ft-preload: {n!r} is not a module name")
-    return (["torch"] + [n for n in names if n != "torch"]), auto
-
-
-def modules_from_file(raw: str | bytes) -> list[str]:
-    """The module names a worker wrote (a JSON list of dotted names); [] for anything else."""
-    try:
-        names = json.loads(raw)
-    except ValueError:
-        return []
-    if not isinstance(names, list):
-        return []
-    return [n for n in names[:MAX_MODULES]
-            if isinstance(n, str) and len(n) < 256 and all(p.isidentifier() for p in n.split("."))]
 
 
 class WarmStarts:

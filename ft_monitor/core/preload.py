@@ -34,7 +34,7 @@ def modules_from_file(raw: str | bytes) -> list[str]:
     """The module names a worker wrote (a JSON list of dotted names); [] for anything else."""
     try:
         names = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, not UTF-8, nested too deep
         return []
     if not isinstance(names, list):
         return []

@@ -18,7 +18,7 @@ param groups' plain values; the model is a third of the bytes, the optimizer two
 monitor is a real `ft-monitor serve` daemon started as its own process (one per state
 size; one per rank for the peer row); every rank a real process (`--worker`), one torch
 thread (OMP_NUM_THREADS=1: on a GPU node the step runs on the GPU, and the snapshot's
-background thread (layout, crc32, header, peer copy) has the other core here).
+background thread (layout, the XXH3-64 checksum, header, peer copy) has the other core here).
 
 Rows, per state size:
 
@@ -33,12 +33,14 @@ Rows, per state size:
    Noise = median |difference| between consecutive no-save blocks. `save` first waits for
    the previous save's background finish: the loop's view includes that wait. References
    in the same process: `copy_` of the same tensors into preallocated (touched) tensors,
-   the same copy into a mapped memfd (what `save` writes to), zlib.crc32 of the bytes
-   (what the background finish does), and `save()` alone and `save()` + `wait()` (quiet).
+   the same copy into a mapped memfd (what `save` writes to), the snapshot's checksum of the
+   bytes (`ft_client.snapshot_format.checksum`, XXH3-64: what the background finish does),
+   zlib.crc32 of the same bytes (the checksum before dd63034, for the before/after), and
+   `save()` alone and `save()` + `wait()` (quiet).
 2. **Restore after kill -9** (`snap.SIZE.restore`, `.torch_load`, `.dcp_load`): each
    incident of row 4 ends with a SIGKILL of the training process; a new process then
-   times `Snapshotter.restore()` (maps the monitor's memory, checks both buffers'
-   crc32, copies the tensors out), `torch.load(weights_only=True)` of the same state
+   times `Snapshotter.restore()` (maps the monitor's memory, checks each complete buffer's
+   checksum once, copies the tensors out), `torch.load(weights_only=True)` of the same state
    saved with `torch.save` to a file under /tmp on local disk (written by row 1's
    process; in the page cache: warm, dropping it needs root), and
    `torch.distributed.checkpoint.load` (no process group) of the same state saved with
@@ -313,7 +315,10 @@ def _step_figures(label: str, r: dict[str, Any], p: dict[str, Any]) -> list[Figu
                samples=r["copy_ms"], details={"how": "median of repeated copies, destination touched beforehand"}),
         Figure(id=f"{pre}.copy_memfd", what=f"{label}: the same copy into a mapped memfd (what save writes to)",
                unit="ms", samples=r["copy_memfd_ms"]),
-        Figure(id=f"{pre}.crc32", what=f"{label}: zlib.crc32 of the same bytes (the background finish's work)",
+        Figure(id=f"{pre}.checksum", what=f"{label}: the snapshot's checksum (XXH3-64) of the same bytes (the "
+               "background finish's work)", unit="ms", samples=r["checksum_ms"],
+               details={"how": "ft_client.snapshot_format.checksum over the memfd of the copy row, 1 thread"}),
+        Figure(id=f"{pre}.crc32", what=f"{label}: zlib.crc32 of the same bytes (the old checksum, before dd63034)",
                unit="ms", samples=r["crc_ms"]),
         Figure(id=f"{pre}.save_call", what=f"{label}: save() alone, quiet (tensors copied, finish started)",
                unit="ms", samples=r["save_ms"]),
@@ -505,13 +510,15 @@ def _worker_steps(args: argparse.Namespace, snap: Any, errors: list[str]) -> dic
 
     import torch
 
+    from ft_client import snapshot_format as fmt
+
     state = make_state(args.bytes)
     ts = tensors_of(state)
     total = sum(t.numel() * t.element_size() for t in ts)
     work = Work(*args.work)
     for _ in range(2):
         work.step()
-    # references, in this process: copy, copy into a memfd, crc32, a save alone
+    # references, in this process: copy, copy into a memfd, the checksum (and the old one), a save alone
     dst = [torch.empty_like(t).zero_() for t in ts]
     copy_ms = []
     for _ in range(5):
@@ -535,9 +542,12 @@ def _worker_steps(args: argparse.Namespace, snap: Any, errors: list[str]) -> dic
             d.copy_(s)
         if i:  # the first copy also allocates the memfd's pages
             memfd_ms.append(_ms(t0))
-    crc_ms = []
-    for _ in range(3):
+    checksum_ms, crc_ms = [], []
+    for _ in range(3):  # alternated: the snapshot's checksum (what the background finish runs), then the old one
         body = memoryview(mm)
+        t0 = time.perf_counter()
+        fmt.checksum(body)
+        checksum_ms.append(_ms(t0))
         t0 = time.perf_counter()
         zlib.crc32(body)
         crc_ms.append(_ms(t0))
@@ -589,7 +599,8 @@ def _worker_steps(args: argparse.Namespace, snap: Any, errors: list[str]) -> dic
         dcp_save(state, checkpoint_id=os.path.join(args.files, "dcp"))
         files["dcp_save_ms"] = _ms(t0)
     return {"blocks": blocks, "per_step_median": {m: statistics.median(v) for m, v in per_step.items()},
-            "save_calls": save_calls, "copy_ms": copy_ms, "copy_memfd_ms": memfd_ms, "crc_ms": crc_ms,
+            "save_calls": save_calls, "copy_ms": copy_ms, "copy_memfd_ms": memfd_ms,
+            "checksum_ms": checksum_ms, "crc_ms": crc_ms,
             "save_ms": save_ms, "save_wait_ms": save_wait_ms, "work": args.work, "errors": errors, "files": files,
             "state": {"bytes": total, "tensors": len(ts)}}
 

@@ -236,8 +236,11 @@ def test_twenty_restarts_leak_no_threads_descriptors_groups_store_keys_or_memory
         assert set(groups) == {1}, groups  # the aborted iterations' process groups are gone
         # older iterations' keys are deleted: no growth over 20 restarts (medians, as for the
         # fds: with a signed arrival key per rank, a busy machine once showed one iteration's
-        # start with 3 keys of the last one not yet deleted)
-        assert statistics.median(keys[-5:]) == statistics.median(keys[1:6]) and max(keys) <= 2 * min(keys[1:]), keys
+        # start with 3 keys of the last one not yet deleted; and whether the other rank's
+        # arrival key of the new iteration is in yet makes a start line read N or N + 1, so the
+        # medians may differ by one: a leak of a key per restart would be 15 over these samples)
+        assert abs(statistics.median(keys[-5:]) - statistics.median(keys[1:6])) <= 1 \
+            and max(keys) <= 2 * min(keys[1:]), keys
         assert rss[-1] - rss[2] < 2048, rss  # kB over 18 restarts (the first one allocates ~10 MB once)
         finished = re.search(r"finished loss \S+ threads (\d+) fds (\d+)", j.output(r))
         assert finished and finished[1] == "1", j.output(r)[-500:]  # every thread the Wrapper started is gone

@@ -42,6 +42,10 @@ def say(*parts: object) -> None:
     print(" ".join(map(str, parts)), flush=True)
 
 
+CYCLE_STARTED = "cycles-started"
+"""cycles: the in-process iteration rank 0 has printed its start line in."""
+
+
 def wait_until(predicate: Callable[[], object], timeout: float) -> bool:
     """Whether ``predicate()`` came true within ``timeout`` seconds (polled every 5 ms)."""
     end = time.monotonic() + timeout
@@ -125,6 +129,8 @@ def main() -> int:
         say(f"rank {rank} pid {os.getpid()} iteration {call.iteration} start step {start} threads "
             f"{threading.active_count()} fds {fds()} groups {len(distributed_c10d._world.pg_map)} keys "
             f"{call.store.num_keys()} rss {rss_kb()}")
+        if scenario == "cycles" and rank == 0:  # rank 1 faults once this line is out (else it may never be)
+            call.store.set(CYCLE_STARTED, str(call.iteration).encode())
         loss = torch.tensor(0.0)
         for step in range(start, args.steps):
             call.ping()
@@ -148,6 +154,11 @@ def main() -> int:
                 events.report_fault(events.Fault("test fault from the monitor", 0))
                 time.sleep(3600)
             if scenario == "cycles" and step == 2 and call.iteration < 20 and rank == 1:
+                # rank 0's interrupt could otherwise come between its all_reduce and its start line
+                if not wait_until(lambda: call.store.check([CYCLE_STARTED])
+                                  and call.store.get(CYCLE_STARTED) == str(call.iteration).encode(), 60):
+                    raise SystemExit(f"rank 0 never started iteration {call.iteration}")
+                call.store.delete_key(CYCLE_STARTED)  # the test counts the store's keys: none left behind
                 raise RuntimeError(f"fault in iteration {call.iteration}")
             if scenario == "atomic" and rank == 0 and first and step == 5:
                 with call.atomic():

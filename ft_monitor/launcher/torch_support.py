@@ -93,6 +93,14 @@ def _errors() -> bool:
     return all(hasattr(errors, n) for n in ("ChildFailedError", "get_error_handler")) and SignalException is not None
 
 
+def _subprocess_handler() -> bool:
+    import torch.distributed.elastic.multiprocessing.api as api
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler as sh
+
+    return callable(getattr(api, "get_subprocess_handler", None)) and callable(
+        getattr(getattr(sh, "SubprocessHandler", None), "_popen", None))
+
+
 CHECKS: tuple[tuple[str, Callable[[], bool]], ...] = (
     ("torch.distributed.run's get_args_parser, run and determine_local_world_size", _run_module),
     ("LocalElasticAgent as the agent torch.distributed.launcher.api.launch_agent builds",
@@ -101,6 +109,8 @@ CHECKS: tuple[tuple[str, Callable[[], bool]], ...] = (
     ("LocalElasticAgent's own _start_workers, _monitor_workers, _stop_workers and _shutdown",
      lambda: _defines(_agent(), "_start_workers", "_monitor_workers", "_stop_workers", "_shutdown")),
     ("LocalElasticAgent._pcontext", lambda: _uses(_agent().__init__, "_pcontext")),
+    ("multiprocessing.api.get_subprocess_handler and SubprocessHandler._popen (--ft-warm-restart forks through them)",
+     _subprocess_handler),
     ("SimpleElasticAgent's _rendezvous, _remaining_restarts and _worker_group",
      lambda: _defines(_simple_agent(), "_rendezvous")
      and _uses(_simple_agent()._invoke_run, "_remaining_restarts", "_worker_group")),

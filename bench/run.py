@@ -56,6 +56,8 @@ BENCHMARKS: dict[str, tuple[bool, Callable[..., list[Figure]]]] = {
     "ingest": (True, ingest.run),
     "detection": (False, detection.run),
     "restart": (False, lambda mode, loop: restart.run(mode)),  # the launcher's daemons pick their own loop
+    # cold vs --ft-warm-restart side by side (issue 27); the launcher's daemons pick their own loop
+    "warm_restart": (False, lambda mode, loop: restart.run_warm(mode)),
     "step_overhead": (False, step_overhead.run),
     "idle_cpu": (False, idle_cpu.run),
     "diagnosis": (False, lambda mode, loop: diagnosis.run(mode)),  # the launcher's daemons pick their own loop

@@ -39,6 +39,14 @@ EXPECTED_IDS = {  # the figures each group of benchmarks writes (bench/run.py --
         "inprocess.total", "inprocess.process_total", "inprocess.speedup", "inprocess.same_pids",
         *(f"inprocess.{k}" for k in ("notify", "abort", "interrupt", "finalize", "barrier", "reinit", "first_step")),
     },
+    "warm_restart": {  # smoke: one heavy auto run (the other configurations' figures are there, empty)
+        *(f"warm.{c}.{k}" for c in ("cold", "auto", "torch", "heavy_cold", "heavy_auto")
+          for k in ("total", "notify", "to_stop", "stop", "rendezvous", "worker_start", "first_step", "node_pss")),
+        *(f"warm.{k}.{c}" for k in ("ratio", "saving") for c in ("auto", "torch", "heavy")),
+        *(f"warm.template.{c}.{m}" for c in ("torch", "auto", "heavy_auto") for m in ("rss", "pss", "uss")),
+        "warm.forked", "warm.template_ready", "warm.auto.template_import", "warm.heavy_auto.template_import",
+        "warm.loadavg",
+    },
     "step_overhead": {f"step.{p}.{v}.{k}" for p in ("record", "socket") for v in ("b2b", "gap")
                       for k in ("bare", "client", "calls", "noise", "overhead")},
     "diagnosis": {*(f"diagnosis.n2.{k}" for k in ("verdict_to_written", "roll_call", "dump_wait", "all_answered")),
@@ -89,6 +97,11 @@ def test_smoke_run_writes_the_expected_json(tmp_path: Path, group: str) -> None:
         restart = by_id["restart.total"]  # one real ft-launcher run with a hang and a restart
         assert restart["n"] == 1 and restart["details"]["launcher_line_matches_json"] == [True], restart
         assert by_id["inprocess.total"]["n"] == 1 and by_id["inprocess.same_pids"]["met"] is True
+    if group == "warm_restart":  # one real ft-launcher run whose restart forks its workers from the template
+        warm = by_id["warm.heavy_auto.total"]
+        assert warm["n"] == 1 and warm["details"]["launcher_line_matches_json"] == [True], warm
+        assert by_id["warm.forked"]["met"] is True, by_id["warm.forked"]
+        assert by_id["warm.heavy_auto.node_pss"]["n"] == 1, by_id["warm.heavy_auto.node_pss"]
     if group == "step_overhead":
         assert all(by_id[f"step.{p}.{v}.overhead"]["n"] >= 1 for p in ("record", "socket") for v in ("b2b", "gap"))
     if group == "diagnosis":

@@ -23,13 +23,14 @@ SNAP = ("--snapshot-every", "1")
 
 def _losses(out: str) -> dict[str, str]:
     """rank -> the final loss it printed."""
-    return dict(re.findall(r"\[rank (\d+)\] [^\n]*finished \d+ steps, loss ([0-9.]+)", out))
+    # two ranks' lines may share one line of the log (each print is two writes): never cross a "["
+    return dict(re.findall(r"\[rank (\d+)\] [^\[\n]*?finished \d+ steps, loss ([0-9.]+)", out))
 
 
 def _resumed(out: str) -> dict[str, int]:
     """rank -> the step it resumed at from a snapshot."""
     return {r: int(s) for r, s in
-            re.findall(r"\[rank (\d+)\] [^\n]*resumed at step (\d+) \(pid \d+, from the snapshot", out)}
+            re.findall(r"\[rank (\d+)\] [^\[\n]*?resumed at step (\d+) \(pid \d+, from the snapshot", out)}
 
 
 @pytest.fixture(scope="module")

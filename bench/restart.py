@@ -228,8 +228,9 @@ CONFIG_WHAT = {
     "heavy_auto": "demo + 5 s import, --ft-warm-restart --ft-preload auto",
 }
 TEMPLATE_MODULE = "ft_monitor.launcher.template"
-AFTER_RESTART_S = 0.5
-"""How long after the launcher's "all ranks running again" line attempt 1's memory is read."""
+AFTER_RESTART_S = (0.5, 3.0)
+"""When, after the launcher's "all ranks running again" line, attempt 1's memory is read (the
+figure is the last: forked workers share fewer of the template's pages as they run)."""
 
 
 def warm_plan(mode: Mode) -> tuple[int, list[str], dict[str, int], float]:
@@ -257,7 +258,7 @@ def run_warm(mode: Mode) -> list[Figure]:
 
 def _warm_one(config: str, i: int, hang_step: int, heavy_s: float) -> dict[str, Any]:
     workload, flags = CONFIGS[config]
-    steps = hang_step + 30  # 2 s of steps after the restart: attempt 1's memory is read while they run
+    steps = hang_step + 70  # >= 3.5 s of steps after the restart: attempt 1's memory is read while they run
     d = private_dir()
     what = f"warm-restart bench, {config} run"
     try:
@@ -352,8 +353,8 @@ class _Watch(threading.Thread):
     running `TEMPLATE_MODULE`, one per --socket path: a forked worker keeps its template's
     command line, so the first pid seen with a path is the template), when each was started
     (/proc/PID/stat) and ready (its socket exists: it binds it once its imports are done), and
-    its memory 0.5 s after ready (idle, before any fork); and, AFTER_RESTART_S after the
-    launcher's "all ranks running again" line, the memory of attempt 1: its workers (forked:
+    its memory 0.5 s after ready (idle, before any fork); and, at each of AFTER_RESTART_S after
+    the launcher's "all ranks running again" line, the memory of attempt 1: its workers (forked:
     the template's command line, another pid; cold: the script's) and the templates alive."""
 
     def __init__(self, launcher: int, out_path: Path, script_mark: str) -> None:
@@ -365,7 +366,7 @@ class _Watch(threading.Thread):
         self.tick = os.sysconf("SC_CLK_TCK")
         self.templates: list[dict[str, Any]] = []
         self._by_socket: dict[str, dict[str, Any]] = {}
-        self.after: dict[str, Any] | None = None
+        self.after: dict[str, Any] = {}
         self._restarted_at: float | None = None
         self._done = threading.Event()
 
@@ -378,8 +379,7 @@ class _Watch(threading.Thread):
             try:
                 self._tick()
             except Exception as e:  # noqa: BLE001 - a bench watcher: never kill the run; say it in the JSON
-                if self.after is None:
-                    self.after = {"error": f"{type(e).__name__}: {e}"}
+                self.after["error"] = f"{type(e).__name__}: {e}"
                 return
 
     def _children(self) -> list[tuple[int, int, list[str]]]:
@@ -417,7 +417,9 @@ class _Watch(threading.Thread):
                     self._restarted_at = now
             except OSError:
                 pass
-        elif self.after is None and now - self._restarted_at >= AFTER_RESTART_S:
+            return
+        due = [t for t in AFTER_RESTART_S if f"{t:g}" not in self.after and now - self._restarted_at >= t]
+        if due:
             tpids = {t["pid"] for t in self.templates}
             socks = set(self._by_socket)
             workers = [pid for pid, _, argv in children if pid not in tpids and (
@@ -429,9 +431,15 @@ class _Watch(threading.Thread):
                 vals = [mem[p][key] for p in pids]
                 return None if not vals or any(v is None for v in vals) else sum(v for v in vals if v is not None)
 
-            self.after = {"workers": len(workers), "templates_alive": len(alive),
-                          "workers_rss_kb": total(workers, "rss_kb"), "workers_pss_kb": total(workers, "pss_kb"),
-                          "templates_pss_kb": total(alive, "pss_kb") if alive else 0}
+            self.after[f"{due[0]:g}"] = {"at_s": round(now - self._restarted_at, 2), "workers": len(workers),
+                                           "templates_alive": len(alive),
+                                           "workers_rss_kb": total(workers, "rss_kb"),
+                                           "workers_pss_kb": total(workers, "pss_kb"),
+                                           "templates_pss_kb": total(alive, "pss_kb") if alive else 0}
+
+
+def _round(v: float | None, digits: int = 2) -> float | None:
+    return None if v is None else round(v, digits)
 
 
 def warm_figures(samples: dict[str, list[dict[str, Any]]], hang_steps: dict[str, int],
@@ -454,7 +462,13 @@ def warm_figures(samples: dict[str, list[dict[str, Any]]], hang_steps: dict[str,
         h = how.format(step=hang_steps[workload], n=n) + (f"; {' '.join(flags)}" if flags else "; cold") + (
             f"; bench/warm_train.py --heavy: bench.warm_heavy burns {heavy_s:g} s of CPU at import"
             if workload == "heavy" else "")
-        details: dict[str, Any] = {"how": h, "runs": n, "loadavg_1min": [x["loadavg"] for x in samples[c]],
+        per_run = [{**{k: x[k] for k in KEYS}, "loadavg_1min": round(x["loadavg"], 2),
+                    "template_import_s": _round(x.get("template_import_s")),
+                    "template_ready_before_detection_s": _round(
+                        x["templates"][-1]["ready_before_detection_s"] if x.get("templates") else None)}
+                   for x in samples[c]]
+        details: dict[str, Any] = {"how": h, "runs": n, "per_run": per_run,
+                                   "loadavg_1min": [x["loadavg"] for x in samples[c]],
                                    "launcher_line_matches_json": [x["line_matches_json"] for x in samples[c]]}
         if flags:
             details.update({
@@ -470,12 +484,13 @@ def warm_figures(samples: dict[str, list[dict[str, Any]]], hang_steps: dict[str,
         for key in WHAT:
             out.append(Figure(id=f"warm.{c}.{key}", what=f"restart, {CONFIG_WHAT[c]}: {key}", unit="ms",
                               samples=col(c, key, 1000), loop=loop, details={"how": h + f"; breakdown key {key!r}"}))
-        after = [x["after"] for x in samples[c] if x.get("after") and x["after"].get("workers_pss_kb") is not None]
+        last = f"{AFTER_RESTART_S[-1]:g}"
+        after = [a for x in samples[c] for a in [x["after"].get(last)] if a and a.get("workers_pss_kb") is not None]
         out.append(Figure(
             id=f"warm.{c}.node_pss", what=f"restart, {CONFIG_WHAT[c]}: attempt 1's memory (PSS of its workers "
             "+ the template's, if any)", unit="MB", loop=loop,
             samples=[(a["workers_pss_kb"] + (a["templates_pss_kb"] or 0)) / 1024 for a in after],
-            details={"how": f"/proc/PID/smaps_rollup Pss, {AFTER_RESTART_S:g} s after the launcher's 'all ranks "
+            details={"how": f"/proc/PID/smaps_rollup Pss, {last} s after the launcher's 'all ranks "
                             "running again' line: attempt 1's workers and the live worker template(s)",
                      "after": [x.get("after") for x in samples[c]]}))
 

@@ -179,8 +179,12 @@ class Template:
             pass
         argv = [sys.executable, "-m", "ft_monitor.launcher.template", "--socket", str(socket_path),
                 "--parent", str(os.getpid())]
-        if preload:
-            argv += ["--preload", ",".join(preload)]
+        if preload:  # through a file: one argument holds at most 128 KiB (E2BIG past ~5000 module names)
+            names = socket_path.with_suffix(".preload")
+            fd = os.open(names, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write("\n".join(preload))
+            argv += ["--preload-file", str(names)]
         for p in sys_path:
             argv += ["--path", p]
         with open(log_path, "ab") as out:
@@ -286,6 +290,11 @@ class Template:
         except (OSError, subprocess.TimeoutExpired):
             pass
 
+    def terminate(self) -> None:
+        """Ask the template to stop (SIGTERM) without waiting; `close` reaps it."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+
     def close(self) -> None:
         """Stop the template: SIGTERM, then SIGKILL after a grace period; reaped."""
         if self.proc.poll() is None:
@@ -295,7 +304,8 @@ class Template:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        try:
-            self.socket_path.unlink()
-        except FileNotFoundError:
-            pass
+        for path in (self.socket_path, self.socket_path.with_suffix(".preload")):
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass

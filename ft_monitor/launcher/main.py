@@ -271,7 +271,11 @@ def _warm_starts(args: argparse.Namespace, run_dir: Path) -> Any:
     names, auto = parse_preload(preload)
     directory = run_dir / "template"
     directory.mkdir(mode=0o700)
-    warm = WarmStarts(directory, names, auto)
+    script = getattr(args, "training_script", None)
+    sys_path = []  # the script's directory: its own modules are importable in the template as in the script
+    if isinstance(script, str) and not getattr(args, "module", False) and not getattr(args, "no_python", False):
+        sys_path.append(os.path.dirname(os.path.abspath(script)))
+    warm = WarmStarts(directory, names, auto, sys_path=sys_path)
     warm.start()
     if warm.template is not None:
         log.info("ft-launcher: warm restarts: a worker template (pid %d) imports %s%s", warm.template.pid,

@@ -3,7 +3,7 @@
 Runs in its own process, started by the launcher (`ft_monitor.launcher.forked.Template`)::
 
     python -m ft_monitor.launcher.template --socket PATH [--preload torch,numpy,...]
-                                           [--parent PID] [--path DIR]...
+                                           [--preload-file FILE] [--parent PID] [--path DIR]...
 
 At start it dies with the launcher (PR_SET_PDEATHSIG, SIGKILL), ignores SIGINT (the
 terminal's Ctrl-C is the launcher's), imports each ``--preload`` module (one that fails
@@ -546,6 +546,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ft_monitor.launcher.template")
     parser.add_argument("--socket", required=True, help="the Unix socket to serve on (its directory private)")
     parser.add_argument("--preload", default="", help="modules to import, comma-separated")
+    parser.add_argument("--preload-file", default=None,
+                        help="a file of modules to import, one per line (the launcher's: a long list)")
     parser.add_argument("--parent", type=int, default=None, help="the launcher's pid (default: the parent's)")
     parser.add_argument("--path", action="append", default=[],
                         help="a directory put first on sys.path while preloading (the script's)")
@@ -566,6 +568,12 @@ def main(argv: list[str] | None = None) -> int:
     template_only |= set(extra)
     sys.path[:0] = extra
     names = [n.strip() for n in args.preload.split(",") if n.strip()]
+    if args.preload_file is not None:
+        try:
+            with open(args.preload_file) as f:
+                names += [n.strip() for n in f.read().splitlines() if n.strip()]
+        except (OSError, UnicodeDecodeError) as e:
+            _say(f"cannot read the preload list {args.preload_file}: {e}; going on without it")
     preloaded, failed, unsafe = preload(names)
     server = Server(args.socket, parent, preloaded, failed, start_env, template_only, unsafe)
     worker = server.serve()

@@ -46,12 +46,18 @@ READY_WAIT = 60.0
 class WarmStarts:
     """The template of one node and the decision to fork from it."""
 
-    def __init__(self, directory: Path, preload: list[str], auto: bool, env: Mapping[str, str] | None = None) -> None:
+    def __init__(self, directory: Path, preload: list[str], auto: bool, env: Mapping[str, str] | None = None,
+                 sys_path: Sequence[str] = ()) -> None:
         self.directory = directory
         self.preload = preload
         self.auto = auto
         self.env = dict(os.environ if env is None else env)
+        self.sys_path = list(sys_path)
+        """Put first on the template's sys.path while it imports: the script's directory (its own modules)."""
         self.template: Any = None
+        self._pending: Any = None
+        """With ``auto``: the template made again with the workers' modules, until it answers."""
+        self._retired: list[Any] = []
         self._ready = False
         self._auto_done = not auto
         self.fallbacks: list[str] = []
@@ -61,17 +67,24 @@ class WarmStarts:
     # -- the template -------------------------------------------------------------------------
     def start(self) -> None:
         """Start the template (not waiting for its imports); one line if it cannot start."""
-        from ft_monitor.launcher.forked import Template, TemplateError, set_child_subreaper
+        from ft_monitor.launcher.forked import set_child_subreaper
 
         if not set_child_subreaper():
             self._say("the launcher cannot become its workers' child subreaper (prctl refused)")
             return
+        self.template = self._launch(self.preload)
+        self._ready = False
+
+    def _launch(self, names: list[str]) -> Any:
+        """A new template importing ``names`` (the script's directory first on its path), or None
+        after one line saying why."""
+        from ft_monitor.launcher.forked import Template, TemplateError
+
         try:
-            self.template = Template.start(self.directory, self.preload, self.env)
+            return Template.start(self.directory, names, self.env, sys_path=self.sys_path)
         except (OSError, TemplateError) as e:
             self._say(f"the worker template did not start: {e}")
-            self.template = None
-        self._ready = False
+            return None
 
     def modules_file(self, local_rank: int) -> str | None:
         """The file a worker writes its modules to (``auto`` only, until the template is made again)."""
@@ -81,7 +94,9 @@ class WarmStarts:
 
     def poll(self) -> None:
         """From the agent's monitor loop: with ``auto``, once the first worker has written its
-        modules, make the template again with them (the old one serves until the new is up)."""
+        modules, make the template again with them; the old one serves until the new one
+        answers (`_adopt`)."""
+        self._adopt(0.0)
         if self._auto_done:
             return
         found: set[str] = set()
@@ -96,16 +111,50 @@ class WarmStarts:
         wanted = self.preload + sorted(found - set(self.preload))
         log.info("ft-launcher: --ft-preload auto: the workers loaded %d modules; the template imports them for "
                  "the next restart", len(wanted))
-        old = self.template
-        self.preload = wanted
-        self.start()
-        if old is not None:
-            old.close()
+        self._pending = self._launch(wanted)
 
-    def _ready_now(self, wait: float) -> str | None:
-        """None when the template answers; else why not (after waiting up to ``wait`` s while it imports)."""
+    def _adopt(self, wait: float) -> None:
+        """The template made again replaces the old one once it answers (waiting up to ``wait`` s);
+        the old one is asked to stop without being waited for (`close` reaps it). One that exits
+        or does not answer in time leaves the old one serving."""
         from ft_monitor.launcher.forked import TemplateError
 
+        new = self._pending
+        if new is None:
+            return
+        try:
+            new.wait_ready(wait)
+        except TemplateError as e:
+            if not new.alive():
+                self._pending = None
+                self._retired.append(new)
+                log.warning("ft-launcher: warm restart: the template made again with the workers' modules "
+                            "exited; the first one goes on serving: %s", e)
+            elif wait > 0:
+                log.warning("ft-launcher: warm restart: the template made again with the workers' modules is not "
+                            "ready after %.0f s; this restart forks from the first one", wait)
+            return
+        old, self.template, self._pending = self.template, new, None
+        self._mark_ready(new)
+        if old is not None:
+            old.terminate()
+            self._retired.append(old)
+
+    def _mark_ready(self, t: Any) -> None:
+        """``t`` answers: what it really imported becomes `preload` (what the summary reports)."""
+        from ft_monitor.launcher.forked import TemplateError
+
+        self._ready = True
+        try:
+            self.preload = list(t.status()["preloaded"])
+        except (TemplateError, KeyError, TypeError):
+            pass
+
+    def _ready_now(self, wait: float) -> str | None:
+        """None when a template answers; else why not (after waiting up to ``wait`` s while it imports)."""
+        from ft_monitor.launcher.forked import TemplateError
+
+        self._adopt(wait)
         t = self.template
         if t is None:
             return "no worker template is running"
@@ -117,13 +166,15 @@ class WarmStarts:
             t.wait_ready(wait)
         except TemplateError as e:
             return f"the worker template is not ready: {e}"
-        self._ready = True
+        self._mark_ready(t)
         return None
 
     def close(self) -> None:
-        if self.template is not None:
-            self.template.close()
-            self.template = None
+        for t in (self.template, self._pending, *self._retired):
+            if t is not None:
+                t.close()
+        self.template = self._pending = None
+        self._retired = []
 
     def _say(self, why: str) -> None:
         text = f"ft-launcher: warm restart: {why}; starting the workers as usual"

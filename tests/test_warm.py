@@ -1,0 +1,57 @@
+"""WarmStarts (ft_monitor.launcher.warm) with real templates, without a launcher: the template
+made again for ``--ft-preload auto`` takes over only once it answers, and a list of thousands
+of modules reaches it whole."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ft_monitor.launcher.warm import WarmStarts
+from tests.procs import cleanup_dir, short_tmpdir
+
+
+@pytest.fixture
+def d() -> Iterator[Path]:
+    path = short_tmpdir()
+    yield path
+    cleanup_dir(path)
+
+
+def test_the_template_made_again_takes_over_once_it_answers(d: Path) -> None:
+    w = WarmStarts(d, ["json"], True)
+    try:
+        w.template = w._launch(w.preload)  # start() would also make this test process a subreaper
+        assert w._ready_now(60) is None
+        first = w.template
+        # more names than one command-line argument holds (128 KiB): passed through a file
+        names = ["json", "email.mime.text"] + [f"no_such_module_{i:05d}_{'x' * 20}" for i in range(6000)]
+        (d / "modules-0.json").write_text(json.dumps(names))
+        w.poll()
+        assert w._pending is not None and w.template is first  # the first one serves meanwhile
+        assert w._ready_now(120) is None
+        assert w.template is not first and w._pending is None
+        assert "email.mime.text" in w.preload and not any(n.startswith("no_such") for n in w.preload)
+        assert first.proc.wait(30) is not None  # asked to stop once replaced
+        assert not w.fallbacks
+    finally:
+        w.close()
+
+
+def test_a_template_made_again_that_dies_leaves_the_first_one_serving(d: Path) -> None:
+    w = WarmStarts(d, ["json"], True)
+    try:
+        w.template = w._launch(w.preload)
+        assert w._ready_now(60) is None
+        first = w.template
+        (d / "modules-0.json").write_text(json.dumps(["json"]))
+        w.poll()
+        assert w._pending is not None
+        w._pending.proc.kill()
+        w._pending.proc.wait(10)
+        assert w._ready_now(5) is None and w.template is first and w._pending is None
+    finally:
+        w.close()

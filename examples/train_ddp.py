@@ -195,7 +195,7 @@ def train(args: argparse.Namespace, client: RankMonitorClient, memory: dict[int,
     if not client.is_initialized:
         client.init_workload_monitoring()
     learned = sorted(client.timeouts.learned)
-    print(f"[rank {rank}] {where}: timeouts in force {client.timeouts.to_wire()}"
+    print(f"[rank {rank}] {where}: timeouts in force {client.timeouts.describe()}"
           + (f" (learned: {', '.join(learned)})" if learned else ""), flush=True)
 
     def hang_now(step: int) -> bool:

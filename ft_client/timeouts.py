@@ -141,6 +141,17 @@ class Timeouts:
             rank_out_of_section_timeout=config.rank_out_of_section_timeout,
         )
 
+    def describe(self) -> str:
+        """The timeouts as ``name=2.0s`` pairs for a person: each section's, then ``heartbeat``,
+        ``initial_heartbeat`` and ``out_of_section`` (``off`` where not set), e.g.
+        ``step=2.0s ckpt=120.0s heartbeat=60.0s initial_heartbeat=120.0s out_of_section=off``.
+        A section name that does not print is shown as its repr."""
+        pairs = [(name if name.isprintable() else repr(name), value)
+                 for name, value in self.rank_section_timeouts.items()]
+        pairs += [("heartbeat", self.rank_heartbeat_timeout), ("initial_heartbeat", self.initial_rank_heartbeat_timeout),
+                  ("out_of_section", self.rank_out_of_section_timeout)]
+        return " ".join(f"{name}={_seconds(value)}" for name, value in pairs)
+
     # -- wire form -----------------------------------------------------------
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -193,6 +204,13 @@ class Timeouts:
         )
         check_wire_size(timeouts)
         return timeouts
+
+
+def _seconds(value: float | None) -> str:
+    """``2.0s``, ``0.25s``, ``off``."""
+    if value is None:
+        return "off"
+    return f"{value:.1f}s" if value == round(value, 1) else f"{value:g}s"
 
 
 def check_wire_size(timeouts: Timeouts) -> None:

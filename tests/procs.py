@@ -187,3 +187,19 @@ def raw_client(sock_path: Path) -> socket.socket:
 
 def cleanup_dir(d: Path) -> None:
     shutil.rmtree(d, ignore_errors=True)
+
+
+def launcher_summary(output: str) -> list[tuple[str, str]]:
+    """The ``key : value`` lines of ft-launcher's closing summary in ``output`` (which must
+    hold exactly one), keys stripped of their alignment; every line of it has its colon
+    in the same column."""
+    assert output.count("ft-launcher summary:") == 1, output
+    text = output.split("ft-launcher summary:", 1)[1]
+    lines: list[str] = []
+    for line in text.splitlines()[1:]:
+        if " : " not in line and line.strip():
+            break  # the summary ended (a later line of the output)
+        lines.append(line)
+    body = [line for line in lines if line.strip()]
+    assert len({line.index(" : ") for line in body}) == 1, text
+    return [(k.strip(), v) for k, v in (line.split(" : ", 1) for line in body)]

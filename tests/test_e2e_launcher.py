@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from ft_monitor.launcher import exit_codes
-from tests.procs import ROOT, free_port, slack, wait_until
+from tests.procs import ROOT, free_port, launcher_summary, slack, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -127,7 +127,9 @@ def test_hung_rank_is_caught_dumped_and_the_job_resumes_from_its_checkpoint(work
     assert "RankHang: section 'step' open for" in error["message"]["message"]
     (restart,) = summary["restarts"]
     assert restart["total"] is not None
-    assert "all ranks running again" in out and "ft-launcher summary:" in out
+    lines = launcher_summary(out)  # printed once, aligned
+    assert ("error file", hang["error_file"]) in lines and ("exit code", "0") in lines
+    assert any(k == "restart" and v.startswith("all ranks running again ") for k, v in lines), lines
 
 
 def _paths(value: object) -> list[str]:
@@ -189,7 +191,9 @@ def test_the_rank_behind_is_named_everywhere_when_a_waiting_ranks_monitor_fires_
     events = [json.loads(line) for line in Path(summary["observability"]["events"]).read_text().splitlines()]
     named = {e["kind"]: e.get("rank") for e in events if e["kind"] in ("hang", "diagnosis", "restart")}
     assert named == {"hang": 1, "diagnosis": 1, "restart": 1}, named
-    assert "attempt 0: rank 1 (local rank 1, pid" in out and "reported first by rank 0's monitor" in out
+    lines = launcher_summary(out)
+    assert ("hung rank", f"rank 1 (local rank 1, pid {hang['pid']}) in attempt 0") in lines
+    assert any(k == "reported by" and v.startswith("rank 0's monitor, whose rank waited for it: ") for k, v in lines)
 
 
 def test_restart_budget_exhausted_reports_the_hung_rank_as_root_cause(workdir: Path) -> None:

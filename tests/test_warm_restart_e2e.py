@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from ft_monitor.launcher import exit_codes
-from tests.procs import ROOT
+from tests.procs import ROOT, launcher_summary
 from tests.test_e2e_launcher import Launcher
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
@@ -40,7 +40,7 @@ def test_restarts_fork_their_workers_from_the_template(workdir: Path) -> None:
     assert crash and crash[0]["cause"] == "failure" and "rank 0 crashed at step 8" in crash[0]["message"], summary
     warm = summary["warm_restarts"]
     assert set(warm["forked"]) == {"1", "2"} and not warm["fallbacks"] and "numpy" in warm["preload"]
-    assert "warm restarts: attempt 1 (2 forked), attempt 2 (2 forked)" in out
+    assert ("warm restarts", "attempt 1 (2 forked), attempt 2 (2 forked)") in launcher_summary(out)
     pids = [set(a["pids"].values()) for a in summary["attempts"]]
     assert not pids[0] & pids[1] and not pids[1] & pids[2]
 

@@ -251,10 +251,10 @@ def launch(args: argparse.Namespace, config: Settings | FaultToleranceConfig, su
         monitors.stop(config.termination_grace_time)
         server.stop()
         shutil.rmtree(run_dir, ignore_errors=True)
-    observed = telemetry.summary()
-    _print_summary(ft, code, observed)
+    data = summary_data(ft, code, telemetry.summary())
+    _print_summary(ft, data)
     if summary_json:
-        _write_summary(ft, code, summary_json, observed)
+        _write_summary(data, summary_json)
     return code
 
 
@@ -325,95 +325,35 @@ def _report_root_cause(e: Any) -> None:
         handler.dump_error_file(failure.error_file, failure.exitcode)
 
 
-def _phases(b: dict[str, float | None]) -> str:
-    return ", ".join(f"{k} {v:.3f}s" for k, v in b.items() if k != "total" and v is not None)
+def summary_data(ft: Any, code: int, observed: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What the run gathered, in the summary's JSON form: the --ft-summary-json file and the
+    text summary (summary_text.py) both say this, and only this."""
+    return {"exit_code": code, "hangs": ft.hangs, "restarts": [t.row() for t in ft.restarts],
+            "inprocess_restarts": ft.inprocess_restarts, "attempts": ft.attempts,
+            "diagnoses": ft.diagnoses,
+            "monitor_restarts": ft.monitors.restarts, "outcome": ft.outcome_message,
+            "warm_restarts": None if ft.warm is None else {
+                "forked": {str(a): p for a, p in ft.warm.forked.items()},
+                "fallbacks": ft.warm.fallbacks, "preload": ft.warm.preload},
+            "observability": observed or {}}
 
 
-def _print_summary(ft: Any, code: int, observed: dict[str, Any] | None = None) -> None:
+def _print_summary(ft: Any, data: dict[str, Any]) -> None:
+    """The closing summary on stderr, once: aligned ``key : value`` lines (summary_text.py)."""
+    from ft_monitor.launcher import summary_text
+
     if not (ft.hangs or ft.restarts or ft.monitors.restarts or ft.inprocess_restarts or ft.diagnoses) \
             and ft.outcome is None:
         return
-    lines = ["", "ft-launcher summary:"]
-    if observed is not None and observed.get("goodput") is not None:
-        lines.append(f"  goodput {observed['goodput']:.3f} ({observed['productive_s']:.1f} s productive step time of "
-                     f"{observed['wall_s']:.1f} s; {observed['lost_s']:.1f} s lost to hangs)")
-    if observed is not None and observed.get("slow_ranks"):
-        lines.append(f"  slow rank(s): {', '.join(map(str, observed['slow_ranks']))}")
-    if observed is not None and observed.get("events"):
-        lines.append(f"  events: {observed['events']}")
-    for row in ft.inprocess_restarts:
-        lines.append(f"  attempt {row['attempt']}: in-process restart {row['iteration']} (same processes) after "
-                     f"rank {row['rank']}: {row['message']}")
-        phases = row["phases"] or {}
-        if phases.get("total") is not None:
-            lines.append(f"    all ranks back in their step loop {phases['total']:.2f} s after the fault: "
-                         + _phases(phases))
-    hangs = iter(ft.hangs)
-    for timing in ft.restarts:
-        b = timing.breakdown()
-        hang = next(hangs, None) if timing.cause == "hang" else None
-        if hang is None:
-            lines.append(f"  attempt {timing.attempt}: {timing.message or timing.cause}; the worker group restarted")
-            if b["total"] is not None:
-                lines.append(f"    all ranks running again {b['total']:.2f} s after it was seen: {_phases(b)}")
-            continue
-        delay = hang.get("elapsed_s", 0.0) - hang.get("timeout_s", 0.0)
-        who = f"rank {hang['rank']} (local rank {hang['local_rank']}, pid {hang['pid']})"
-        if hang.get("victim_of") is not None:
-            lines.append(f"  attempt {hang['attempt']}: rank {hang['victim_of']} (another node) hung first; {who} "
-                         f"here waited for it: {hang['message']}")
-        else:
-            lines.append(f"  attempt {hang['attempt']}: {who} hung: {hang['message']}; caught {delay * 1000:.1f} ms "
-                         "after its timeout")
-        reporter = hang.get("reported_by")
-        if isinstance(reporter, dict):
-            lines.append(f"    reported first by rank {reporter['rank']}'s monitor, whose rank waited for it: "
-                         f"{reporter['message']}")
-        if hang.get("verdict"):
-            lines.append(f"    verdict: {hang['verdict']}")
-            lines.append(f"    diagnosis: {hang['diagnosis']}")
-        if hang.get("stack_dump_captured"):
-            lines.append(f"    stack dump: {hang['stack_dump']}")
-        lines.append(f"    error file: {hang['error_file']}")
-        if b["total"] is not None:
-            lines.append(f"    all ranks running again {b['total']:.2f} s after detection: {_phases(b)}")
-    for row in ft.diagnoses:
-        if row["action"] == "dump":
-            lines.append(f"  attempt {row['attempt']}: rank {row['rank']} hung, diagnosed and left running "
-                         f"(on_hang: dump)")
-            lines.append(f"    verdict: {row['verdict']}")
-            lines.append(f"    diagnosis: {row['diagnosis']}")
-    if ft.monitors.restarts:
-        lines.append(f"  monitors restarted: {ft.monitors.restarts}")
-    if ft.warm is not None:
-        lines.append(f"  warm restarts: {_warm_line(ft)}")
-    if ft.outcome is not None:
-        lines.append(f"  stopped: {ft.outcome_message}")
-    lines.append(f"  exit code {code}")
-    print("\n".join(lines), file=sys.stderr)
+    text = summary_text.format_rows(summary_text.rows(data, summary_text.read_evidence()))
+    print("\n" + text, file=sys.stderr)
 
 
-def _warm_line(ft: Any) -> str:
-    """What --ft-warm-restart did: which attempts were forked, and why others were not."""
-    forked = ", ".join(f"attempt {a} ({len(p)} forked)" for a, p in sorted(ft.warm.forked.items()))
-    parts = [forked or "no attempt forked"]
-    if ft.warm.fallbacks:
-        parts.append(f"started as usual: {ft.warm.fallbacks[-1].split('warm restart: ', 1)[-1]}")
-    return "; ".join(parts)
-
-
-def _write_summary(ft: Any, code: int, path: str, observed: dict[str, Any] | None = None) -> None:
+def _write_summary(data: dict[str, Any], path: str) -> None:
     """Atomically, through a temporary file and a rename: a symlink planted at ``path``
     is replaced, never followed."""
     try:
-        write_json_atomic(path, {"exit_code": code, "hangs": ft.hangs, "restarts": [t.row() for t in ft.restarts],
-                                 "inprocess_restarts": ft.inprocess_restarts, "attempts": ft.attempts,
-                                 "diagnoses": ft.diagnoses,
-                                 "monitor_restarts": ft.monitors.restarts, "outcome": ft.outcome_message,
-                                 "warm_restarts": None if ft.warm is None else {
-                                     "forked": {str(a): p for a, p in ft.warm.forked.items()},
-                                     "fallbacks": ft.warm.fallbacks, "preload": ft.warm.preload},
-                                 "observability": observed or {}})
+        write_json_atomic(path, data)
     except OSError as e:
         log.error("ft-launcher: cannot write the summary %s: %s", path, e)
 

@@ -148,7 +148,8 @@ class Timeouts:
         A section name that does not print is shown as its repr."""
         pairs = [(name if name.isprintable() else repr(name), value)
                  for name, value in self.rank_section_timeouts.items()]
-        pairs += [("heartbeat", self.rank_heartbeat_timeout), ("initial_heartbeat", self.initial_rank_heartbeat_timeout),
+        pairs += [("heartbeat", self.rank_heartbeat_timeout),
+                  ("initial_heartbeat", self.initial_rank_heartbeat_timeout),
                   ("out_of_section", self.rank_out_of_section_timeout)]
         return " ".join(f"{name}={_seconds(value)}" for name, value in pairs)
 

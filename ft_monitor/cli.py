@@ -118,34 +118,57 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "report":
         return _report(args)
     if args.all is not None:
-        return live_view([args.all], args.json, args.watch, args.count, args.timeout)
+        return live_view([args.all], args.json, args.watch, args.count, args.timeout, prog="ft-monitor status --all")
     return _status(args)
 
 
-def live_view(dirs: list[str], as_json: bool, watch: float | None, count: int | None, timeout: float = 2.0) -> int:
-    """`status --all DIR` and `ft-launcher status`: one table per run directory; --watch redraws."""
+def live_view(dirs: list[str], as_json: bool, watch: float | None, count: int | None, timeout: float = 2.0,
+              prog: str = "ft-monitor status") -> int:
+    """`status --all DIR` and `ft-launcher status`: one table per run directory; --watch redraws
+    in place. On a terminal each view fits its width and --watch's its height too, and a
+    redraw goes back to the top and writes over the last one (erasing what is left of each
+    line and below), so the terminal never scrolls and its history does not grow; elsewhere
+    (a pipe, a file) the tables are whole and --watch appends them."""
+    import shutil
     import time
 
     from ft_monitor.views import live_view as lv
 
+    tty = sys.stdout.isatty()
+    in_place = watch is not None and not as_json and tty
+    encoding = (getattr(sys.stdout, "encoding", None) or "").lower().replace("-", "").replace("_", "")
+    mark = lv.ELLIPSIS if encoding == "utf8" else "~"
     shown = 0
     try:
         while True:
             views = [(d, lv.gather(d, timeout)) for d in dirs]
             if as_json:
-                out = json.dumps({d: lv.to_json(rows) for d, rows in views}, indent=2, sort_keys=True)
+                print(json.dumps({d: lv.to_json(rows) for d, rows in views}, indent=2, sort_keys=True), flush=True)
             else:
-                out = "\n\n".join(f"{d}:\n{lv.format_table(rows) if rows else '(no monitor sockets)'}"
-                                   for d, rows in views)
-            if watch is not None and not as_json and sys.stdout.isatty():
-                print("\033[H\033[2J", end="")
-            print(out, flush=True)
+                size = shutil.get_terminal_size() if tty else None
+                heading = None if watch is None else (
+                    f"{prog}: every {watch:g}s, {time.strftime('%H:%M:%S')} (Ctrl-C stops)")
+                lines = lv.view_lines(views, None if size is None else size.columns,
+                                      size.lines if in_place and size is not None else None, heading, mark)
+                if in_place:
+                    # home, each line over the last view's (erasing its rest), then erase below; no
+                    # newline after the last line, which may be the screen's bottom row: nothing scrolls
+                    sys.stdout.write(("\033[?25l\033[H" if shown == 0 else "\033[H")
+                                     + "".join(f"{line}\033[K" + ("\n" if i + 1 < len(lines) else "")
+                                               for i, line in enumerate(lines)) + "\033[J")
+                    sys.stdout.flush()
+                else:
+                    print("\n".join(lines), flush=True)
             shown += 1
             if watch is None or (count is not None and shown >= count):
                 break
             time.sleep(watch)  # the refresh interval is what --watch asks for
     except KeyboardInterrupt:
         pass
+    finally:
+        if in_place and shown:
+            sys.stdout.write("\033[?25h\n")  # the cursor shown again, below the last view
+            sys.stdout.flush()
     return EXIT_OK if all(lv.monitor_sockets(d) for d in dirs) else EXIT_FAILURE
 
 

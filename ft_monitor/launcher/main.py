@@ -91,7 +91,7 @@ def status_main(argv: list[str]) -> int:
         print("ft-launcher status: no running ft-launcher of yours found under /tmp (give its run directory, "
               "logged as 'monitor(s) ready in DIR')", file=sys.stderr)
         return EXIT_FAILURE
-    return live_view(dirs, args.json, args.watch, args.count)
+    return live_view(dirs, args.json, args.watch, args.count, prog="ft-launcher status")
 
 
 def main(argv: list[str] | None = None) -> int:

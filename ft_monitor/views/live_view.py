@@ -4,10 +4,14 @@
 `gather` asks each ``*.sock`` in the directory for its STATUS (an observer
 connection each; a socket that does not answer is a row that says so);
 `format_table` (pure) renders one line per rank: state, the section open now and
-for how long, the last heartbeat, the median step time, the iteration, the
-timeouts in force and the hangs its monitor saw; names a rank chose (sections) are
-escaped with `server_log.printable`, as in the logs, so no escape sequence reaches
-the operator's terminal. `to_json` is the same for scripts. `find_run_dirs` is how
+for how long, the last heartbeat, the median step time, the iteration, the hangs its
+monitor saw and the timeouts in force; names a rank chose (sections), and whatever else
+came over a socket or from a directory name, are escaped with `server_log.printable`, as
+in the logs, so no escape sequence reaches the operator's terminal. On a terminal the
+table fits its width (`format_table`'s ``width``: wide columns give way, cells are cut
+with a mark, nothing wraps), columns aligned by display width (a wide character takes
+two), and `view_lines` fits a view to its height, so that `--watch` redraws in place
+(cli.py). `to_json` is the same for scripts. `find_run_dirs` is how
 `ft-launcher status` finds this user's running launchers when no directory is given.
 """
 
@@ -16,6 +20,7 @@ from __future__ import annotations
 import os
 import re
 import stat
+import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +31,8 @@ from ft_monitor.core.server_log import printable
 from ft_monitor.core.status import MonitorStatus, StatusError
 
 RUN_DIR_GLOB = "ft-launcher-*"
+ELLIPSIS = "\u2026"
+"""Ends a cell or a line cut to fit the terminal (`clip`); "~" where stdout cannot encode it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,30 +125,98 @@ def row_fields(row: Row) -> dict[str, Any]:
     return out
 
 
-HEADER = ("rank", "pid", "state", "section (age/timeout)", "last hb", "step p50", "iter", "timeouts (*learned)",
-          "hangs")
+HEADER = ("rank", "pid", "state", "section (age/timeout)", "last hb", "step p50", "iter", "hangs",
+          "timeouts (*learned)")
+SEPARATOR = "  "
+SHRINK = {8: 8, 3: 12, 2: 8}
+"""The columns that give way when the table is wider than the terminal, in this order
+(timeouts, then the open section, then the state), and the narrowest each gets; a cell cut
+short ends with the ellipsis mark."""
 
 
-def format_table(rows: Sequence[Row]) -> str:
-    """The table (pure)."""
-    lines: list[tuple[str, ...]] = [HEADER]
-    for row in rows:
-        f = row_fields(row)
-        if row.status is None:
-            lines.append((printable(Path(row.socket).name), "-", f"down ({printable(row.error)})", "", "", "", "", "",
-                          ""))
+def display_width(text: str) -> int:
+    """Columns ``text`` takes on a terminal: East Asian wide and full-width characters two,
+    combining marks none (every other character `printable` lets through, one)."""
+    width = 0
+    for ch in text:
+        if unicodedata.combining(ch):
             continue
-        if "rank" not in f:
-            lines.append((printable(Path(row.socket).name), "-", f["state"], "-", "-", _secs(f["step_median_s"], 3),
-                          "-", _timeouts(f["timeouts"]), str(f["hangs"])))
-            continue
-        section = "-" if f["section"] is None else (
-            f"{printable(f['section'])} ({_secs(f['section_age_s'])}/{_secs(f['section_timeout_s'])})")
-        lines.append((str(f["rank"]), str(f["pid"]), f["state"], section, _secs(f["since_last_heartbeat_s"]),
-                      _secs(f["step_median_s"], 3), "-" if f["iteration"] is None else str(f["iteration"]),
-                      _timeouts(f["timeouts"]), str(f["hangs"])))
-    widths = [max(len(line[i]) for line in lines) for i in range(len(HEADER))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines)
+        width += 2 if unicodedata.east_asian_width(ch) in ("W", "F") else 1
+    return width
+
+
+def clip(text: str, width: int, mark: str = ELLIPSIS) -> str:
+    """``text`` cut to at most ``width`` columns, ending with ``mark`` when cut."""
+    if display_width(text) <= width:
+        return text
+    room = max(0, width - display_width(mark))
+    out, used = [], 0
+    for ch in text:
+        w = display_width(ch)
+        if used + w > room:
+            break
+        out.append(ch)
+        used += w
+    return "".join(out) + (mark if width >= display_width(mark) else "")
+
+
+def _pad(text: str, width: int) -> str:
+    return text + " " * max(0, width - display_width(text))
+
+
+def _cells(row: Row) -> tuple[str, ...]:
+    f = row_fields(row)
+    name = printable(Path(row.socket).name)
+    if row.status is None:
+        return (name, "-", f"down ({printable(row.error)})", "", "", "", "", "", "")
+    if "rank" not in f:
+        return (name, "-", printable(f["state"]), "-", "-", _secs(f["step_median_s"], 3), "-", str(f["hangs"]),
+                _timeouts(f["timeouts"]))
+    section = "-" if f["section"] is None else (
+        f"{printable(f['section'])} ({_secs(f['section_age_s'])}/{_secs(f['section_timeout_s'])})")
+    return (str(f["rank"]), str(f["pid"]), printable(f["state"]), section, _secs(f["since_last_heartbeat_s"]),
+            _secs(f["step_median_s"], 3), "-" if f["iteration"] is None else str(f["iteration"]), str(f["hangs"]),
+            _timeouts(f["timeouts"]))
+
+
+def format_table(rows: Sequence[Row], width: int | None = None, mark: str = ELLIPSIS) -> str:
+    """The table (pure): one line per monitor under a header, columns aligned by display
+    width. With ``width`` (the terminal's columns) no line is wider: the columns in `SHRINK`
+    give way first (their cells cut with ``mark``), then every line is cut at ``width``, so
+    a line never wraps and the columns stay aligned."""
+    lines = [HEADER, *(_cells(r) for r in rows)]
+    widths = [max(display_width(line[i]) for line in lines) for i in range(len(HEADER))]
+    if width is not None:
+        for col, least in SHRINK.items():
+            excess = sum(widths) + len(SEPARATOR) * (len(widths) - 1) - width
+            if excess <= 0:
+                break
+            widths[col] = max(min(least, widths[col]), widths[col] - excess)
+    out = []
+    for line in lines:
+        text = SEPARATOR.join(_pad(clip(cell, w, mark), w) for cell, w in zip(line, widths)).rstrip()
+        out.append(text if width is None else clip(text, width, mark))
+    return "\n".join(out)
+
+
+def view_lines(views: Sequence[tuple[str, Sequence[Row]]], width: int | None = None, height: int | None = None,
+               heading: str | None = None, mark: str = ELLIPSIS) -> list[str]:
+    """One view of one or more run directories (pure): ``heading`` (--watch's first line),
+    then per directory its name and its table. With ``height`` (the terminal's rows) at most
+    that many lines, the last saying how many were left out, so a redraw never scrolls."""
+    lines = [] if heading is None else [heading if width is None else clip(heading, width, mark)]
+    for i, (directory, rows) in enumerate(views):
+        if i:
+            lines.append("")
+        title = f"{printable(directory)}:"
+        lines.append(title if width is None else clip(title, width, mark))
+        lines.extend(format_table(rows, width, mark).splitlines() if rows else ["(no monitor sockets)"])
+    if height is not None and len(lines) > max(1, height):
+        height = max(1, height)
+        left = len(lines) - (height - 1)
+        more = f"{mark} {left} more line(s): a taller window shows them, --json gives all"
+        lines = [*lines[:max(0, height - 1)], more if width is None else clip(more, width, mark)]
+    return lines
 
 
 def to_json(rows: Sequence[Row]) -> list[dict[str, Any]]:

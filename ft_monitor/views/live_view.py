@@ -168,7 +168,7 @@ def _cells(row: Row) -> tuple[str, ...]:
     f = row_fields(row)
     name = printable(Path(row.socket).name)
     if row.status is None:
-        return (name, "-", f"down ({printable(row.error)})", "", "", "", "", "", "")
+        return (name, "-", "down", "-", "-", "-", "-", "-", printable(row.error))  # why, in the wide last column
     if "rank" not in f:
         return (name, "-", printable(f["state"]), "-", "-", _secs(f["step_median_s"], 3), "-", str(f["hangs"]),
                 _timeouts(f["timeouts"]))

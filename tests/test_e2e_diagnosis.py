@@ -178,4 +178,7 @@ def test_dump_only_mode_diagnoses_and_the_job_runs_on(workdir: Path) -> None:
     assert row["action"] == "dump" and row["rank"] == 0 and doc["verdict"]["behind"] == [0]
     assert data["hangs"] == [] and len(data["attempts"]) == 1  # nothing stopped, nothing restarted
     text = out.read_text()
-    assert "diagnosed and left running (on_hang: dump)" in text and text.count("finished") == 2
+    assert text.count("finished") == 2
+    lines = launcher_summary(text)
+    assert ("diagnosed", "rank 0 in attempt 0, left running (on_hang: dump)") in lines
+    assert ("verdict", doc["verdict"]["line"]) in lines and ("diagnosis", row["diagnosis"]) in lines

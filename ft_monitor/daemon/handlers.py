@@ -239,7 +239,9 @@ def _update_config(d: HandlerHost, r: RankResources, msg: wire.UpdateConfig) -> 
         r.conn.send(wire.Error(wire.ErrorCode.BAD_REQUEST, str(e)))
         return
     if timeouts != d.timeouts:
-        log.info("rank %d: timeouts now %s", r.session.rank, timeouts.to_wire())
+        learned = ", ".join(printable(name) for name in sorted(timeouts.learned))
+        log.info("rank %d: timeouts now %s%s", r.session.rank, timeouts.describe(),
+                 f" (learned: {learned})" if learned else "")
     for name in switched_on(d.config.timeouts(), d.timeouts, timeouts):
         log.warning("rank %d: the learned %s = %.1f s switches on a timeout the configuration leaves off (set it "
                     "in the config, or to null there and do not learn it, to choose)", r.session.rank, name,

@@ -148,8 +148,11 @@ def live_view(dirs: list[str], as_json: bool, watch: float | None, count: int | 
                 size = shutil.get_terminal_size() if tty else None
                 heading = None if watch is None else (
                     f"{prog}: every {watch:g}s, {time.strftime('%H:%M:%S')} (Ctrl-C stops)")
-                lines = lv.view_lines(views, None if size is None else size.columns,
-                                      size.lines if in_place and size is not None else None, heading, mark)
+                # in place, a column short of the window: a line that fills the last column leaves the
+                # cursor there (xterm), where erasing to the end of the line would take its last character
+                width = None if size is None else max(1, size.columns - (1 if in_place else 0))
+                lines = lv.view_lines(views, width, size.lines if in_place and size is not None else None, heading,
+                                      mark)
                 if in_place:
                     # home, each line over the last view's (erasing its rest), then erase below; no
                     # newline after the last line, which may be the screen's bottom row: nothing scrolls

@@ -196,10 +196,11 @@ def test_the_live_view_shows_every_rank(hang_run: HangRun) -> None:
     for r in rows:
         assert r["state"] == "active" and r["step_median_s"] > 0 and r["iteration"] >= 10
         assert r["timeouts"]["rank_section_timeouts"]["step"] < 60
-    tables = hang_run.launcher_status.split(hang_run.run_dir + ":")
-    assert len(tables) == 3  # --count 2
-    for table in tables[1:]:
-        header, *lines = [line for line in table.strip().splitlines() if line]
+    views = hang_run.launcher_status.split("ft-launcher status: every 0.1s, ")  # --watch's heading
+    assert len(views) == 3 and views[0] == ""  # --count 2
+    for view in views[1:]:
+        when, directory, header, *lines = [line for line in view.strip().splitlines() if line]
+        assert re.fullmatch(r"\d\d:\d\d:\d\d \(Ctrl-C stops\)", when) and directory == hang_run.run_dir + ":"
         assert header.split()[:3] == ["rank", "pid", "state"]
         assert [line.split()[0] for line in lines] == ["0", "1"]
         assert all(" active " in line and "step=" in line for line in lines)

@@ -65,11 +65,10 @@ svg .on-bar{font-size:10px;fill:#fff} svg .axis{font-size:10px;fill:#555}
 .goodput-bar{display:block;margin:.3em 0} svg.phase-bar{width:100%;height:auto;max-width:640px;display:block}
 .restart p{margin:.5em 0 .1em} dl.counts{display:grid;grid-template-columns:max-content auto;
  gap:.1em 1em;margin:.3em 0} dl.counts dt{color:#555} dl.counts dd{margin:0}
-details summary{cursor:pointer} footer{margin-top:2em;color:#777;font-size:12px}
+footer{margin-top:2em;color:#777;font-size:12px}
 @media print{body{margin:0;max-width:none;font-size:11px} a{color:inherit;text-decoration:none}
  h2{break-after:avoid} table,svg,pre,.legend,.verdict{break-inside:avoid}
- *{-webkit-print-color-adjust:exact;print-color-adjust:exact} details{display:block}
- details>summary{list-style:none}}
+ *{-webkit-print-color-adjust:exact;print-color-adjust:exact}}
 """
 
 
@@ -203,10 +202,10 @@ def _stacks(i: Incident) -> str:
 
 
 def _incident_files(i: Incident, links: _Links) -> str:
-    if not i.files:
-        return ""
-    items = "".join(f"<li>{_e(label)}: {links.named(path)}</li>" for label, path in i.files)
-    return f'<ul class="incident-files">{items}</ul>'
+    items = "".join(f"<li>{_e(label)}: {links.named(path)}</li>" for label, path in i.files
+                    # an in-process restart fails no process: torch writes no error.json
+                    if not (label == "error file" and i.action == "inprocess" and path not in links.located))
+    return f'<ul class="incident-files">{items}</ul>' if items else ""
 
 
 def _featured(m: Model, links: _Links) -> str:
@@ -237,7 +236,6 @@ def _evidence(files: Sequence[EvidenceFile], links: _Links) -> str:
     parts = ['<h2>Evidence</h2><div class="evidence"><p>'
              + ", ".join(links.file(f.path, f"{links.short(f.path)}") for f in run_level) + "</p>"]
     for attempt, fs in sorted(by_attempt.items()):
-        incident_files = any(f.kind != "monitor log" for f in fs)
         rows: dict[int | None, dict[str, list[EvidenceFile]]] = {}
         for f in fs:
             rows.setdefault(f.rank, {}).setdefault(f.kind, []).append(f)
@@ -248,9 +246,8 @@ def _evidence(files: Sequence[EvidenceFile], links: _Links) -> str:
             tds = "".join("<td>" + "<br>".join(links.file(f.path, f.path.name) for f in cells.get(k, [])) + "</td>"
                           for k in present)
             body.append(f"<tr><td>{'attempt' if rank is None else f'rank {rank}'}</td>{tds}</tr>")
-        summary = f"attempt {attempt}: {human.plural(len(fs), 'file')}"
-        parts.append(f"<details{' open' if incident_files else ''}><summary>{_e(summary)}</summary>"
-                     f"<table><tr><th></th>{head}</tr>{''.join(body)}</table></details>")
+        summary = f"Attempt {attempt}: {human.plural(len(fs), 'file')}"
+        parts.append(f"<h3>{_e(summary)}</h3><table><tr><th></th>{head}</tr>{''.join(body)}</table>")
     return "".join(parts) + "</div>"
 
 
@@ -390,7 +387,7 @@ def render(events: Sequence[Mapping[str, Any]], title: str = "", *, data: Report
             f"{'hosts' if len(hosts) > 1 else 'host'} {_e(', '.join(hosts))}",
             f"from {_e(human.clock(m.t0))}, {_e(human.seconds(m.t1 - m.t0))} of events"]
     kinds_drawn = [k for k in ("process", "inprocess") if any(r.mode == k for r in m.restarts)]
-    legends = marks_legend() + "".join(legend(k, [r for r in m.restarts if r.mode == k]) for k in kinds_drawn)
+    legends = marks_legend(m) + "".join(legend(k, [r for r in m.restarts if r.mode == k]) for k in kinds_drawn)
     left_out = (f"<p>{human.plural(m.lanes_left_out, 'other rank')} not drawn (the lanes show the incidents' ranks "
                 "and the first others).</p>") if m.lanes_left_out else ""
     slow = (f"<p>Slow ranks flagged: {_e(human.ranks(m.slow_ranks))}.</p>") if m.slow_ranks else ""

@@ -170,7 +170,11 @@ def legend(mode: str, restarts: Sequence[Restart] = ()) -> str:
             f"<ul>{items}</ul></div>")
 
 
-def marks_legend() -> str:
+def marks_legend(m: Model) -> str:
+    """What the lanes' shapes mean, for the shapes drawn."""
+    drawn = {"run": any(ln.runs for ln in m.lanes), "tick": any(ln.ticks for ln in m.lanes),
+             "hang": any(ln.hangs for ln in m.lanes), "wait": any(ln.waits for ln in m.lanes),
+             "stop": any(ln.stops for ln in m.lanes), "exit": any(ln.exits for ln in m.lanes)}
     items = [("run", "the rank's process, from its attempt's start to its end"),
              ("tick", "progress sample: when the rank last made progress, at each poll"),
              ("hang", "hang: from the hung rank's last progress to its detection"),
@@ -179,7 +183,7 @@ def marks_legend() -> str:
              ("exit", "exit: the worker ended (torch's record of the failure)")]
     return ('<div class="legend marks"><h3>Lanes</h3><ul>'
             + "".join(f'<li><span class="swatch {k}" style="background:{MARKS[k]}"></span>{_e(t)}</li>'
-                      for k, t in items) + "</ul></div>")
+                      for k, t in items if drawn[k]) + "</ul></div>")
 
 
 def phase_bar(r: Restart, width: int = 640) -> str:

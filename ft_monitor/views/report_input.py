@@ -38,9 +38,9 @@ from ft_client.safefiles import read_bounded
 from ft_monitor.forensics import stacks
 from ft_monitor.launcher.events import EVENTS_FILE, read_events
 
-MAX_DIAGNOSIS_BYTES = 8 * 1024 * 1024
-"""diagnosis.json of 1,000 ranks with 32 KiB of stack each is about 33 MB; the page needs
-the culprit's and a few waiting ranks', so a larger file is refused rather than read."""
+MAX_DIAGNOSIS_BYTES = 64 * 1024 * 1024
+"""diagnosis.json holds at most 32 KiB of stack per rank (and as much of native stack): about
+33 MB for 1,000 ranks. A larger file is refused (listed under "Not read") rather than read."""
 MAX_STACK_BYTES = 64 * 1024
 MAX_FILES = 20_000
 """Evidence files listed per run folder (a folder holding more is listed up to this)."""

@@ -120,7 +120,10 @@ def timeline(m: Model) -> str:
             s.append(f'<rect class="hang" x="{x(t_a):.1f}" y="1" width="{w(t_a, t_b, 2):.1f}" height="{LANE - 2}" '
                      f'fill="{MARKS["hang"]}"><title>{_e(title)} ({_e(human.seconds(t_b - t_a))} from its last progress'
                      f' to the detection)</title></rect>')
-        for t, it in ln.ticks:
+        columns: dict[int, tuple[float, int | None]] = {}
+        for t, it in ln.ticks:  # one tick per pixel column (the latest): a day of samples stays a small page
+            columns[round(x(t))] = (t, it)
+        for t, it in columns.values():
             label = f"iteration {human.count(it)}" if it is not None else "progress"
             s.append(f'<line class="tick" x1="{x(t):.1f}" x2="{x(t):.1f}" y1="3" y2="{LANE - 3}" '
                      f'stroke="{MARKS["tick"]}" stroke-width="1.5"><title>rank {ln.rank}: {label} at '

@@ -55,6 +55,9 @@ ATTEMPT_COLORS = {"SUCCEEDED": "#31a354", "FAILED": "#de2d26", "UNHEALTHY": "#de
 MARKS = {"run": "#d9d9d9", "tick": "#3182bd", "hang": "#de2d26", "wait": "#fdae6b", "stop": "#636363",
          "exit": "#000000"}
 OTHER_PHASE = "#bdbdbd"
+MAX_TITLED_TICKS = 60
+"""A lane with more progress ticks draws them as one path with one tooltip (a page of 128
+lanes of a day's samples would be megabytes of tooltips)."""
 
 
 def _e(v: object) -> str:
@@ -123,11 +126,18 @@ def timeline(m: Model) -> str:
         columns: dict[int, tuple[float, int | None]] = {}
         for t, it in ln.ticks:  # one tick per pixel column (the latest): a day of samples stays a small page
             columns[round(x(t))] = (t, it)
-        for t, it in columns.values():
-            label = f"iteration {human.count(it)}" if it is not None else "progress"
-            s.append(f'<line class="tick" x1="{x(t):.1f}" x2="{x(t):.1f}" y1="3" y2="{LANE - 3}" '
-                     f'stroke="{MARKS["tick"]}" stroke-width="1.5"><title>rank {ln.rank}: {label} at '
-                     f'{_e(human.seconds(t - m.t0))}</title></line>')
+        if len(columns) <= MAX_TITLED_TICKS:
+            for t, it in columns.values():
+                label = f"iteration {human.count(it)}" if it is not None else "progress"
+                s.append(f'<line class="tick" x1="{x(t):.1f}" x2="{x(t):.1f}" y1="3" y2="{LANE - 3}" '
+                         f'stroke="{MARKS["tick"]}" stroke-width="1.5"><title>rank {ln.rank}: {label} at '
+                         f'{_e(human.seconds(t - m.t0))}</title></line>')
+        elif columns:  # many: one path, one tooltip
+            d = "".join(f"M{px},3V{LANE - 3}" for px in columns)
+            last_t, last_it = max(columns.values())
+            s.append(f'<path class="ticks" data-samples="{len(columns)}" d="{d}" stroke="{MARKS["tick"]}" '
+                     f'stroke-width="1"><title>rank {ln.rank}: {human.count(len(ln.ticks))} progress samples; the '
+                     f'last at {_e(human.seconds(last_t - m.t0))}, iteration {human.count(last_it)}</title></path>')
         for t, title in ln.exits:
             cx = x(t)
             s.append(f'<path class="exit" d="M{cx - 4:.1f},3 L{cx + 4:.1f},{LANE - 3} M{cx + 4:.1f},3 '

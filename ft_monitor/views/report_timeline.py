@@ -152,11 +152,11 @@ def timeline(m: Model) -> str:
         s = []
         for r in drawn:
             t = r.start
-            for name, d in r.phases:
+            for name, dur in r.phases:
                 s.append(f'<rect class="phase" data-mode="{mode}" data-phase="{_e(name)}" x="{x(t):.1f}" y="0" '
-                         f'width="{w(t, t + d):.1f}" height="{LANE}" fill="{color(mode, name)}"><title>'
-                         f'{_e(KIND_TITLE[mode])}, {_e(name)}: {_e(human.seconds(d))}</title></rect>')
-                t += d
+                         f'width="{w(t, t + dur):.1f}" height="{LANE}" fill="{color(mode, name)}"><title>'
+                         f'{_e(KIND_TITLE[mode])}, {_e(name)}: {_e(human.seconds(dur))}</title></rect>')
+                t += dur
         row(KIND_TITLE[mode], s, f"restarts {mode}", f' data-mode="{mode}"')
     axis = []
     step = _tick_step(span)

@@ -306,3 +306,37 @@ def test_progress_is_sampled_more_sparsely_as_the_run_ages(tmp_path: Path) -> No
     early = [t for t in times if t < 2000.0]
     late = [t for t in times if t > 2000.0]
     assert len(early) == 60 and 3 <= len(late) <= 4, (len(early), len(late))
+
+
+def test_an_inprocess_hang_that_fell_back_to_a_process_restart_says_so() -> None:
+    events = [
+        start(0, 0.0, 0, {0: 0, 1: 1}),
+        ev("attempt_end", 1, 30.0, attempt=0, state="FAILED", iteration=12,
+           failures=[{"rank": 1, "exitcode": -15, "message": ""}]),
+        hang(1, 30.0, 1, action="inprocess"),  # emitted at the attempt's end: the ranks never came back
+        start(2, 32.0, 1, {0: 0, 1: 1}),
+        ev("restart", 3, 35.0, mode="process", cause="failure", attempt=1, rank=1, phases=PROCESS_PHASES,
+           lost_s=None, redone_iterations=None),
+        job_end(4, 40.0, {"process": 1, "inprocess": 0}),
+    ]
+    m = build(events)
+    (incident,) = m.incidents  # one incident: the hang, recovered by the fallback (not also a "failure")
+    assert incident.kind == "hang" and incident.restart is not None and incident.restart.mode == "process"
+    assert "the job restarted its processes (fallback process restart: 7.55 s" in headline(m)
+    page = render(events)
+    assert re.findall(r'<g class="lane restarts (\w+)"', page) == ["process"]
+
+
+def test_a_dump_only_roll_call_is_an_incident_the_job_ran_through() -> None:
+    events = [
+        start(0, 0.0, 0, {0: 0, 1: 1}),
+        ev("diagnosis", 1, 10.0, attempt=0, rank=1, action="dump", path="/d.json", verdict=VERDICT,
+           basis="flight_recorder", behind=[1], roll_call_s=0.05),
+        ev("attempt_end", 2, 30.0, attempt=0, state="SUCCEEDED", iteration=30, failures=[]),
+        job_end(3, 31.0, {"process": 0, "inprocess": 0}),
+    ]
+    m = build(events)
+    (incident,) = m.incidents
+    assert (incident.rank, incident.action, incident.verdict) == (1, "dump", VERDICT)
+    assert "the job kept running (on_hang: dump)" in headline(m)
+    assert '<g class="lane restarts' not in render(events) and '<div class="legend" data-mode=' not in render(events)

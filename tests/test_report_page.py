@@ -340,3 +340,29 @@ def test_a_dump_only_roll_call_is_an_incident_the_job_ran_through() -> None:
     assert (incident.rank, incident.action, incident.verdict) == (1, "dump", VERDICT)
     assert "the job kept running (on_hang: dump)" in headline(m)
     assert '<g class="lane restarts' not in render(events) and '<div class="legend" data-mode=' not in render(events)
+
+
+def test_a_hang_whose_restart_failed_before_it_was_measured_is_followed_by_the_failure() -> None:
+    """Seen on a loaded machine: attempt 1, restarted after the hang, failed (a worker could not
+    bind its store's port) before every rank stepped; attempt 2 ran. Two incidents, and the
+    hang's restart is said to be unmeasured, not absent; no cost is made up for it."""
+    events = [
+        start(0, 0.0, 0, {0: 0, 1: 1}),
+        hang(1, 22.3, 1),
+        ev("attempt_end", 2, 22.4, attempt=0, state="FAILED", iteration=13,
+           failures=[{"rank": 1, "exitcode": -15, "message": ""}]),
+        start(3, 70.0, 1, {0: 0, 1: 1}),
+        ev("attempt_end", 4, 84.0, attempt=1, state="FAILED", iteration=13,
+           failures=[{"rank": 0, "exitcode": 1, "message": "To enable traceback see: ..."}]),
+        start(5, 89.0, 2, {0: 0, 1: 1}),
+        ev("restart", 6, 90.0, mode="process", cause="failure", attempt=2, rank=0, phases=PROCESS_PHASES,
+           lost_s=None, redone_iterations=None),
+        job_end(7, 110.0, {"process": 2, "inprocess": 0}),
+    ]
+    m = build(events)
+    first, second = m.incidents
+    assert (first.kind, first.rank, first.restart, first.restarted_into, first.lost_s) == ("hang", 1, None, 1, None)
+    assert (second.kind, second.attempt, second.rank) == ("failure", 1, 0) and second.restart is not None
+    assert headline(m).startswith("2 incidents (1 hang, 1 failure); the first: rank 1 hung at iteration 12 in "
+                                  "attempt 0 (section 'step' open for 2.0 s, timeout 2.0 s), and the job restarted "
+                                  "its processes into attempt 1, but that restart was not measured")

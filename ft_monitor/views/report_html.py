@@ -118,6 +118,9 @@ def _recovery(i: Incident) -> str:
     r = i.restart
     if i.action == "dump":
         return "the job kept running (on_hang: dump)"
+    if r is None and i.restarted_into is not None:
+        return (f"the job restarted its processes into attempt {i.restarted_into}, but that restart was not "
+                "measured: not every rank was stepping again before it ended")
     if r is None:
         return "the job was not restarted"
     took = f"{human.seconds(r.total)} from detection to every rank stepping again" if r.total is not None else \

@@ -16,7 +16,7 @@ the verdict line its ``verdict.line``; hang and restart counts are the launchers
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ft_monitor.launcher.events import RESTART_PHASES
@@ -74,14 +74,13 @@ class Incident:
     culprit_stack: StackTop | None = None
     waiting: tuple[int, ...] = ()
     waiting_stacks: tuple[StackTop, ...] = ()
+    restarted_into: int | None = None
+    """The attempt the processes were restarted into (a process restart, measured or not)."""
 
     @property
     def lost_s(self) -> float | None:
-        if self.restart is not None and self.restart.lost_s is not None:
-            return self.restart.lost_s
-        if self.onset is not None and self.detected is not None:
-            return max(0.0, self.detected - self.onset)
-        return None
+        """The time lost as the launcher counted it (its restart event); None where it did not."""
+        return self.restart.lost_s if self.restart is not None else None
 
 
 @dataclass
@@ -341,6 +340,9 @@ def _incidents(events: Sequence[Event], diagnoses: Mapping[str, DiagnosisDoc], s
                             what=what + (f": {message}" if message else ""), detected=float(e["time"]),
                             restart=restart))
     restarts = [claimed.get(i) or _restart(g[0], None) for i, g in enumerate(groups)]
+    started = {int(e["attempt"]) for e in events if e["kind"] == "attempt_start"}
+    out = [replace(i, restarted_into=i.attempt + 1) if i.attempt + 1 in started and i.action != "dump"
+           and not (i.restart is not None and i.restart.mode == "inprocess") else i for i in out]
     out.sort(key=lambda i: (i.attempt, i.onset or i.detected or 0.0))
     restarts.sort(key=lambda r: r.start)
     return out, restarts

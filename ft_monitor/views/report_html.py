@@ -254,7 +254,7 @@ def _evidence(files: Sequence[EvidenceFile], links: _Links) -> str:
     return "".join(parts) + "</div>"
 
 
-def _incident_table(m: Model, links: _Links) -> str:
+def _incident_table(m: Model) -> str:
     if not m.incidents:
         return "<h2>Incidents</h2><p>None: no hang was detected and no worker failed.</p>"
     rows = []
@@ -324,7 +324,7 @@ def _goodput_one(la: LauncherView) -> str:
     return f'<dl class="counts">{dl}</dl>{bar}'
 
 
-def _launchers(m: Model, links: _Links, data: ReportInput | None) -> str:
+def _launchers(m: Model) -> str:
     many = len(m.launchers) > 1
     parts = ["<h2>Outcome and goodput</h2>"]
     for la in m.launchers:
@@ -411,8 +411,8 @@ def render(events: Sequence[Mapping[str, Any]], title: str = "", *, data: Report
 <div class="legends">{legends}</div>
 {_restart_bars(m)}
 <p class="meta">0 s is {_e(human.clock(m.t0))}, the first event. Hover a shape for its times.</p>
-{_incident_table(m, links)}
-{_launchers(m, links, data)}
+{_incident_table(m)}
+{_launchers(m)}
 {slow}
 <h2>Step time per rank</h2>
 {_step_table(m.step_stats)}

@@ -3,7 +3,7 @@
     ft-monitor serve  --socket PATH [--config FILE] [--loop auto|asyncio|uvloop] [--ft-<field> VALUE ...] [-- CMD ...]
     ft-monitor status --socket PATH [--json]
     ft-monitor status --all DIR [--json] [--watch [SECONDS]] [--count N]
-    ft-monitor report RUN_DIR [-o FILE]
+    ft-monitor report RUN_DIR [RUN_DIR ...] [-o FILE]
 
 `serve` reads its arguments and config with the parsers of ft_monitor.config_text
 (no pydantic) and, when every value is good and nothing calls for a warning, runs the
@@ -90,12 +90,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_live_view_flags(status)
     status.add_argument("--timeout", type=float, default=5.0)
 
-    report = sub.add_parser("report", help="render a run's events as one self-contained HTML page",
-                            description="Render RUN_DIR/events.jsonl (ft-launcher's event stream, in the run's log "
-                                        "directory) as one HTML file: attempts, hangs and restarts on a timeline, "
-                                        "step time per rank, goodput.")
-    report.add_argument("run_dir", metavar="RUN_DIR", help="the run's log directory (holds events.jsonl), or the file")
-    report.add_argument("-o", "--output", default=None, help="where to write the page (default RUN_DIR/report.html)")
+    report = sub.add_parser("report", help="render a run as one self-contained HTML page",
+                            description="Render a run (ft-launcher's events.jsonl and the evidence beside it) as one "
+                                        "HTML file: what happened, the verdict, the stacks, links to every evidence "
+                                        "file, a timeline with a lane per rank, the incidents, goodput. Several run "
+                                        "folders of one job (one per node, or a shared --log-dir) make one page.")
+    report.add_argument("run_dir", metavar="RUN_DIR", nargs="+",
+                        help="a run folder (holds events.jsonl), its events.jsonl, or a --log-dir holding run folders")
+    report.add_argument("-o", "--output", default=None,
+                        help="where to write the page (default: RUN_DIR/report.html, or with several run folders "
+                             "report.html in the folder that holds them all)")
     return parser
 
 

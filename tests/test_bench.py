@@ -47,6 +47,7 @@ EXPECTED_IDS = {  # the figures each group of benchmarks writes (bench/run.py --
         "warm.forked", "warm.template_ready", "warm.auto.template_import", "warm.heavy_auto.template_import",
         "warm.loadavg",
     },
+    "rdzv_restart": {"rdzv.torch", "rdzv.ft"},
     "step_overhead": {f"step.{p}.{v}.{k}" for p in ("record", "socket") for v in ("b2b", "gap")
                       for k in ("bare", "client", "calls", "noise", "overhead")},
     "diagnosis": {*(f"diagnosis.n2.{k}" for k in ("verdict_to_written", "roll_call", "dump_wait", "all_answered")),

@@ -244,8 +244,13 @@ def test_telemetry_turns_a_hang_and_its_restart_into_events_metrics_and_goodput(
     tel.close(None)
     events = read_events(tmp_path / "events.jsonl")
     kinds = [e["kind"] for e in events]
-    assert kinds == ["launcher_start", "attempt_start", "slow_rank", "hang", "attempt_end", "stats", "kill",
-                     "attempt_start", "restart", "stats", "job_end"]
+    assert [k for k in kinds if k != "progress"] == ["launcher_start", "attempt_start", "slow_rank", "hang",
+                                                     "attempt_end", "stats", "kill", "attempt_start", "restart",
+                                                     "stats", "job_end"]
+    # each rank's progress, sampled for the report's lanes: at the first poll, and once it moved again
+    progress = [(e["attempt"], {r: v["iteration"] for r, v in e["ranks"].items()}) for e in events
+                if e["kind"] == "progress"]
+    assert progress[0] == (0, {"0": 12, "1": 12}) and progress[-1] == (1, {"0": 13, "1": 13}), progress
     restart = events[kinds.index("restart")]
     assert restart["phases"] == timing.breakdown() and restart["redone_iterations"] == 2
     assert restart["lost_s"] == pytest.approx(1005.0 - 1000.5 + 2 * 0.1)
@@ -363,35 +368,51 @@ def test_the_live_view_escapes_section_names_as_the_other_views_do() -> None:
     assert f"{repr(evil)}=60" in table
 
 
+def _ev(kind: str, seq: int, time: float, **fields: Any) -> dict[str, Any]:
+    """One schema-valid event (the report renders validated events only)."""
+    return validate_event({"v": 1, "seq": seq, "time": time, "kind": kind, "host": fields.pop("host", "h"),
+                           "launcher_pid": 1, **fields})
+
+
+def _hang(seq: int, time: float, **fields: Any) -> dict[str, Any]:
+    base = {"attempt": 0, "rank": 1, "local_rank": 1, "pid": 101, "reason": "section", "section": "step",
+            "message": "m", "elapsed_s": 1.0, "timeout_s": 1.0, "onset_time": 0.5, "detected_time": 1.5,
+            "iteration": 12, "action": "kill", "report": None, "stack_dump": None, "error_file": None,
+            "victim_of": None}
+    return _ev("hang", seq, time, **{**base, **fields})
+
+
+def _start(seq: int, time: float, attempt: int = 0, host: str = "h") -> dict[str, Any]:
+    return _ev("attempt_start", seq, time, host=host, attempt=attempt, run_id="run", node_rank=0, log_dir=None,
+               ranks={"0": {"local_rank": 0, "pid": 100}, "1": {"local_rank": 1, "pid": 101}})
+
+
 def test_the_report_escapes_what_ranks_wrote() -> None:
-    log_events = [
-        {"v": 1, "seq": 0, "time": 0.0, "kind": "attempt_start", "host": "<h>", "launcher_pid": 1, "attempt": 0},
-        {"v": 1, "seq": 1, "time": 2.0, "kind": "hang", "host": "<h>", "launcher_pid": 1, "attempt": 0, "rank": 1,
-         "message": "<script>alert(1)</script>", "onset_time": 0.5, "detected_time": 1.5, "action": "kill"},
-    ]
+    log_events = [_start(0, 0.0, host="<h>"), _hang(1, 2.0, host="<h>", message="<script>alert(1)</script>")]
     page = render(log_events, title="<t>")
-    assert "<script>" not in page and "&lt;script&gt;" in page and "&lt;t&gt;" in page
+    assert "<script>" not in page and "&lt;script&gt;" in page and "&lt;t&gt;" in page and "&lt;h&gt;" in page
 
 
 def test_the_report_shows_the_verdict_of_the_incident() -> None:
     verdict = "rank 1 is not in a collective (train.py:64 in write_metrics); rank 0 waits in <backward>"
     log_events = [
-        {"v": 1, "seq": 0, "time": 0.0, "kind": "attempt_start", "host": "h", "launcher_pid": 1, "attempt": 0},
-        {"v": 1, "seq": 1, "time": 1.9, "kind": "diagnosis", "host": "h", "launcher_pid": 1, "attempt": 0, "rank": 1,
-         "verdict": verdict, "basis": "stacks", "behind": [1], "path": "/d.json", "action": "kill", "roll_call_s": 0.05},
-        {"v": 1, "seq": 2, "time": 2.0, "kind": "hang", "host": "h", "launcher_pid": 1, "attempt": 0, "rank": 1,
-         "message": "m", "onset_time": 0.5, "detected_time": 1.5, "action": "kill"},
+        _start(0, 0.0),
+        _ev("diagnosis", 1, 1.9, attempt=0, rank=1, verdict=verdict, basis="stacks", behind=[1], path="/d.json",
+            action="kill", roll_call_s=0.05),
+        _hang(2, 2.0),
     ]
     page = render(log_events)
-    assert '<div class="verdict">verdict: rank 1 is not in a collective' in page and "&lt;backward&gt;" in page
+    assert '<p class="verdict top">verdict: rank 1 is not in a collective' in page and "&lt;backward&gt;" in page
+    assert '<span class="missing">/d.json (not found)</span>' in page  # named, but not there: no link to nothing
 
 
-def _run_folder(log_dir: Path, name: str) -> Path:
+def _run_folder(log_dir: Path, name: str, run_id: str | None = None, host: str = "h", node_rank: int = 0) -> Path:
     run = log_dir / name
     run.mkdir(parents=True)
-    log = EventLog("h", pid=7)
+    log = EventLog(host, pid=7)
     log.attach(run)
-    log.emit("attempt_start", 1.0, attempt=0, run_id=name, node_rank=0, ranks={}, log_dir=str(run))
+    log.emit("attempt_start", 1.0, attempt=0, run_id=run_id or name, node_rank=node_rank,
+             ranks={str(2 * node_rank + i): {"local_rank": i, "pid": 10 + i} for i in range(2)}, log_dir=str(run))
     log.close()
     return run
 
@@ -405,15 +426,32 @@ def test_report_given_the_log_dir_finds_its_one_run_folder(tmp_path: Path, capsy
     assert (run / "report.html").exists()
 
 
-def test_report_given_a_log_dir_with_several_run_folders_lists_them(tmp_path: Path,
-                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+def test_report_given_a_log_dir_shared_by_two_launchers_makes_one_page(tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """Two launchers of one job with the same --log-dir: one run folder each, one page for both
+    (before: refused, "give one of them")."""
+    from ft_monitor.cli import main
+
+    _run_folder(tmp_path, "job_x1", run_id="job", host="node-a", node_rank=0)
+    _run_folder(tmp_path, "job_x2", run_id="job", host="node-b", node_rank=1)
+    assert main(["report", str(tmp_path)]) == 0
+    page = Path(capsys.readouterr().out.strip())
+    assert page == tmp_path / "report.html"
+    text = page.read_text()
+    assert [f'data-rank="{r}"' in text for r in range(4)] == [True] * 4
+    assert "node-a, node-b" in text and '<a class="evidence-link" href="job_x1/events.jsonl">' in text
+
+
+def test_report_of_run_folders_of_different_jobs_lists_them(tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
     from ft_monitor.cli import main
 
     runs = [_run_folder(tmp_path, name) for name in ("job_a", "job_b")]
     assert main(["report", str(tmp_path)]) == 1
     err = capsys.readouterr().err
-    assert err.startswith(f"ft-monitor report: {tmp_path} holds 2 run folders with events.jsonl: "
-                          f"{runs[0]}, {runs[1]}; give one of them as RUN_DIR"), err
+    assert err.startswith(f"ft-monitor report: the run folders are of 2 different jobs (run id job_a: {runs[0]}; "
+                          f"run id job_b: {runs[1]}); give the folders of one job"), err
+    assert not (tmp_path / "report.html").exists()
 
 
 def test_an_inprocess_restart_is_counted_with_its_own_phases(tmp_path: Path) -> None:

@@ -316,6 +316,29 @@ def test_a_process_that_is_not_our_child_is_watched_through_its_pidfd(caplog: py
             sh.stdout.close()
 
 
+def test_the_workers_stdio_follows_its_environment_not_the_templates(launcher: Launcher) -> None:
+    """A template whose own stdout is strict (its environment's PYTHONIOENCODING; on a machine
+    with another locale, its locale) gives the worker what the worker's environment gives a
+    cold interpreter (seen on a GPU machine whose locale made the template's stdio strict)."""
+    d = launcher.dir / "strict"
+    d.mkdir()
+    env = {**os.environ, "PYTHONIOENCODING": "utf-8:strict"}
+    started = launcher.call(cmd="start", name="strict", dir=str(d), preload=["json"], env=env)
+    assert "error" not in started, started
+    try:
+        for worker_env in (WORKER_ENV, {**WORKER_ENV, "PYTHONUTF8": "0", "LC_ALL": "C.UTF-8"}):
+            got = launcher.spawn("report", name="strict", env=worker_env, cwd=str(d))
+            assert finished(launcher, got["pid"]) == 0
+            forked = json.loads(got["out"].read_text())
+            reference = cold(str(SCRIPT), "report", env=worker_env, cwd=d)
+            assert reference.returncode == 0, reference.stderr
+            expected = json.loads(reference.stdout)
+            keys = ("stdout_errors", "stderr_errors", "stdout_encoding")
+            assert {k: forked[k] for k in keys} == {k: expected[k] for k in keys}, worker_env
+    finally:
+        launcher.call(cmd="close", name="strict")
+
+
 def test_cuda_initialised_in_the_template_is_refused() -> None:
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
@@ -328,8 +351,8 @@ def test_cuda_initialised_in_the_template_is_refused() -> None:
         assert "error" not in started, started
         assert helper.call(cmd="status", name="cuda")["cuda_initialized"] is True
         answer = helper.spawn("report", name="cuda")
-        assert "initialised CUDA" in answer["refused"]
-        assert "tests.workers.template_cuda initialised CUDA at import" in answer["refused"]
+        assert answer["refused"].startswith("the template has initialised CUDA")  # not its driver thread
+        assert "tests.workers.template_cuda" in answer["refused"] and "initialised CUDA at import" in answer["refused"]
     finally:
         helper.close()
         cleanup_dir(d)

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ft_monitor.core.template_argv import Plan, Refusal, fork_problem, ignored_env, plan
+from ft_monitor.core.template_argv import Plan, Refusal, ctype_locale, fork_problem, ignored_env, plan, stdio_codec
 from ft_monitor.core.template_request import (
     SpawnRequest,
     StatusRequest,
@@ -70,6 +70,31 @@ def test_fork_problem() -> None:
     why = fork_problem(["python", "python"], False, {"mod": "started 1 thread(s)"})
     assert why is not None and why.endswith("do not exist in the child (mod started 1 thread(s) at import)")
     assert "0 threads" in (fork_problem([], False) or "")
+    # a real GPU: CUDA's init starts a driver thread; CUDA, the cause, is what the reason says (seen on an H100)
+    why = fork_problem(["python3", "cuda00001400006"], True, {"mod": "started 1 thread(s) and initialised CUDA"})
+    assert why is not None and why.startswith("the template has initialised CUDA")
+    assert why.endswith("(mod started 1 thread(s) and initialised CUDA at import)")
+
+
+@pytest.mark.parametrize(("env", "locale_name", "codeset", "codec"), [
+    ({}, "C", "ANSI_X3.4-1968", ("utf-8", "surrogateescape")),  # no locale: C, UTF-8 mode
+    ({"LANG": "C.UTF-8"}, "C.UTF-8", "UTF-8", ("utf-8", "surrogateescape")),  # a coercion target
+    ({"LANG": "en_US.UTF-8"}, "en_US.UTF-8", "UTF-8", ("utf-8", "strict")),
+    ({"LANG": "de_DE.ISO-8859-1"}, "de_DE.ISO-8859-1", "ISO-8859-1", ("iso8859-1", "strict")),
+    ({"LANG": "en_US.UTF-8", "PYTHONUTF8": "1"}, "en_US.UTF-8", "UTF-8", ("utf-8", "surrogateescape")),
+    ({"PYTHONUTF8": "0"}, "C", "ANSI_X3.4-1968", ("utf-8", "surrogateescape")),  # PEP 538's coercion
+    ({"PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}, "C", "ANSI_X3.4-1968", ("ascii", "surrogateescape")),
+])
+def test_stdio_codec_follows_the_workers_locale(env: dict[str, str], locale_name: str, codeset: str,
+                                                codec: tuple[str, str]) -> None:
+    assert stdio_codec(env, locale_name, codeset) == codec
+
+
+def test_the_ctype_locale_is_lc_all_then_lc_ctype_then_lang() -> None:
+    assert ctype_locale({"LANG": "a", "LC_CTYPE": "b", "LC_ALL": "c"}) == "c"
+    assert ctype_locale({"LANG": "a", "LC_CTYPE": "b", "LC_ALL": ""}) == "b"
+    assert ctype_locale({"LANG": "a"}) == "a"
+    assert ctype_locale({}) == "C"
 
 
 def test_ignored_env_names_what_the_interpreter_read_at_start() -> None:

@@ -18,6 +18,7 @@ effect in a forked worker because the interpreter or a library reads them when i
 
 from __future__ import annotations
 
+import codecs
 import posixpath
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -100,14 +101,50 @@ def fork_problem(threads: Sequence[str], cuda_initialized: bool,
     at import, and what they did (named in the reason, so that they can be left out)."""
     culprits = "; ".join(f"{m} {what} at import" for m, what in (unsafe or {}).items())
     suffix = f" ({culprits})" if culprits else ""
+    if cuda_initialized:  # first: CUDA starts a driver thread too, and CUDA is what to leave out
+        return (f"the template has initialised CUDA: a CUDA context does not survive a fork (a preloaded module "
+                f"must not touch the GPU at import){suffix}")
     if len(threads) != 1:
         names = ", ".join(threads) if threads else "none could be read"
         return (f"the template has {len(threads)} threads ({names}): forking it would copy a process with "
                 f"locks held by threads that do not exist in the child{suffix}")
-    if cuda_initialized:
-        return (f"the template has initialised CUDA: a CUDA context does not survive a fork (a preloaded module "
-                f"must not touch the GPU at import){suffix}")
     return None
+
+
+C_LOCALES = frozenset({"C", "POSIX"})
+COERCED_LOCALES = frozenset({"C.UTF-8", "C.utf8", "UTF-8"})
+"""PEP 538's coercion targets: surrogateescape is their stdio default too."""
+
+
+def ctype_locale(env: Mapping[str, str]) -> str:
+    """The LC_CTYPE locale that ``env`` asks for: LC_ALL, else LC_CTYPE, else LANG, else C."""
+    for name in ("LC_ALL", "LC_CTYPE", "LANG"):
+        if env.get(name):
+            return env[name]
+    return "C"
+
+
+def stdio_codec(env: Mapping[str, str], locale_name: str, codeset: str) -> tuple[str, str]:
+    """(encoding, errors) of stdin and stdout as CPython picks them at start for ``env``,
+    before PYTHONIOENCODING: ``locale_name`` is the LC_CTYPE locale set from ``env`` ("C" if
+    it could not be set), ``codeset`` that locale's encoding. UTF-8 mode (PYTHONUTF8=1, or a
+    C/POSIX locale without PYTHONUTF8=0) gives utf-8/surrogateescape; otherwise the locale's
+    codeset, with surrogateescape in the C, POSIX and C.UTF-8 locales and strict elsewhere."""
+    utf8 = env.get("PYTHONUTF8")
+    utf8_mode = utf8 == "1" if utf8 in ("0", "1") else locale_name in C_LOCALES
+    if utf8_mode:
+        return "utf-8", "surrogateescape"
+    if locale_name in C_LOCALES:  # PYTHONUTF8=0: coerced to C.UTF-8 unless PYTHONCOERCECLOCALE=0
+        return ("ascii" if env.get("PYTHONCOERCECLOCALE") == "0" else "utf-8"), "surrogateescape"
+    return _codec_name(codeset or "utf-8"), "surrogateescape" if locale_name in COERCED_LOCALES else "strict"
+
+
+def _codec_name(encoding: str) -> str:
+    """The codec's own name, as the interpreter normalises its stdio encoding ("UTF-8" -> "utf-8")."""
+    try:
+        return codecs.lookup(encoding).name
+    except LookupError:
+        return encoding
 
 
 HANDLED_ENV = frozenset({

@@ -70,6 +70,7 @@ from ft_monitor.launcher.crossnode import (
 from ft_monitor.launcher.decide import AttemptVerdict, decide_attempt_end, iteration_high
 from ft_monitor.launcher.hangs import HangHandling, emit
 from ft_monitor.launcher.inprocess_watch import HANG_REASONS, INPROCESS_POLL_INTERVAL, InprocessWatch, log_back
+from ft_monitor.launcher.rdzv_delay import no_first_run_delay
 from ft_monitor.launcher.restarts import RestartTiming, all_stepping, failure_restart
 from ft_monitor.launcher.rollcall import RollCaller
 from ft_monitor.launcher.rootcause import write_error_file
@@ -118,7 +119,9 @@ class FtLocalElasticAgent(HangHandling, _lea.LocalElasticAgent):
 
     # -- start ---------------------------------------------------------------
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
-        super()._rendezvous(worker_group)
+        # A restart is not torch's "first run": no random 0-0.3 s before joining (rdzv_delay).
+        with no_first_run_delay() if self._rounds > 0 else contextlib.nullcontext(False):
+            super()._rendezvous(worker_group)
         self._rounds += 1
         self.rollcall.new_round(rendezvous_round(worker_group.spec.rdzv_handler, self._rounds - 1))
         if self.ft.restarts and self.ft.restarts[-1].rendezvous_done is None:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ft_client.errors import FtError
+from ft_client.inprocess.timeline import PHASES as INPROCESS_PHASES
 from ft_client.safefiles import open_append
 
 log = logging.getLogger("ft_monitor.launcher")
@@ -65,6 +66,7 @@ SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
                   "threshold": NUM},
     "slow_rank_cleared": {"rank": (int,), "section": (str,), "median_s": NUM, "others_median_s": NUM,
                           "ratio": NUM, "threshold": NUM},
+    "progress": {"attempt": (int,), "ranks": (dict,)},
     "stats": {"ranks": (dict,), "goodput": OPT_NUM, "productive_s": OPT_NUM, "wall_s": NUM, "lost_s": NUM},
     "job_end": {"exit_code": (int,), "outcome": (str,), "hangs": (int,), "restarts": (dict,),
                 "goodput": OPT_NUM, "productive_s": OPT_NUM, "wall_s": NUM, "lost_s": NUM},
@@ -72,6 +74,13 @@ SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
     "torchelastic_metrics": {"metrics": (dict,)},
 }
 """Fields of each kind (besides the envelope) and their JSON types; ``None`` allowed where listed."""
+
+RESTART_PHASES: dict[str, tuple[str, ...]] = {
+    "process": ("notify", "to_stop", "stop", "rendezvous", "worker_start", "first_step"),
+    "inprocess": tuple(name for name, _ in INPROCESS_PHASES),
+}
+"""The phases of a `restart` event by its ``mode``, in order (besides ``total``): the process
+restart's are restarts.RestartTiming's, the in-process restart's ft_client.inprocess.timeline's."""
 
 MAX_MAGNITUDE = 1e15
 """Numbers beyond this (either sign) are refused: wall times are near 1.7e9 s, durations,
@@ -170,10 +179,15 @@ def _attempt_ranks(kind: str, name: str, value: dict[str, Any]) -> None:
     _map_of(kind, name, value, {"local_rank": OPT_INT, "pid": OPT_INT}, True)
 
 
+def _progress_ranks(kind: str, name: str, value: dict[str, Any]) -> None:
+    _map_of(kind, name, value, {"local_rank": OPT_INT, "iteration": OPT_INT, "last_progress": OPT_NUM}, True)
+
+
 NESTED: dict[str, tuple[tuple[str, Any], ...]] = {
     "restart": (("phases", _phases),),
     "stats": (("ranks", _stats_ranks),),
     "attempt_start": (("ranks", _attempt_ranks),),
+    "progress": (("ranks", _progress_ranks),),
 }
 """The inner shape of the fields that readers (``ft-monitor report``) look into."""
 

@@ -1,4 +1,6 @@
-"""ft-launcher's exit codes: distinct, documented (docs/launcher.md)."""
+"""ft-launcher's exit codes: distinct, documented (docs/launcher.md); and how a worker ended."""
+
+import signal
 
 SUCCESS = 0
 """Every worker finished successfully."""
@@ -12,3 +14,13 @@ SHUTDOWN_REQUESTED = 4
 """A rank asked to shut the workload down (WorkloadAction.ShutdownWorkload)."""
 NODE_EXCLUDED = 5
 """A rank asked that this node leave the job (WorkloadAction.ExcludeThisNode)."""
+
+
+def how(exitcode: int) -> str:
+    """How a worker ended, from its exit code (negative: the signal that killed it)."""
+    if exitcode >= 0:
+        return f"exited with code {exitcode}"
+    try:
+        return f"was killed by {signal.Signals(-exitcode).name}"
+    except ValueError:
+        return f"was killed by signal {-exitcode}"

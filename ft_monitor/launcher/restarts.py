@@ -15,6 +15,7 @@ from typing import Any
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from ft_monitor.core.status import MonitorStatus
+from ft_monitor.launcher.exit_codes import how
 
 log = logging.getLogger("ft_monitor.launcher")
 
@@ -56,16 +57,6 @@ class RestartTiming:
             "first_step": d(self.workers_started, self.first_step),
             "total": d(self.detected, self.first_step),
         }
-
-
-def how(exitcode: int) -> str:
-    """How a worker ended, from its exit code (negative: the signal that killed it)."""
-    if exitcode >= 0:
-        return f"exited with code {exitcode}"
-    try:
-        return f"was killed by {signal.Signals(-exitcode).name}"
-    except ValueError:
-        return f"was killed by signal {-exitcode}"
 
 
 def failure_restart(failures: Mapping[int, ProcessFailure], statuses: Mapping[int, MonitorStatus | None],

@@ -42,6 +42,11 @@ POLL_INTERVAL = 1.0
 STATS_INTERVAL = 60.0
 """Seconds between `stats` events (and torchelastic metric aggregates) while the job runs."""
 TEXTFILE_INTERVAL = 5.0
+PROGRESS_SAMPLES = 100.0
+"""`progress` events: at most one per poll while an iteration changes, and no more often than
+every ``run age / PROGRESS_SAMPLES`` seconds (a day-long run writes about a thousand, a
+ten-second one a few per second); one more, whatever the interval, when a hang is handled
+and when an attempt ends, so the report draws each rank's last progress before it."""
 EXCHANGE_INTERVAL = 10.0
 """Seconds between publishing this node's step times in the store and reading the others'."""
 STEP_TIMES_KEY = "ft_launcher/step_times/{}"
@@ -116,6 +121,9 @@ class Telemetry:
         self.write_textfile: Callable[[], None] | None = None
         self.finished_at: float | None = None
         """When `finish` recorded the job's end."""
+        self._progress_sent: dict[int, tuple[int | None, float | None]] = {}
+        """rank -> (iteration, last progress) as the last `progress` event had them."""
+        self._progress_at = -1e18
 
     # -- the agent tells ---------------------------------------------------------
     def launcher_started(self, metrics_url: str | None, textfile: str | None) -> None:
@@ -162,6 +170,7 @@ class Telemetry:
 
     def _incident(self, summary: Mapping[str, Any], now: float) -> None:
         statuses = self._poll(now)
+        self._progress(now, forced=True)
         before = [mem.iteration for mem in self.ranks.values() if mem.iteration is not None]
         medians = [m for st in statuses.values() if st is not None
                    for m in [_recent_median(st.section_stats.get(STEP_SECTION))] if m is not None]
@@ -256,6 +265,7 @@ class Telemetry:
             # fallback stopped the processes; the hang is the one its monitor reported
             self.events.emit("hang", now, **_hang_fields(self._inprocess_hangs.pop(key), "inprocess"))
         statuses = self._poll(now)
+        self._progress(now, forced=True)
         high = max((m.iteration for m in self.ranks.values() if m.iteration is not None), default=None)
         self.events.emit("attempt_end", now, attempt=self.attempt, state=state, iteration=high,
                          failures=[{"rank": r, "exitcode": getattr(f, "exitcode", None),
@@ -285,6 +295,7 @@ class Telemetry:
             return
         now = self.clock()
         statuses = self._poll(now)
+        self._progress(now)
         self._restart_progress(now, statuses)
         self._slow_ranks(now, statuses, wg)
         if mono - self._stats_at >= STATS_INTERVAL:
@@ -340,6 +351,25 @@ class Telemetry:
             if st.snapshots is not None:
                 mem.snapshot_held, mem.snapshot_limit = st.snapshots.held, st.snapshots.limit
         return statuses
+
+    def _progress(self, now: float, forced: bool = False) -> None:
+        """A `progress` event (each local rank's iteration and last progress) when an iteration
+        changed and the interval (`PROGRESS_SAMPLES`) has passed, or ``forced`` (a hang, an
+        attempt's end) when anything changed."""
+        seen = {m.rank: (m.iteration, m.last_progress) for m in self.ranks.values() if m.last_progress is not None}
+        sent = self._progress_sent
+        moved = any(sent.get(r, (None, None))[0] != it for r, (it, _) in seen.items())
+        if forced:
+            moved = moved or any(sent.get(r) != v for r, v in seen.items())
+        elif now - self._progress_at < max(POLL_INTERVAL, (now - self.start) / PROGRESS_SAMPLES):
+            return
+        if not moved:
+            return
+        self._progress_at = now
+        self._progress_sent = dict(seen)
+        ranks = {str(m.rank): {"local_rank": lr, "iteration": m.iteration, "last_progress": m.last_progress}
+                 for lr, m in sorted(self.ranks.items()) if m.last_progress is not None}
+        self.events.emit("progress", now, attempt=self.attempt, ranks=ranks)
 
     def _timeouts_seen(self, now: float, mem: _RankMemory, timeouts: dict[str, Any]) -> None:
         before = mem.timeouts

@@ -69,7 +69,7 @@ from ft_client import startup
 from ft_client.parent_death import die_with_parent
 from ft_client.peer import peer_credentials
 from ft_monitor.core import template_argv
-from ft_monitor.core.template_argv import Plan, Refusal
+from ft_monitor.core.template_argv import Plan, Refusal, ctype_locale, stdio_codec
 from ft_monitor.core.template_request import SpawnRequest, StatusRequest, parse_request
 from ft_monitor.launcher import template_wire
 from ft_monitor.launcher.template_wire import TemplateError
@@ -445,9 +445,10 @@ def _prepare_interpreter(plan: Plan, req: SpawnRequest, env: dict[str, str],
     """Make this forked interpreter look like ``python [-u] script.py args`` started with ``env``
     in ``cwd``; the script's absolute path."""
     unbuffered = plan.unbuffered or bool(env.get("PYTHONUNBUFFERED"))
-    sys.stdin = _stdio(0, "r", False, env)
-    sys.stdout = _stdio(1, "w", unbuffered, env)
-    sys.stderr = _stdio(2, "w", unbuffered, env, errors="backslashreplace")
+    codec = _worker_locale(env)
+    sys.stdin = _stdio(0, "r", False, env, codec)
+    sys.stdout = _stdio(1, "w", unbuffered, env, codec)
+    sys.stderr = _stdio(2, "w", unbuffered, env, (codec[0], "backslashreplace"))
     # as the interpreter has them at start (typeshed marks them final)
     setattr(sys, "__stdin__", sys.stdin)  # noqa: B010
     setattr(sys, "__stdout__", sys.stdout)  # noqa: B010
@@ -490,11 +491,25 @@ def _start_up_hook() -> None:
         sys.stderr.write(f"ft-monitor start-up hook: no start-up stack dump for pid {os.getpid()}: {e}\n")
 
 
-def _stdio(fd: int, mode: str, unbuffered: bool, env: dict[str, str], errors: str | None = None) -> io.TextIOWrapper:
-    """A standard stream on ``fd`` as the interpreter opens it at start (closefd=False)."""
-    current = {0: sys.stdin, 1: sys.stdout, 2: sys.stderr}[fd]
-    encoding = getattr(current, "encoding", None) or "utf-8"
-    err = errors or getattr(current, "errors", None) or "strict"
+def _worker_locale(env: dict[str, str]) -> tuple[str, str]:
+    """Set LC_CTYPE from the worker's ``env`` as the interpreter does at start, and return its
+    stdio's (encoding, errors) before PYTHONIOENCODING (`stdio_codec`): the worker's locale
+    decides them, not the template's."""
+    import locale
+
+    name = ctype_locale(env)
+    try:
+        locale.setlocale(locale.LC_CTYPE, name)
+    except locale.Error:  # not installed: the interpreter stays in the C locale
+        name = "C"
+        locale.setlocale(locale.LC_CTYPE, "C")
+    return stdio_codec(env, name, locale.getencoding())
+
+
+def _stdio(fd: int, mode: str, unbuffered: bool, env: dict[str, str], codec: tuple[str, str]) -> io.TextIOWrapper:
+    """A standard stream on ``fd`` as the interpreter opens it at start (closefd=False);
+    ``codec``: its (encoding, errors) but for PYTHONIOENCODING."""
+    encoding, err = codec
     io_encoding = env.get("PYTHONIOENCODING")
     if io_encoding:
         enc, _, errs = io_encoding.partition(":")

@@ -1,11 +1,23 @@
-"""`ft-monitor report RUN_DIR`: a run's events as one self-contained HTML page (no server, no script).
+"""`ft-monitor report RUN_DIR [RUN_DIR ...]`: a run as one self-contained HTML page.
 
-Reads ``RUN_DIR/events.jsonl`` (ft-launcher's event stream, launcher/events.py,
-each line checked against the schema) and renders (`render`, pure) one page: the
-run's outcome and goodput, a timeline (SVG) of the attempts, the hangs (from the
-hung rank's last progress to detection), the stop and each restart phase, step time
-per rank from the last ``stats`` event, and a table of the incidents. All text is
-escaped; styles are inline; nothing is fetched from anywhere.
+Reads the run folders (report_input.py: one per node, or the --log-dir their launchers
+shared; their events merged), builds the page's content (report_model.py) and renders
+it (`render`, pure) top down, as an operator asks:
+
+1. what happened, in one sentence: the culprit, where, what it cost, how the job
+   recovered, how it ended; then the verdict line of the roll call;
+2. where the culprit and the ranks that waited for it were (their stacks' innermost
+   frames), with links to every evidence file beside the page (diagnosis.json, stack
+   dumps, hang reports, Flight Recorder traces, error.json, the monitors' logs, events);
+3. the timeline (report_timeline.py): attempts, a lane per rank, the restarts' phases
+   of each kind with its own legend;
+4. the incidents of every attempt, each restart's phases at their own scale;
+5. goodput per launcher and what it counts; step time per rank.
+
+The culprit, the verdict and the counts are the launcher's records (its events and
+diagnosis.json), never judged again here. All text is escaped; styles and pictures are
+inline; nothing is fetched, and there is no script. Links are relative to the page, so
+the folder can be copied or served as it is.
 """
 
 from __future__ import annotations
@@ -15,231 +27,416 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
-from ft_client.errors import FtError
-from ft_monitor.launcher.events import EVENTS_FILE, read_events
+from ft_monitor.views import human
+from ft_monitor.views.report_input import EvidenceFile, ReportError, ReportInput, StackTop, load
+from ft_monitor.views.report_model import Incident, LauncherView, Model, build
+from ft_monitor.views.report_timeline import KIND_TITLE, legend, marks_legend, phase_bar, timeline
+
+__all__ = ["REPORT_FILE", "ReportError", "render", "write_report"]
 
 REPORT_FILE = "report.html"
-PHASES = ("notify", "to_stop", "stop", "rendezvous", "worker_start", "first_step")
-PHASE_COLORS = {"notify": "#e6550d", "to_stop": "#fd8d3c", "stop": "#fdae6b", "rendezvous": "#9e9ac8",
-                "worker_start": "#756bb1", "first_step": "#bcbddc"}
-WIDTH = 960
-LEFT = 150
+MAX_STACK_GROUPS = 6
+"""Waiting ranks shown with their stack: grouped by where they wait, this many groups."""
+MAX_FEATURED = 3
+"""Incidents shown with their stacks and evidence at the top (all of them are in the table)."""
 
-
-class ReportError(FtError, ValueError):
-    """A run directory without events to render."""
+CSS = """
+body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;margin:1.5em auto;max-width:1040px;
+ color:#222;padding:0 1em}
+h1{font-size:20px;margin:.2em 0} h2{font-size:16px;margin:1.6em 0 .4em;border-bottom:1px solid #ddd}
+h3{font-size:13px;margin:.6em 0 .2em}
+.headline{font-size:16px;margin:.4em 0} .verdict{background:#fff5eb;border-left:4px solid #e6550d;
+ padding:.4em .7em;margin:.5em 0;font-family:ui-monospace,monospace;font-size:13px;overflow-wrap:anywhere}
+.meta{color:#555;font-size:13px} .meta code{font-size:12px}
+table{border-collapse:collapse;margin:.5em 0} td,th{border:1px solid #ccc;padding:3px 8px;text-align:left;
+ font-size:13px;vertical-align:top} th{background:#f5f5f5} td.num{text-align:right;font-variant-numeric:tabular-nums}
+pre.stack{background:#f7f7f7;border:1px solid #e5e5e5;padding:.4em .6em;margin:.2em 0 .8em;font-size:12px;
+ white-space:pre-wrap;overflow-wrap:anywhere}
+.stack-head{margin:.6em 0 0} .evidence a{font-family:ui-monospace,monospace;font-size:12px}
+.evidence td{font-size:12px} .missing{color:#a50f15}
+svg.timeline{width:100%;height:auto;font:11px system-ui,sans-serif} svg .lane-label{font-size:11px;fill:#333}
+svg .on-bar{font-size:10px;fill:#fff} svg .axis{font-size:10px;fill:#555}
+.legend ul{list-style:none;padding:0;margin:.2em 0;display:flex;flex-wrap:wrap;gap:.2em 1.2em;font-size:12px}
+.legend h3{margin-top:.8em} .swatch{display:inline-block;width:12px;height:12px;margin-right:4px;
+ vertical-align:-1px;border-radius:2px}
+.legends{display:grid;grid-template-columns:1fr;gap:0 2em}
+.goodput-bar{display:block;margin:.3em 0} svg.phase-bar{width:100%;height:auto;max-width:640px;display:block}
+.restart p{margin:.5em 0 .1em} dl.counts{display:grid;grid-template-columns:max-content auto;
+ gap:.1em 1em;margin:.3em 0} dl.counts dt{color:#555} dl.counts dd{margin:0}
+footer{margin-top:2em;color:#777;font-size:12px}
+@media print{body{margin:0;max-width:none;font-size:11px} a{color:inherit;text-decoration:none}
+ h2{break-after:avoid} table,svg,pre,.legend,.verdict{break-inside:avoid}
+ *{-webkit-print-color-adjust:exact;print-color-adjust:exact}}
+"""
 
 
 def _e(v: Any) -> str:
     return html.escape(str(v), quote=True)
 
 
-def _fmt(v: float | None, unit: str = " s", digits: int = 2) -> str:
-    return "-" if v is None else f"{v:.{digits}f}{unit}"
+class _Links:
+    """Paths as the page shows and links them: relative to the page's folder."""
+
+    def __init__(self, page_dir: Path | None, data: ReportInput | None) -> None:
+        self.page_dir = page_dir
+        self.located: Mapping[str, Path] = data.located if data is not None else {}
+
+    def rel(self, path: Path) -> str:
+        if self.page_dir is None:
+            return str(path)
+        try:
+            return os.path.relpath(os.path.abspath(path), os.path.abspath(self.page_dir))
+        except ValueError:
+            return str(path)
+
+    def short(self, path: Path | str) -> str:
+        """How a path is shown: relative to the page when below it, else as it is."""
+        rel = self.rel(Path(path))
+        return rel if not rel.startswith(os.pardir + os.sep) or self.page_dir is None else str(path)
+
+    def folder(self, path: Path) -> str:
+        """A run folder as the page names it: relative to the page, its own name when the page is in it."""
+        rel = self.short(path)
+        return Path(path).resolve().name if rel == os.curdir else rel
+
+    def file(self, path: Path, label: str | None = None) -> str:
+        href = quote(self.rel(path).replace(os.sep, "/"))
+        return f'<a class="evidence-link" href="{_e(href)}">{_e(label or self.short(path))}</a>'
+
+    def named(self, path: str, label: str | None = None) -> str:
+        """A path an event names: linked where the file is, else said to be missing."""
+        where = self.located.get(path)
+        if where is None:
+            return f'<span class="missing">{_e(label or path)} (not found)</span>'
+        return self.file(where, label)
 
 
-def _events_path(run_dir: str | os.PathLike[str]) -> Path:
-    """The events file: ``run_dir`` itself, ``run_dir/events.jsonl``, or, given the log
-    directory (``--log-dir``) that holds one run folder, that folder's; several run
-    folders there are listed in the refusal, for the caller to pick one."""
-    p = Path(run_dir)
-    if p.is_file():
-        return p
-    own = p / EVENTS_FILE
-    if own.exists() or not p.is_dir():
-        return own
-    below = sorted(q for q in p.glob(f"*/{EVENTS_FILE}") if q.is_file())
-    if len(below) == 1:
-        return below[0]
-    if below:
-        folders = ", ".join(str(q.parent) for q in below)
-        raise ReportError(f"{p} holds {len(below)} run folders with {EVENTS_FILE}: {folders}; "
-                          "give one of them as RUN_DIR")
-    return own
+# -- the sentence ----------------------------------------------------------------------------------
+def _recovery(i: Incident) -> str:
+    r = i.restart
+    if i.action == "dump":
+        return "the job kept running (on_hang: dump)"
+    if r is None and i.restarted_into is not None:
+        return (f"the job restarted its processes into attempt {i.restarted_into}, but that restart was not "
+                "measured: not every rank was stepping again before it ended")
+    if r is None:
+        return "the job was not restarted"
+    took = f"{human.seconds(r.total)} from detection to every rank stepping again" if r.total is not None else \
+        "the ranks' return was not measured"
+    if r.mode == "inprocess":
+        return f"the ranks restarted the training function in their own processes ({took})"
+    redone = f", {human.plural(r.redone, 'iteration')} done again" if r.redone else ""
+    kind = "fallback " if i.action == "inprocess" else ""
+    return f"the job restarted its processes ({kind}process restart: {took}{redone})"
 
 
-def write_report(run_dir: str | os.PathLike[str], output: str | os.PathLike[str] | None = None) -> Path:
-    src = _events_path(run_dir)
-    if not src.exists():
-        raise ReportError(f"{src} does not exist: RUN_DIR is the run's log directory, where ft-launcher writes "
-                          f"{EVENTS_FILE} (the summary line 'events: ...' names it)")
-    events = read_events(src)
-    if not events:
-        raise ReportError(f"{src} holds no events")
-    out = Path(output) if output else src.parent / REPORT_FILE
-    out.write_text(render(events, title=str(src.parent)), encoding="utf-8")
-    return out
+def _end(m: Model) -> str:
+    if not m.ended:
+        return "The run had not ended when these events were read."
+    codes = sorted({int(la.end["exit_code"]) for la in m.launchers if la.end is not None})
+    outcomes = sorted({str(la.end["outcome"]) for la in m.launchers if la.end is not None and la.end["outcome"]})
+    why = f" ({'; '.join(outcomes)})" if outcomes else ""
+    if codes == [0]:
+        return "The job finished (exit code 0)."
+    return f"The job ended with exit code {', '.join(map(str, codes))}{why}."
 
 
-def _svg_timeline(events: Sequence[Mapping[str, Any]]) -> str:
-    t0 = min(e["time"] for e in events)
-    t1 = max(e["time"] for e in events)
-    span = max(t1 - t0, 1e-3)
-    scale = (WIDTH - LEFT - 10) / span
-
-    def x(t: float) -> float:
-        return float(LEFT + (t - t0) * scale)
-
-    rows: list[str] = []
-    y = 10
-    lanes: list[tuple[str, list[str]]] = []
-    attempts: list[str] = []
-    starts = {e["attempt"]: e["time"] for e in events if e["kind"] == "attempt_start"}
-    ends = {e["attempt"]: e for e in events if e["kind"] == "attempt_end"}
-    for a, start in sorted(starts.items()):
-        end = ends.get(a)
-        stop = end["time"] if end else t1
-        state = end["state"] if end else "RUNNING"
-        color = {"SUCCEEDED": "#31a354", "FAILED": "#de2d26"}.get(state, "#74a9cf")
-        attempts.append(f'<rect class="attempt" x="{x(start):.1f}" width="{max(1.0, (stop - start) * scale):.1f}" '
-                        f'height="14" fill="{color}"><title>attempt {a}: {_e(state)}</title></rect>'
-                        f'<text x="{x(start) + 3:.1f}" y="11" font-size="10" fill="#fff">attempt {a}</text>')
-    lanes.append(("attempts", attempts))
-    incidents: list[str] = []
-    for e in events:
-        if e["kind"] == "hang":
-            onset, det = e["onset_time"] or e["detected_time"], e["detected_time"] or e["time"]
-            incidents.append(f'<rect class="hang" x="{x(onset):.1f}" width="{max(2.0, (det - onset) * scale):.1f}" '
-                             f'height="14" fill="#de2d26"><title>rank {e["rank"]} hung: {_e(e["message"])}'
-                             f'</title></rect>')
-        elif e["kind"] == "kill":
-            incidents.append(f'<rect class="kill" x="{x(e["began"]):.1f}" '
-                             f'width="{max(2.0, e["duration_s"] * scale):.1f}" height="14" fill="#636363">'
-                             f'<title>workers stopped ({_e(e["cause"])}) in {e["duration_s"]:.2f} s</title></rect>')
-        elif e["kind"] in ("slow_rank", "slow_rank_cleared"):
-            incidents.append(f'<circle class="slow" cx="{x(e["time"]):.1f}" cy="7" r="5" '
-                             f'fill="{"#fdd0a2" if e["kind"] == "slow_rank_cleared" else "#e6550d"}"><title>'
-                             f'{_e(e["kind"])}: rank {e["rank"]} {e["ratio"]:.2f}x</title></circle>')
-    lanes.append(("hangs, stops", incidents))
-    restarts: list[str] = []
-    for e in events:
-        if e["kind"] != "restart" or e["mode"] != "process":
-            continue
-        phases = e["phases"]
-        total = phases.get("total")
-        if total is None:
-            continue
-        t = e["time"] - total if e["time"] - total >= t0 else t0
-        hang = next((h for h in events if h["kind"] == "hang" and h["rank"] == e["rank"] and h["time"] <= e["time"]),
-                    None)
-        if hang is not None and e["cause"] == "hang":
-            t = hang["detected_time"]
-        for name in PHASES:
-            d = phases.get(name)
-            if d is None:
-                continue
-            restarts.append(f'<rect class="phase" x="{x(t):.1f}" width="{max(1.0, d * scale):.1f}" height="14" '
-                            f'fill="{PHASE_COLORS[name]}"><title>{_e(name)} {d:.3f} s</title></rect>')
-            t += d
-    lanes.append(("restart phases", restarts))
-    for label, shapes in lanes:
-        rows.append(f'<g transform="translate(0,{y})"><text x="0" y="11" font-size="12">{_e(label)}</text>'
-                    + "".join(shapes) + "</g>")
-        y += 24
-    ticks = []
-    step = _tick_step(span)
-    k = 0.0
-    while k <= span + 1e-9:
-        ticks.append(f'<line x1="{x(t0 + k):.1f}" x2="{x(t0 + k):.1f}" y1="{y}" y2="{y + 4}" stroke="#999"/>'
-                     f'<text x="{x(t0 + k):.1f}" y="{y + 16}" font-size="10" text-anchor="middle">{k:g} s</text>')
-        k += step
-    y += 22
-    return (f'<svg xmlns="http://www.w3.org/2000/svg" class="timeline" width="{WIDTH}" height="{y}" '
-            f'role="img" aria-label="timeline">' + "".join(rows) + "".join(ticks) + "</svg>")
+def headline(m: Model) -> str:
+    """What happened, in a sentence or two (plain text)."""
+    attempts = len(m.attempts)
+    if not m.incidents:
+        return (f"No hang and no failure in {human.plural(attempts, 'attempt')}. " + _end(m)).strip()
+    i = m.incidents[0]
+    more = ""
+    if len(m.incidents) > 1:
+        kinds = {k: sum(1 for x in m.incidents if x.kind == k) for k in ("hang", "failure")}
+        parts = [human.plural(n, k) for k, n in kinds.items() if n]
+        more = f"{human.plural(len(m.incidents), 'incident')} ({', '.join(parts)}); the first: "
+    who = f"rank {i.rank}" if i.rank is not None else "a rank"
+    if len(m.launchers) > 1 and i.node is not None:
+        who += f" (node {i.node})"
+    if i.kind == "hang":
+        at = f" at iteration {human.count(i.iteration)}" if i.iteration is not None else ""
+        where = i.culprit_stack.where if i.culprit_stack is not None and i.culprit_stack.where else None
+        text = f"{who} hung{at} in attempt {i.attempt}" + (f", in {where}" if where else "") + f" ({i.what})"
+        cost = f"; it cost {human.seconds(i.lost_s)}" if i.lost_s is not None else ""
+        text += f"{cost}, and {_recovery(i)}."
+    else:
+        text = f"{who} {i.what} in attempt {i.attempt}; {_recovery(i)}."
+    sentence = more + text
+    return sentence[0].upper() + sentence[1:] + " " + _end(m)
 
 
-def _tick_step(span: float) -> float:
-    for step in (0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200, 21600, 86400):
-        if span / step <= 12:
-            return float(step)
-    return span / 10
+# -- sections --------------------------------------------------------------------------------------
+def _stack_block(top: StackTop, role: str, ranks: Sequence[int] | None = None) -> str:
+    who = human.ranks(list(ranks)) if ranks else f"rank {top.rank}"
+    where = f" at <code>{_e(top.where)}</code>" if top.where else ""
+    state = "" if top.in_collective is None else (" (in a collective)" if top.in_collective
+                                                  else " (not in a collective)")
+    frames = "\n".join(top.frames) or "(no frames)"
+    return (f'<p class="stack-head {role}"><b>{_e(who)}</b> — {_e(role)}{where}{_e(state)}</p>'
+            f'<pre class="stack {role}" data-ranks="{",".join(map(str, ranks or [top.rank]))}">{_e(frames)}</pre>')
 
 
-def _step_table(stats: Mapping[str, Any] | None) -> str:
-    if stats is None:
+def _stacks(i: Incident) -> str:
+    parts = []
+    if i.culprit_stack is not None:
+        parts.append(_stack_block(i.culprit_stack, "culprit"))
+    groups: dict[tuple[str, ...], list[StackTop]] = {}
+    for top in i.waiting_stacks:
+        groups.setdefault(top.frames, []).append(top)
+    for n, (_, tops) in enumerate(groups.items()):
+        if n == MAX_STACK_GROUPS:
+            rest = [t.rank for g in list(groups.values())[n:] for t in g]
+            parts.append(f"<p>{_e(human.ranks(rest))} wait elsewhere: see diagnosis.json.</p>")
+            break
+        parts.append(_stack_block(tops[0], "waiting", [t.rank for t in tops]))
+    waiting_without = [r for r in i.waiting if r not in {t.rank for t in i.waiting_stacks}]
+    if waiting_without:
+        parts.append(f"<p>{_e(human.ranks(waiting_without))} waiting, without a stack in the diagnosis.</p>")
+    if not parts:
+        return "<p>No stack was taken of this incident's ranks.</p>"
+    if i.diagnosis is None and i.culprit_stack is not None:
+        parts.append("<p class=\"note\">No roll call for this incident (the in-process restart takes none): only "
+                     "the hung rank's stack was dumped.</p>")
+    return "".join(parts)
+
+
+def _incident_files(i: Incident, links: _Links) -> str:
+    items = "".join(f"<li>{_e(label)}: {links.named(path)}</li>" for label, path in i.files
+                    # an in-process restart fails no process: torch writes no error.json
+                    if not (label == "error file" and i.action == "inprocess" and path not in links.located))
+    return f'<ul class="incident-files">{items}</ul>' if items else ""
+
+
+def _featured(m: Model, links: _Links) -> str:
+    out = []
+    top = next((x.verdict for x in m.incidents if x.verdict), None)
+    for n, i in enumerate([x for x in m.incidents if x.kind == "hang"][:MAX_FEATURED]):
+        who = f"rank {i.rank}" if i.rank is not None else "a rank"
+        out.append(f'<section class="incident-detail" data-attempt="{i.attempt}" data-rank="{i.rank}">'
+                   f"<h3>Attempt {i.attempt}: {_e(who)} hung</h3>"
+                   + (f'<p class="verdict">verdict: {_e(i.verdict)}</p>' if i.verdict and (n or i.verdict != top)
+                      else "")
+                   + _stacks(i) + _incident_files(i, links) + "</section>")
+    if not out:
+        return ""
+    return "<h2>Where the ranks were</h2>" + "".join(out)
+
+
+def _evidence(files: Sequence[EvidenceFile], links: _Links) -> str:
+    if not files:
+        return ""
+    run_level = [f for f in files if f.attempt is None]
+    by_attempt: dict[int, list[EvidenceFile]] = {}
+    for f in files:
+        if f.attempt is not None:
+            by_attempt.setdefault(f.attempt, []).append(f)
+    kinds = ("diagnosis", "stack dump", "hang report", "Flight Recorder trace", "native stack", "error file",
+             "monitor log", "other")
+    parts = ['<h2>Evidence</h2><div class="evidence"><p>'
+             + ", ".join(links.file(f.path, f"{links.short(f.path)}") for f in run_level) + "</p>"]
+    for attempt, fs in sorted(by_attempt.items()):
+        rows: dict[int | None, dict[str, list[EvidenceFile]]] = {}
+        for f in fs:
+            rows.setdefault(f.rank, {}).setdefault(f.kind, []).append(f)
+        present = [k for k in kinds if any(k in r for r in rows.values())]
+        head = "".join(f"<th>{_e(k)}</th>" for k in present)
+        body = []
+        for rank, cells in sorted(rows.items(), key=lambda kv: (kv[0] is not None, kv[0] or 0)):
+            tds = "".join("<td>" + "<br>".join(links.file(f.path, f.path.name) for f in cells.get(k, [])) + "</td>"
+                          for k in present)
+            body.append(f"<tr><td>{'attempt' if rank is None else f'rank {rank}'}</td>{tds}</tr>")
+        summary = f"Attempt {attempt}: {human.plural(len(fs), 'file')}"
+        parts.append(f"<h3>{_e(summary)}</h3><table><tr><th></th>{head}</tr>{''.join(body)}</table>")
+    return "".join(parts) + "</div>"
+
+
+def _incident_table(m: Model) -> str:
+    if not m.incidents:
+        return "<h2>Incidents</h2><p>None: no hang was detected and no worker failed.</p>"
+    rows = []
+    for i in m.incidents:
+        r = i.restart
+        recovery = "–"
+        if i.action == "dump":
+            recovery = "none (on_hang: dump): the job kept running"
+        elif r is not None:
+            recovery = (f"{_e(KIND_TITLE.get(r.mode, r.mode))} in {_e(human.seconds(r.total))}: "
+                        + _e(", ".join(f"{n} {human.seconds(d)}" for n, d in r.phases)))
+        what = _e(i.what) + (f'<div class="verdict">verdict: {_e(i.verdict)}</div>' if i.verdict else "")
+        if i.waited_on_other_nodes:
+            what += f"<div>{_e(human.ranks(list(i.waited_on_other_nodes)))} on other nodes waited for it</div>"
+        redone = r.redone if r is not None else None
+        rows.append(f'<tr class="incident"><td class="num">{i.attempt}</td><td>{_e(i.kind)}</td>'
+                    f"<td>{'–' if i.rank is None else _e(i.rank)}{'' if not i.host else ' (' + _e(i.host) + ')'}</td>"
+                    f"<td>{what}</td><td>{recovery}</td><td class=\"num\">{_e(human.seconds(i.lost_s))}</td>"
+                    f"<td class=\"num\">{_e(human.count(redone))}</td></tr>")
+    return ("<h2>Incidents</h2><table class=\"incidents\"><tr><th>attempt</th><th>kind</th><th>rank</th>"
+            "<th>what</th><th>recovery</th><th>time lost</th><th>iterations redone</th></tr>"
+            + "".join(rows) + "</table>")
+
+
+def _restart_bars(m: Model) -> str:
+    if not m.restarts:
+        return ""
+    rows = []
+    for r in m.restarts:
+        cause = {"hang": "after a hang", "failure": "after a failure"}.get(r.cause, f"({r.cause})")
+        into = f"attempt {r.attempt - 1} → {r.attempt}" if r.mode == "process" else f"within attempt {r.attempt}"
+        who = f", rank {r.rank}" if r.rank is not None else ""
+        rows.append(f'<div class="restart" data-mode="{r.mode}"><p>{_e(KIND_TITLE.get(r.mode, r.mode))} {_e(cause)}'
+                    f"{_e(who)} ({_e(into)}): {_e(human.seconds(r.total))}</p>{phase_bar(r)}</div>")
+    return "<h3>Each restart, phase by phase</h3>" + "".join(rows)
+
+
+def _goodput_one(la: LauncherView) -> str:
+    g = la.goodput
+    if g is None:
+        return "<p>No goodput recorded yet (no <code>stats</code> event).</p>"
+    wall, prod, lost = float(g["wall_s"]), g.get("productive_s"), float(g["lost_s"])
+    ratio = g.get("goodput")
+    counts = [("goodput", f'<b class="goodput" data-ratio="{ratio if ratio is not None else ""}">'
+                          f"{_e(human.percent(ratio))}</b>"),
+              ("productive", f"{_e(human.seconds(prod))} of step time (the mean over the node's ranks of their "
+                             "<code>step</code> sections, less the work done again after restarts)"),
+              ("lost to hangs", f"{_e(human.seconds(lost))} (each hang's onset to every rank stepping again, "
+                                "plus the work done again)"),
+              ("wall time", f"{_e(human.seconds(wall))} since the launcher started")]
+    bar = ""
+    if wall > 0 and prod is not None:
+        p = min(1.0, max(0.0, float(prod) / wall))
+        lo = min(1.0 - p, max(0.0, lost / wall))
+        rest = max(0.0, 1 - p - lo)
+        bar = (f'<svg class="goodput-bar" width="480" height="14" viewBox="0 0 480 14" role="img" '
+               f'aria-label="goodput"><rect width="{480 * p:.1f}" height="14" fill="#31a354"><title>productive '
+               f'{_e(human.seconds(prod))}</title></rect><rect x="{480 * p:.1f}" width="{480 * lo:.1f}" height="14" '
+               f'fill="#de2d26"><title>lost to hangs {_e(human.seconds(lost))}</title></rect>'
+               f'<rect x="{480 * (p + lo):.1f}" width="{480 * rest:.1f}" height="14" fill="#d9d9d9"><title>the rest: '
+               f'start-up, data loading, checkpoints, time outside the step</title></rect></svg>'
+               '<div class="legend"><ul><li><span class="swatch" style="background:#31a354"></span>productive</li>'
+               '<li><span class="swatch" style="background:#de2d26"></span>lost to hangs</li>'
+               '<li><span class="swatch" style="background:#d9d9d9"></span>the rest: start-up, data loading, '
+               "checkpoints, outside the step</li></ul></div>")
+    dl = "".join(f"<dt>{k}</dt><dd>{v}</dd>" for k, v in counts)
+    return f'<dl class="counts">{dl}</dl>{bar}'
+
+
+def _launchers(m: Model) -> str:
+    many = len(m.launchers) > 1
+    parts = ["<h2>Outcome and goodput</h2>"]
+    for la in m.launchers:
+        end = la.end
+        if many:
+            node = f"node {la.node_rank}" if la.node_rank is not None else "node"
+            parts.append(f"<h3>{_e(node)}: {_e(la.host)}, launcher pid {la.pid}, "
+                         f"{_e(human.ranks(list(la.ranks)))}</h3>")
+        if end is not None:
+            restarts = end["restarts"]
+            order = ["process", "inprocess", *sorted(k for k in restarts if k not in KIND_TITLE)]
+            counted = ", ".join(f"{human.count(n)} {KIND_TITLE.get(k, k)}{'' if n == 1 else 's'}"
+                                for k in order for n in [restarts.get(k)] if isinstance(n, int)) or "none"
+            parts.append(f'<dl class="counts"><dt>exit code</dt><dd class="exit-code">{_e(end["exit_code"])}'
+                         f'{" (" + _e(end["outcome"]) + ")" if end["outcome"] else ""}</dd>'
+                         f"<dt>hangs handled</dt><dd>{_e(human.count(end['hangs']))}</dd>"
+                         f"<dt>restarts</dt><dd>{_e(counted)}</dd></dl>")
+        else:
+            parts.append("<p>This launcher had not ended when its events were read.</p>")
+        parts.append(_goodput_one(la))
+    return "".join(parts)
+
+
+def _step_table(stats: Mapping[str, Any]) -> str:
+    if not stats:
         return "<p>No step times were recorded (no <code>stats</code> event).</p>"
-    ranks = stats["ranks"]
-    sections = sorted({name for r in ranks.values() for name in (r.get("sections") or {})})
+    sections = sorted({name for r in stats.values() for name in (r.get("sections") or {})})
     if not sections:
         return "<p>No timed sections: only sections listed in rank_section_timeouts reach the monitors.</p>"
-    medians = [s.get("median_s") or 0.0 for r in ranks.values() for s in (r.get("sections") or {}).values()]
-    top = max(medians) if medians and max(medians) > 0 else 1.0
+    medians = [v for r in stats.values() for s in (r.get("sections") or {}).values()
+               for v in [s.get("median_s")] if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0]
+    top = max(medians) if medians else 1.0
     head = "".join(f"<th>{_e(s)} median</th><th>{_e(s)} count</th>" for s in sections)
     body = []
-    for rank, r in sorted(ranks.items(), key=lambda kv: int(kv[0])):
+    for rank, r in sorted(stats.items(), key=lambda kv: int(kv[0])):
         cells = []
         for s in sections:
             v = (r.get("sections") or {}).get(s) or {}
-            m = v.get("median_s")
-            bar = "" if m is None else (f'<svg width="120" height="10"><rect width="{120 * m / top:.1f}" height="10" '
-                                        f'fill="#3182bd"/></svg> ')
-            cells.append(f"<td class=\"median\">{bar}{_fmt(m, ' s', 4)}</td><td>{_e(v.get('count', '-'))}</td>")
-        body.append(f"<tr class=\"rank\"><td>{_e(rank)}</td><td>{_e(r.get('iteration', '-'))}</td>"
+            raw = v.get("median_s")
+            med = float(raw) if isinstance(raw, (int, float)) and not isinstance(raw, bool) else None
+            bar = (f'<svg width="100" height="10"><rect width="{100 * min(1.0, max(0.0, med / top)):.1f}" '
+                   f'height="10" fill="#3182bd"/></svg> ') if med is not None else ""
+            cells.append(f'<td class="median num">{bar}{_e(human.seconds(med))}</td>'
+                         f'<td class="num">{_e(human.count(v.get("count")))}</td>')
+        body.append(f'<tr class="rank"><td>{_e(rank)}</td><td class="num">{_e(human.count(r.get("iteration")))}</td>'
                     + "".join(cells) + "</tr>")
-    return (f'<table class="steps"><tr><th>rank</th><th>iteration</th>{head}</tr>' + "".join(body) + "</table>")
+    return f'<table class="steps"><tr><th>rank</th><th>iteration</th>{head}</tr>' + "".join(body) + "</table>"
 
 
-def _incident_rows(events: Sequence[Mapping[str, Any]]) -> str:
-    rows = []
-    restarts = [e for e in events if e["kind"] == "restart"]
-    diagnoses = [e for e in events if e["kind"] == "diagnosis"]
-    for h in (e for e in events if e["kind"] == "hang"):
-        r = next((x for x in restarts if x["rank"] == h["rank"] and x["time"] >= h["time"]), None)
-        phases = "-" if r is None else ", ".join(f"{k} {v:.3f} s" for k, v in r["phases"].items()
-                                                 if v is not None and k != "total")
-        d = next((x for x in diagnoses if x["attempt"] == h["attempt"] and x["rank"] == h["rank"]), None)
-        what = _e(h["message"]) + ("" if d is None else f'<div class="verdict">verdict: {_e(d["verdict"])}</div>')
-        rows.append(f"<tr class=\"incident\"><td>{h['attempt']}</td><td>{h['rank']}</td><td>{what}</td>"
-                    f"<td>{_e(h['action'])}</td><td>{_fmt(None if r is None else r['phases'].get('total'))}</td>"
-                    f"<td>{_e(phases)}</td><td>{_fmt(None if r is None else r['lost_s'])}</td></tr>")
-    if not rows:
-        return "<p>No hangs.</p>"
-    return ("<table class=\"incidents\"><tr><th>attempt</th><th>rank</th><th>what</th><th>action</th>"
-            "<th>restart</th><th>phases</th><th>time lost</th></tr>" + "".join(rows) + "</table>")
-
-
-def render(events: Sequence[Mapping[str, Any]], title: str = "") -> str:
-    """The page (pure)."""
-    end = next((e for e in reversed(events) if e["kind"] == "job_end"), None)
-    stats = next((e for e in reversed(events) if e["kind"] == "stats"), None)
-    gp_src: Mapping[str, Any] | None = end or stats
-    goodput = None if gp_src is None else gp_src.get("goodput")
-    summary = [f"<li>host <b>{_e(events[0]['host'])}</b>, {len(events)} events</li>"]
-    if end is not None:
-        summary.append(f"<li>exit code <b>{end['exit_code']}</b>{' — ' + _e(end['outcome']) if end['outcome'] else ''}"
-                       f"; {end['hangs']} hang(s); restarts {_e(end['restarts'])}</li>")
-    else:
-        summary.append("<li>the run had not ended when these events were read</li>")
-    if gp_src is not None:
-        wall, prod, lost = gp_src["wall_s"], gp_src.get("productive_s"), gp_src["lost_s"]
-        summary.append(f"<li>goodput <b class=\"goodput\">{_fmt(goodput, '', 3)}</b>: {_fmt(prod)} productive step "
-                       f"time of {_fmt(wall)} wall time; {_fmt(lost)} lost to hangs</li>")
-        if wall > 0 and prod is not None:
-            p, lo = min(1.0, prod / wall), min(1.0, lost / wall)
-            summary.append(
-                f'<li><svg class="goodput-bar" width="400" height="14"><rect width="{400 * p:.1f}" height="14" '
-                f'fill="#31a354"><title>productive</title></rect><rect x="{400 * p:.1f}" width="{400 * lo:.1f}" '
-                f'height="14" fill="#de2d26"><title>lost to hangs</title></rect><rect x="{400 * (p + lo):.1f}" '
-                f'width="{max(0.0, 400 * (1 - p - lo)):.1f}" height="14" fill="#d9d9d9"><title>other (start-up, '
-                f'data loading, checkpoints, outside the step)</title></rect></svg></li>')
-    slow = sorted({e["rank"] for e in events if e["kind"] == "slow_rank"})
-    if slow:
-        summary.append(f"<li>slow rank(s) flagged: {_e(', '.join(map(str, slow)))}</li>")
-    legend = " ".join(f'<span style="background:{c};padding:0 6px">{_e(n)}</span>' for n, c in PHASE_COLORS.items())
+def render(events: Sequence[Mapping[str, Any]], title: str = "", *, data: ReportInput | None = None,
+           page_dir: Path | None = None) -> str:
+    """The page (pure): ``events`` (validated, in time order), what else was read beside them
+    (``data``), and the folder the page will be in (links are relative to it)."""
+    m = build(events, data.diagnoses if data is not None else None, data.stacks if data is not None else None)
+    links = _Links(page_dir, data)
+    runs = ([links.folder(r.path) for r in data.runs] if data is not None else []) or ([title] if title else [])
+    hosts = sorted({str(e["host"]) for e in events})
+    first = next((i for i in m.incidents if i.verdict), None)
+    verdict = f'<p class="verdict top">verdict: {_e(first.verdict)}</p>' if first is not None else ""
+    meta = [f"run {'folders' if len(runs) > 1 else 'folder'} " + ", ".join(f"<code>{_e(r)}</code>" for r in runs)
+            if runs else "",
+            f"run id <code>{_e(', '.join(m.run_ids))}</code>" if m.run_ids else "",
+            f"{'hosts' if len(hosts) > 1 else 'host'} {_e(', '.join(hosts))}",
+            f"from {_e(human.clock(m.t0))}, {_e(human.seconds(m.t1 - m.t0))} of events"]
+    kinds_drawn = [k for k in ("process", "inprocess") if any(r.mode == k for r in m.restarts)]
+    legends = marks_legend(m) + "".join(legend(k, [r for r in m.restarts if r.mode == k]) for k in kinds_drawn)
+    left_out = (f"<p>{human.plural(m.lanes_left_out, 'other rank')} not drawn (the lanes show the incidents' ranks "
+                "and the first others).</p>") if m.lanes_left_out else ""
+    slow = (f"<p>Slow ranks flagged: {_e(human.ranks(m.slow_ranks))}.</p>") if m.slow_ranks else ""
+    problems = "".join(f"<li>{_e(p)}</li>" for p in (data.problems if data is not None else []))
+    page_title = f"ft-monitor report: {', '.join(m.run_ids) or title or 'run'}"
     return f"""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>ft-monitor report: {_e(title)}</title>
-<style>body{{font-family:sans-serif;margin:1.5em;color:#222}} table{{border-collapse:collapse;margin:.5em 0}}
-td,th{{border:1px solid #ccc;padding:2px 8px;text-align:left;font-size:13px}} h2{{font-size:16px;margin-top:1.5em}}
-</style></head><body>
-<h1>ft-monitor report</h1><p><code>{_e(title)}</code></p>
-<ul class="summary">{"".join(summary)}</ul>
+<html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
+<title>{_e(page_title)}</title><style>{CSS}</style></head><body>
+<header><h1>What happened</h1>
+<p class="headline">{_e(headline(m))}</p>
+{verdict}
+<p class="meta">{" · ".join(x for x in meta if x)}</p></header>
+{_featured(m, links)}
+{_evidence(data.files, links) if data is not None else ""}
 <h2>Timeline</h2>
-{_svg_timeline(events)}
-<p>Restart phases: {legend}. A hang bar runs from the hung rank's last progress to its detection.</p>
-<h2>Incidents</h2>
-{_incident_rows(events)}
+{timeline(m)}
+{left_out}
+<div class="legends">{legends}</div>
+{_restart_bars(m)}
+<p class="meta">0 s is {_e(human.clock(m.t0))}, the first event. Hover a shape for its times.</p>
+{_incident_table(m)}
+{_launchers(m)}
+{slow}
 <h2>Step time per rank</h2>
-{_step_table(stats)}
+{_step_table(m.step_stats)}
+{f'<h2>Not read</h2><ul class="problems">{problems}</ul>' if problems else ""}
+<footer>Written by <code>ft-monitor report</code> from {human.plural(len(events), 'event')}
+{"of " + human.plural(len(data.runs), "run folder") if data is not None else ""}.</footer>
 </body></html>
 """
+
+
+def default_output(data: ReportInput) -> Path:
+    """One run folder: ``report.html`` in it; several: in the folder that holds them all."""
+    folders = [r.path.resolve() for r in data.runs]
+    if len(folders) == 1:
+        return folders[0] / REPORT_FILE
+    return Path(os.path.commonpath([str(f) for f in folders])) / REPORT_FILE
+
+
+def write_report(run_dirs: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+                 output: str | os.PathLike[str] | None = None) -> Path:
+    """Render the run folders' page to ``output`` (default: `default_output`); returns its path."""
+    paths = [run_dirs] if isinstance(run_dirs, (str, os.PathLike)) else list(run_dirs)
+    data = load(paths)
+    out = Path(output) if output else default_output(data)
+    page = render(data.events, title=str(out.parent), data=data, page_dir=out.parent.resolve())
+    out.write_text(page, encoding="utf-8")
+    return out

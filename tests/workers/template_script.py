@@ -37,6 +37,7 @@ def report() -> None:
         "handlers": {s.name: handler(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE)},
         "stdin": os.readlink("/proc/self/fd/0"), "write_through": sys.stdout.write_through,
         "stdout_errors": sys.stdout.errors, "stderr_errors": sys.stderr.errors,
+        "stdout_encoding": sys.stdout.encoding,
         "line_buffering": [sys.stdout.line_buffering, sys.stderr.line_buffering],
         "main": sorted(k for k in vars(__main__) if k.startswith("__")),
         "main_loader": type(__main__.__loader__).__name__, "main_spec": __main__.__spec__,

@@ -13,9 +13,6 @@ import os
 import time
 from datetime import timedelta
 
-import torch
-import torch.distributed as dist
-
 from ft_client import RankMonitorClient
 
 EVIL = "evil\x1b[2J\x1b]0;pwned\x07\r\n9 999 active FORGED"
@@ -27,6 +24,9 @@ def main() -> None:
     p.add_argument("--stop-file", required=True)
     p.add_argument("--ckpt-dir", default=None)  # ft-launcher tests pass one; nothing is saved
     args = p.parse_args()
+    import torch  # here: the test imports EVIL from this module without torch
+    import torch.distributed as dist
+
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     rank = dist.get_rank()
     client = RankMonitorClient()

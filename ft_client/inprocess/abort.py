@@ -114,6 +114,32 @@ def release_process_groups() -> None:
         distributed_c10d._abort_process_group()
 
 
+PINNING_MODULES = ("torch.distributed.nn.functional",)
+"""torch modules whose functions take ``group=group.WORLD`` as a default argument, bound once,
+when the module is first imported, and cheap to import (~30 ms on 2 loaded cores). DDP's
+constructor imports ``torch._dynamo``, which imports this one: first imported inside the
+wrapped function, its ten functions would hold iteration 0's default group for the life of the
+process (with its gloo threads: ``gloo_tcp_loop`` and two ``pt_gloo_runloop``), and call it when
+used without a ``group`` in a later iteration. Imported before the first group exists, their
+default is None: the default group of the moment they are called. Two other torch modules do
+the same (``torch.distributed.fsdp.sharded_grad_scaler``,
+``torch.distributed.optim.zero_redundancy_optimizer``) but take seconds to import: not imported
+here (docs/inprocess.md says to import them before the wrapped call)."""
+
+
+def import_group_defaults() -> None:
+    """Import `PINNING_MODULES` while no process group exists (the Wrapper's start: it refuses an
+    initialised torch.distributed), so that no aborted group is pinned by a default argument."""
+    import importlib
+
+    import torch.distributed as dist
+
+    if not dist.is_available() or dist.is_initialized():
+        return
+    for name in PINNING_MODULES:
+        importlib.import_module(name)
+
+
 def bury() -> int:
     """Destroy the aborted iterations' groups (after the restart barrier); how many."""
     n = len(_graveyard)

@@ -129,6 +129,7 @@ class Wrapper(WrapperConfig):
         if threading.current_thread() is not threading.main_thread():
             raise InProcessError("a Wrapper must be called from the main thread (it is interrupted by a signal)")
         _refuse_initialized()
+        aborting.import_group_defaults()
         rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
         run = Run(coordinate.make_store(self, rank, world, next(coordinate.calls)), rank, world)
         exit_teardown.install()  # the function's gloo group, left to the interpreter, could abort the exit

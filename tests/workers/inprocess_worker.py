@@ -3,9 +3,10 @@
     RANK=r WORLD_SIZE=n MASTER_ADDR=127.0.0.1 MASTER_PORT=p python inprocess_worker.py SCENARIO [--steps N]
 
 Prints one line per event the tests wait for ("iteration I start step S", "finished",
-...). Scenarios: ok, raise (rank 1 raises at step 5 of iteration 0), hang (rank 1
-sleeps at step 5 of iteration 0 with no ping), atomic (a fault arrives while rank 0 is
-inside atomic()), health (health_check fails), die (rank 1 exits at step 5),
+...; the start lines, and the lines before and after the wrapped call, count the OS
+threads by name). Scenarios: ok, raise (rank 1 raises at step 5 of iteration 0), hang
+(rank 1 sleeps at step 5 of iteration 0 with no ping), atomic (a fault arrives while
+rank 0 is inside atomic()), health (health_check fails), die (rank 1 exits at step 5),
 report (rank 0 reports a fault through events.report_fault at step 5), cycles (a fault
 at step 2 of every iteration until iteration 20), monitored (a RankMonitorClient with
 sections `step` and, inside it, `data`; rank 1 hangs inside `data` at step 5 of
@@ -65,6 +66,31 @@ def fds() -> int:
         except OSError:
             pass
     return n
+
+
+def os_threads() -> dict[str, int]:
+    """This process's OS threads (/proc/self/task), native ones included (gloo's, a store's),
+    counted by name (``comm``); threading.enumerate sees only Python's."""
+    names: dict[str, int] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+        except OSError:  # the thread ended meanwhile
+            continue
+        names[name] = names.get(name, 0) + 1
+    return names
+
+
+def threads_line(names: dict[str, int]) -> str:
+    return f"tasks {sum(names.values())} names " + ",".join(f"{k}={v}" for k, v in sorted(names.items()))
+
+
+def settled_threads(limit: int, timeout: float) -> dict[str, int]:
+    """The OS threads once they are at most ``limit`` (a thread that was joined may still be
+    leaving the kernel for an instant), or as they are after ``timeout`` seconds."""
+    wait_until(lambda: sum(os_threads().values()) <= limit, timeout)
+    return os_threads()
 
 
 def rss_kb() -> int:
@@ -128,7 +154,7 @@ def main() -> int:
                 opt.load_state_dict(saved[start]["opt"])  # type: ignore[arg-type]
         say(f"rank {rank} pid {os.getpid()} iteration {call.iteration} start step {start} threads "
             f"{threading.active_count()} fds {fds()} groups {len(distributed_c10d._world.pg_map)} keys "
-            f"{call.store.num_keys()} rss {rss_kb()}")
+            f"{call.store.num_keys()} rss {rss_kb()} {threads_line(os_threads())}")
         if scenario == "cycles" and rank == 0:  # rank 1 faults once this line is out (else it may never be)
             call.store.set(CYCLE_STARTED, str(call.iteration).encode())
         loss = torch.tensor(0.0)
@@ -191,12 +217,15 @@ def main() -> int:
         dist.destroy_process_group()
         return float(loss.item())
 
+    before = os_threads()
+    say(f"rank {rank} before the call {threads_line(before)}")
     try:
         final = train()
     except BaseException as e:
         say(f"rank {rank} gave up: {type(e).__name__}: {e}")
         return 3
-    say(f"rank {rank} finished loss {final:.6f} threads {threading.active_count()} fds {fds()}")
+    say(f"rank {rank} finished loss {final:.6f} threads {threading.active_count()} fds {fds()} "
+        f"{threads_line(settled_threads(sum(before.values()), 10.0))}")
     if client is not None:
         client.shutdown_workload_monitoring()
     return 0

@@ -181,6 +181,10 @@ class RestartStore:
 
         return PrefixStore(self.key(iteration, "user/"), self.base)
 
+    def user_key(self, iteration: int, name: str) -> str:
+        """Where ``name`` of `user_store` ``(iteration)`` lies in the base store (PrefixStore's join)."""
+        return f"{self.key(iteration, 'user/')}/{name}"
+
     # -- signed values -------------------------------------------------------------
     def _bind(self, iteration: int) -> dict[str, Any]:
         return {"attempt": self.attempt, "iteration": iteration}
@@ -383,13 +387,12 @@ class RestartStore:
         """Delete an iteration's keys (every rank is past it): the shared ones, this rank's
         own, and the address keys that torch's gloo process group init wrote on the
         iteration's user store (torch 2.13's key names; a key that is not there is no error)."""
-        user = self.user_store(iteration)
         shared = ("outcome", "completed", "barrier", "barrier_done", "exit", "exit_done", "outside")
         own = (f"completed/{self.rank}", f"barrier/{self.rank}", f"exit/{self.rank}")
-        for store, key in [*((self.base, self.key(iteration, name)) for name in (*shared, *own)),
-                           *((user, f"{GLOO_DEFAULT_GROUP_KEY}{r}") for r in range(self.world_size))]:
+        for key in [*(self.key(iteration, name) for name in (*shared, *own)),
+                    *(self.user_key(iteration, f"{GLOO_DEFAULT_GROUP_KEY}{r}") for r in range(self.world_size))]:
             try:
-                store.delete_key(key)
+                self.base.delete_key(key)
             except Exception:  # noqa: BLE001 - best effort: a leftover key is never read again
                 pass
 

@@ -253,6 +253,7 @@ class Sim:
             "bytes": sum(per_rank_bytes), "bytes_per_rank": sum(per_rank_bytes) / self.n,
             "server_cpu_s": s1.cpu_s, "server_wire_bytes": s1.rchar + s1.wchar, "server_syscalls": s1.syscr + s1.syscw,
             "keys_held": len(keys), "keys_growth": len(keys) - keys_before,
+            "keys_past": sum(_iteration_of(k.removeprefix(self.prefix)) < self.iteration for k in keys),
             "keys_held_names": sorted({_shape(k.removeprefix(self.prefix)) for k in keys}),
         }
 
@@ -276,6 +277,12 @@ class Sim:
 def _shape(key: str) -> str:
     """A key's name with its numbers replaced (``.../iter/3/barrier/17`` -> ``.../iter/N/barrier/N``)."""
     return "/".join("N" if part.isdigit() else part for part in key.split("/"))
+
+
+def _iteration_of(key: str) -> int:
+    """The iteration of a key of the Wrapper's space (``iter/<N>/...``)."""
+    parts = key.split("/")
+    return int(parts[1]) if len(parts) > 1 and parts[0] == "iter" and parts[1].isdigit() else -1
 
 
 def _rss_kb() -> int:
@@ -397,7 +404,7 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
     out = {k: med(k) for k in ("notify_ms", "barrier_ms", "barrier_span_ms", "total_ms", "calls", "calls_per_rank",
                                "calls_busiest_rank", "bytes", "bytes_per_rank", "server_cpu_s",
                                "server_wire_bytes")}
-    out.update(n=result["n"], keys_held=max(r["keys_held"] for r in rows),
+    out.update(n=result["n"], keys_held=max(r["keys_held"] for r in rows), keys_past=max(r["keys_past"] for r in rows),
                keys_growth=max(r["keys_growth"] for r in rows[1:]) if len(rows) > 1 else rows[0]["keys_growth"],
                quiet_calls=max(q["calls"] for q in result["quiet"]),
                quiet_server_cpu_ms=max(q["server_cpu_s"] for q in result["quiet"]) * 1000,
@@ -412,6 +419,7 @@ COLUMNS = (("N", "n", "{:.0f}"), ("notify ms", "notify_ms", "{:.1f}"), ("fan-out
            ("total ms", "total_ms", "{:.1f}"), ("calls", "calls", "{:.0f}"), ("calls/rank", "calls_per_rank", "{:.2f}"),
            ("busiest", "calls_busiest_rank", "{:.0f}"), ("bytes/rank", "bytes_per_rank", "{:.0f}"),
            ("store CPU ms", "server_cpu_s", "{:.0f}"), ("keys held", "keys_held", "{:.0f}"),
+           ("of past iterations", "keys_past", "{:.0f}"),
            ("keys +/incident", "keys_growth", "{:.0f}"), ("quiet calls", "quiet_calls", "{:.0f}"),
            ("RSS/rank KiB", "rss_per_rank_kb", "{:.0f}"))
 
@@ -448,12 +456,12 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
         (axes[1][1], "store host CPU per incident (ms)", (("server_cpu_s", "TCPStore server process"),)),
     )
     for ax, label, series in panels:
-        for p in protocols:
-            mine = sorted((r for r in rows if r["protocol"] == p), key=lambda r: r["n"])
-            ns = [r["n"] for r in mine]
-            for k, name in series:
+        for i, (k, name) in enumerate(series):
+            for p in protocols:
+                mine = sorted((r for r in rows if r["protocol"] == p), key=lambda r: r["n"])
                 ys = [r[k] * (1000 if k == "server_cpu_s" else 1) for r in mine]
-                ax.plot(ns, ys, styles[p], marker="o", markersize=3, label=f"{name} ({p})")
+                ax.plot([r["n"] for r in mine], ys, styles[p], color=f"C{i}", marker="o", markersize=3,
+                        label=f"{name} ({p})")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("simulated ranks N")

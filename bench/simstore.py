@@ -106,6 +106,8 @@ class StoreServer:
         except (OSError, subprocess.TimeoutExpired):
             self.proc.kill()
             self.proc.wait(10)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
 
 
 def _readline(proc: subprocess.Popen[str], timeout: float) -> str:

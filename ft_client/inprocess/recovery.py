@@ -50,7 +50,7 @@ def rejoin(cfg: WrapperConfig, run: Run, fault: FaultRecord) -> None:
     fault = coordinate.restart_barrier(cfg, run, fault)
     run.times["barrier"] = time.time()
     aborting.bury()
-    run.store.forget(run.iteration - 1)
+    run.store.forget(run.iteration)
     run.iteration += 1
     run.restart = events.Restart(run.iteration, events.Fault(fault.reason, fault.rank, run.iteration - 1,
                                                              fault.source), dict(run.times))

@@ -69,7 +69,7 @@ TARGETS = {"notify_ms": 50.0, "barrier_ms": 200.0, "total_ms": 500.0}
 PREFIX = "ft_inprocess/sim/0/"
 ADDRESS = b"a" * 170
 """What gloo's init_process_group writes per rank (torch 2.13: one key, 170 bytes)."""
-WAIT_S = 120.0
+WAIT_S = 300.0
 """Bound on every wait of the harness for its ranks."""
 
 
@@ -335,6 +335,8 @@ def simulate(pool: Pool, n: int, incidents: int, quiet_s: float = 0.3, seed: int
 
 def worker() -> None:
     """``--worker MAX_N``: a pool for MAX_N ranks, then one JSON line per ``N INCIDENTS`` line read."""
+    if os.environ.get("FT_SIM_SWITCH_INTERVAL"):  # the GIL's hand-over interval among 2N threads (default 5 ms)
+        sys.setswitchinterval(float(os.environ["FT_SIM_SWITCH_INTERVAL"]))
     pool = Pool(int(sys.argv[2]))
     print(json.dumps({"ready": True, "connect_s": pool.connect_s}), flush=True)
     try:
@@ -353,6 +355,8 @@ class Worker:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("FT_", "TORCHELASTIC_"))}
         env["PYTHONPATH"] = os.pathsep.join([*([str(tree)] if tree else []), str(ROOT)])
         env["FT_SIM_CHILD"] = "1"
+        if os.environ.get("FT_SIM_SWITCH_INTERVAL"):
+            env["FT_SIM_SWITCH_INTERVAL"] = os.environ["FT_SIM_SWITCH_INTERVAL"]
         self.log = tempfile.TemporaryFile("w+")  # torch's warnings: a pipe could fill up
         self.proc = subprocess.Popen([sys.executable, "-m", "bench.sim_inprocess", "--worker", str(ranks)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
@@ -477,27 +481,39 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def sweep(ns: list[int], incidents: int, baseline: str | None, old_incidents: int | None = None
-          ) -> list[dict[str, Any]]:
+def sweep(ns: list[int], incidents: int, baseline: str | None, old_incidents: int | None = None,
+          old_max: int | None = None, progress: Any = None) -> list[dict[str, Any]]:
     """Every N (old then new where a baseline is named: one worker process each, both
-    connected first, then taking turns N by N)."""
-    trees: list[tuple[str, Path | None]] = [("new" if baseline else "this", None)]
+    connected first, then taking turns N by N; the old one up to ``old_max`` ranks).
+    ``progress(rows)`` after each N; a simulation that fails is reported and ends its
+    protocol's sweep (the other goes on)."""
+    trees: list[tuple[str, Path | None, int]] = [("new" if baseline else "this", None, max(ns))]
     if baseline:
-        trees.insert(0, (f"old ({baseline[:10]})", baseline_tree(baseline)))
-    workers = [(name, Worker(max(ns), tree)) for name, tree in trees]
-    rows = []
+        trees.insert(0, (f"old ({baseline[:10]})", baseline_tree(baseline), min(max(ns), old_max or max(ns))))
+    workers = {name: (Worker(top, tree), top) for name, tree, top in trees}
+    rows: list[dict[str, Any]] = []
+    failed: dict[str, str] = {}
     try:
-        for name, w in workers:
-            print(f"sim_inprocess: {name}: {2 * max(ns)} connections in "
+        for name, (w, top) in workers.items():
+            print(f"sim_inprocess: {name}: {2 * top} connections in "
                   f"{w.recv(3600)['connect_s']:.0f} s", file=sys.stderr, flush=True)
         for n in ns:
-            for name, w in workers:
+            for name, (w, top) in workers.items():
+                if n > top or name in failed:
+                    continue
                 k = old_incidents if old_incidents and name.startswith("old") else incidents
                 print(f"sim_inprocess: N = {n} ({name}, {k} incidents) ...", file=sys.stderr, flush=True)
-                raw = w.measure(n, k)
+                try:
+                    raw = w.measure(n, k)
+                except RuntimeError as e:
+                    failed[name] = f"N = {n}: {str(e)[-500:]}"
+                    print(f"sim_inprocess: {name} failed at {failed[name]}", file=sys.stderr, flush=True)
+                    continue
                 rows.append({"protocol": name, **summary(raw), "raw": raw})
+            if progress is not None:
+                progress(rows)
     finally:
-        for _, w in workers:
+        for w, _ in workers.values():
             w.close()
     return rows
 
@@ -538,6 +554,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--incidents", type=int, default=None, help="incidents per N (default 7)")
     p.add_argument("--baseline", default=None, help="a git revision: measure its ft_client too, N by N")
     p.add_argument("--old-incidents", type=int, default=None, help="incidents per N for the baseline")
+    p.add_argument("--old-max", type=int, default=None, help="largest N for the baseline (its cost is O(N^2))")
     p.add_argument("--out", default=None, help="JSON file (default bench/results/sim-inprocess-<time>.json)")
     p.add_argument("--plot", default=str(ROOT / "docs" / "images" / "sim_inprocess.png"), help="PNG file")
     args = p.parse_args(argv)
@@ -546,19 +563,26 @@ def main(argv: list[str] | None = None) -> int:
     incidents = args.incidents or (2 if args.smoke else 3 if args.quick else 7)
     started = time.time()
     load_start = os.getloadavg()
-    rows = sweep(ns, incidents, args.baseline, args.old_incidents)
-    load_end = os.getloadavg()
-    text = table(rows)
-    print(text)
-    load = f"load average {load_start[0]:.2f} at start, {load_end[0]:.2f} at end"
-    print(f"\n{load}", file=sys.stderr)
     out = Path(args.out) if args.out else ROOT / "bench" / "results" / \
         f"sim-inprocess-{time.strftime('%Y%m%d-%H%M%S', time.localtime(started))}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"schema": 1, "ns": ns, "incidents": incidents, "baseline": args.baseline,
-                               "loadavg_start": load_start, "loadavg_end": load_end, "cores": os.cpu_count(),
-                               "git_commit": _git("rev-parse", "HEAD"), "rows": rows, "table": text}, indent=1) + "\n")
-    plot(rows, Path(args.plot), f"in-process restart store protocol, {os.cpu_count()} cores, {load}")
+
+    def write(rows: list[dict[str, Any]]) -> str:
+        load_end = os.getloadavg()
+        text = table(rows)
+        out.write_text(json.dumps({"schema": 1, "ns": ns, "incidents": incidents, "baseline": args.baseline,
+                                   "loadavg_start": load_start, "loadavg_end": load_end, "cores": os.cpu_count(),
+                                   "git_commit": _git("rev-parse", "HEAD"), "rows": rows, "table": text},
+                                  indent=1) + "\n")
+        load = f"load average {load_start[0]:.2f} at start, {load_end[0]:.2f} at end"
+        if rows:
+            plot(rows, Path(args.plot), f"in-process restart store protocol, {os.cpu_count()} cores, {load}")
+        return load
+
+    rows = sweep(ns, incidents, args.baseline, args.old_incidents, args.old_max, write)
+    load = write(rows)
+    print(table(rows))
+    print(f"\n{load}", file=sys.stderr)
     print(f"JSON written to {out}; curves to {args.plot}", file=sys.stderr)
     return 0
 

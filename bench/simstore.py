@@ -60,7 +60,7 @@ class ServerReading:
 class StoreServer:
     """The TCPStore host as a child process; `reading()` reads its /proc entries."""
 
-    def __init__(self, start_timeout: float = 60.0) -> None:
+    def __init__(self, start_timeout: float = 300.0) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("FT_", "TORCHELASTIC_"))}
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
         self.proc = subprocess.Popen([sys.executable, "-m", "bench.simstore", "--serve"], stdin=subprocess.PIPE,

@@ -30,9 +30,12 @@ server CPU during a quiet window while every rank "trains" (polling). Per N also
 store's own fan-out (one set waking N waiters, each then reading the key: the floor of
 any notification), and memory (RSS of the ranks' process and of the server, per rank).
 
-Each N runs in a fresh process with a fresh server. ``--baseline REV`` runs every N twice,
-alternating: ft_client as of REV (``git archive``), then this tree's: old vs new side by
-side under the same load. Prints a table, writes JSON (default
+The simulation runs in a worker process with its own store server and 2 connections per
+rank made once (`Pool`: TCPStore connects stall here) and reused by every N, each N under
+its own key prefix. ``--baseline REV`` starts a second worker with ft_client as of REV
+(``git archive``) and the two take turns N by N: old vs new side by side under the same
+load (``--old-max``: the old one only up to that N). ``FT_SIM_SWITCH_INTERVAL`` sets the
+workers' GIL hand-over interval (``sys.setswitchinterval``), for experiments. Prints a table, writes JSON (default
 bench/results/sim-inprocess-<time>.json) and draws the curves (matplotlib; default
 docs/images/sim_inprocess.png). bench/run.py runs it as ``sim_inprocess`` (this tree only).
 """

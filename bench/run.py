@@ -41,6 +41,7 @@ from bench import (  # noqa: E402
     ingest,
     rdzv_restart,
     restart,
+    sim_inprocess,
     snapshot,
     stalled,
     startup,
@@ -66,6 +67,8 @@ BENCHMARKS: dict[str, tuple[bool, Callable[..., list[Figure]]]] = {
     "diagnosis": (False, lambda mode, loop: diagnosis.run(mode)),  # the launcher's daemons pick their own loop
     # the full set runs its quick variant (100 MB); the 1 GB rows: bench/snapshot.py
     "snapshot": (False, lambda mode, loop: snapshot.run(Mode("quick") if mode.name == "full" else mode, loop)),
+    # issue 28: the in-process restart's store protocol at N simulated ranks (before/after: --baseline REV there)
+    "sim_inprocess": (False, lambda mode, loop: sim_inprocess.run(mode)),
 }
 
 

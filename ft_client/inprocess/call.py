@@ -133,7 +133,9 @@ class Run:
         """Where the fault found the main thread: waiting for other ranks (in torch.distributed or
         backward, or done with the function), or outside every collective (see `coordinate.culprit`)."""
 
-    def new_iteration(self) -> None:
+    def new_iteration(self, sockets: set[int] | None = None) -> None:
+        """Reset for the next iteration; ``sockets``: the socket inodes this process holds
+        now (`new_tcp_sockets` counts from them; default: read from /proc)."""
         self.fault = None
         self.waiting = True
         self.handled = False
@@ -143,7 +145,7 @@ class Run:
         self.last_ping = None
         self.interrupt_pending = False
         self.times = {}
-        self.sockets_before = set(aborting.socket_fds())
+        self.sockets_before = set(aborting.socket_fds()) if sockets is None else sockets
 
     def close(self) -> None:
         """Let go of the store (main thread, the call is over): every reference the Wrapper

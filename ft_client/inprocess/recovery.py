@@ -1,8 +1,8 @@
 """Between two iterations, after a fault (main thread, out of the function): the abort
 hook where the monitor thread had not run it, the process groups forgotten, the aborted
 iteration's garbage collected, ``finalize`` and ``health_check`` (a failure ends the
-Wrapper), ``max_iterations``, the restart barrier, and the step into the next iteration
-with its `events.Restart` record."""
+Wrapper), ``max_iterations``, then `rejoin`: the restart barrier, and the step into the
+next iteration with its `events.Restart` record."""
 
 from __future__ import annotations
 
@@ -39,10 +39,18 @@ def after_fault(cfg: WrapperConfig, run: Run, call: CallWrapper) -> None:
     if cfg.max_iterations is not None and run.iteration + 1 > cfg.max_iterations:
         raise RestartLimitError(f"rank {run.rank}: max_iterations = {cfg.max_iterations} in-process restarts "
                                 f"used; last fault: {fault.reason}")
+    rejoin(cfg, run, fault)
+
+
+def rejoin(cfg: WrapperConfig, run: Run, fault: FaultRecord) -> None:
+    """The store's part of the recovery, once this rank is out of the function and its
+    process groups are released: the restart barrier, the aborted iteration's keys deleted,
+    and the step into the next iteration with its `events.Restart` record. Only the store
+    and ``run`` are touched (bench/sim_inprocess.py drives it for 1,024 simulated ranks)."""
     fault = coordinate.restart_barrier(cfg, run, fault)
     run.times["barrier"] = time.time()
     aborting.bury()
-    run.store.forget(run.iteration - 1)
+    run.store.forget(run.iteration)
     run.iteration += 1
     run.restart = events.Restart(run.iteration, events.Fault(fault.reason, fault.rank, run.iteration - 1,
                                                              fault.source), dict(run.times))

@@ -15,7 +15,12 @@ Per iteration:
 * ``barrier``, ``barrier/<rank>``, ``barrier_done``: the restart barrier, the same way;
   the last rank to arrive writes ``barrier_done``, the others wait for it.
 * ``exit``, ``exit/<rank>``, ``exit_done``: the ranks that left the Wrapper (the host waits).
-* ``outside``: the rank that was outside every collective when a hang was reported.
+* ``outside``: the rank that was outside every collective when a hang was reported
+  (the last rank at the restart barrier puts it in ``barrier_done``: one read, not N).
+
+After the restart barrier each rank deletes its own keys of the iteration and rank 0 the
+shared ones (`RestartStore.forget`): an incident costs each rank a constant number of
+store calls whatever the job's size, and leaves two keys (docs/architecture.md, "Scale").
 
 Every value but the counts is signed (ft_client.signed) with the job's in-process key
 (ft_client.jobkey) and bound to its key, run, attempt and iteration; anything else
@@ -162,6 +167,10 @@ class RestartStore:
         self.attempt = attempt() if attempt_id is None else attempt_id
         self._refused: set[bytes] = set() if refused is None else refused
         """Refused values already logged (shared with clones)."""
+        self._own: dict[int, list[str]] = {}
+        """iteration -> the keys of its own this rank wrote there (deleted by `forget`)."""
+        self._outside: dict[int, int | None] = {}
+        """iteration -> the ``outside`` claim as the restart barrier's ``barrier_done`` carried it."""
 
     def key(self, iteration: int, name: str) -> str:
         return f"{self.prefix}iter/{iteration}/{name}"
@@ -180,6 +189,10 @@ class RestartStore:
         from torch._C._distributed_c10d import PrefixStore
 
         return PrefixStore(self.key(iteration, "user/"), self.base)
+
+    def user_key(self, iteration: int, name: str) -> str:
+        """Where ``name`` of `user_store` ``(iteration)`` lies in the base store (PrefixStore's join)."""
+        return f"{self.key(iteration, 'user/')}/{name}"
 
     # -- signed values -------------------------------------------------------------
     def _bind(self, iteration: int) -> dict[str, Any]:
@@ -298,6 +311,7 @@ class RestartStore:
         (a forged count only makes a rank check)."""
         mine = self.key(iteration, f"{name}/{self.rank}")
         self.base.set(mine, self.seal(iteration, ARRIVAL, mine, {"rank": self.rank}))
+        self._own.setdefault(iteration, []).append(mine)
         if self.base.add(self.key(iteration, name), 1) < self.world_size:
             return False
         return self.arrived(iteration, name) >= self.world_size
@@ -317,11 +331,31 @@ class RestartStore:
 
     def _all_arrived(self, iteration: int, name: str, timeout: float) -> bool:
         done = self.key(iteration, f"{name}_done")
-        return self._await(done, lambda raw: self.open(iteration, ALL_ARRIVED, done, raw), timeout) is not None
+        return self._await(done, lambda raw: self._all_arrived_of(iteration, name, done, raw), timeout) is not None
+
+    def _all_arrived_of(self, iteration: int, name: str, key: str, raw: object) -> dict[str, Any] | None:
+        """An authentic ``<name>_done``'s body; the restart barrier's carries the ``outside``
+        claim (kept for `outside`)."""
+        body = self.open(iteration, ALL_ARRIVED, key, raw)
+        if body is None or name != "barrier":
+            return body
+        try:
+            self._outside[iteration] = _rank_field(body, "outside", optional=True)
+        except StoreMessageError as e:
+            self._refuse(key, raw, e)
+            return None
+        return body
 
     def _announce_all_arrived(self, iteration: int, name: str) -> None:
+        """The last rank to arrive says so; at the restart barrier, with the ``outside`` claim
+        (made before every claimant's arrival), so that no rank has to read it."""
         done = self.key(iteration, f"{name}_done")
-        self.base.set(done, self.seal(iteration, ALL_ARRIVED, done, {}))
+        body: dict[str, Any] = {}
+        if name == "barrier":
+            outside = self._read_outside(iteration)
+            if outside is not None:
+                body["outside"] = outside
+        self.base.set(done, self.seal(iteration, ALL_ARRIVED, done, body))
 
     def barrier(self, iteration: int, name: str, timeout: float) -> int | None:
         """Every rank arrives, or None within ``timeout``: then how many arrived."""
@@ -373,23 +407,36 @@ class RestartStore:
             return None
 
     def outside(self, iteration: int) -> int | None:
-        """The rank that claimed ``outside`` (read after the restart barrier), or None."""
+        """The rank that claimed ``outside`` (after the restart barrier: as its ``barrier_done``
+        carried it, without a store call), or None."""
+        if iteration in self._outside:
+            return self._outside[iteration]
+        return self._read_outside(iteration)
+
+    def _read_outside(self, iteration: int) -> int | None:
         key = self.key(iteration, "outside")
         if not self.base.check([key]):
             return None
         return self._outside_of(iteration, key, bytes(self.base.get(key)))
 
     def forget(self, iteration: int) -> None:
-        """Delete an iteration's keys (every rank is past it): the shared ones, this rank's
-        own, and the address keys that torch's gloo process group init wrote on the
-        iteration's user store (torch 2.13's key names; a key that is not there is no error)."""
-        user = self.user_store(iteration)
-        shared = ("outcome", "completed", "barrier", "barrier_done", "exit", "exit_done", "outside")
-        own = (f"completed/{self.rank}", f"barrier/{self.rank}", f"exit/{self.rank}")
-        for store, key in [*((self.base, self.key(iteration, name)) for name in (*shared, *own)),
-                           *((user, f"{GLOO_DEFAULT_GROUP_KEY}{r}") for r in range(self.world_size))]:
+        """Right after the restart barrier of ``iteration`` (every rank is past the function
+        and its watcher): delete what no rank reads any more. Each rank deletes its own keys
+        there (its arrivals, and the address its default gloo group wrote on the iteration's
+        user store, torch 2.13's key name); rank 0 the shared keys nobody reads after the
+        barrier (outcome, the counts), and the two that were read after the previous
+        barrier (``barrier_done``, ``outside``). So each incident costs every rank one or two
+        deletes (not one per rank of the job) and leaves two keys behind, until the next
+        one. A key that is not there is no error."""
+        keys = [*self._own.pop(iteration, ()), self.user_key(iteration, f"{GLOO_DEFAULT_GROUP_KEY}{self.rank}")]
+        if self.rank == 0:
+            keys += [self.key(iteration, name) for name in ("outcome", "completed", "barrier")]
+            if iteration > 0:
+                keys += [self.key(iteration - 1, name) for name in ("barrier_done", "outside")]
+        self._outside.pop(iteration - 1, None)
+        for key in keys:
             try:
-                store.delete_key(key)
+                self.base.delete_key(key)
             except Exception:  # noqa: BLE001 - best effort: a leftover key is never read again
                 pass
 

@@ -19,7 +19,7 @@ from ft_monitor.core.snapshot import MonitorSnapshot
 from ft_monitor.forensics.fr_digest import digest
 from ft_monitor.launcher.diagnosis import ANSWERED, NO_ANSWER, NOT_RUNNING, HungRank, RankEvidence
 from ft_monitor.launcher.rollcall import Rank, RollCaller, evidence_from
-from ft_monitor.launcher.rollcall_wire import answer_key, read_answer, request_key
+from ft_monitor.launcher.rollcall_wire import ASKERS_KEY, BELL_KEY, answer_key, read_answer, request_key
 from ft_monitor.launcher.sealed import Sealer, SealError
 from ft_monitor.launcher.store_auth import RollCallAnswer, RollCallRequest, StoreChannel, StoreMessageError
 from tests.test_diagnosis import STACK_IN_ALL_REDUCE, STACK_SLEEPING, trace
@@ -32,11 +32,14 @@ HUNG = HungRank(1, "a", 101, "section 'step' open for 4.0 s, timeout 4.0 s", "se
 class FakeStore:
     def __init__(self) -> None:
         self.data: dict[str, bytes] = {}
+        self.sets: dict[str, list[bytes]] = {}
+        """Every value set, by key (the roll call deletes its keys once it is over)."""
         self.lock = threading.Lock()
 
     def set(self, key: str, value: bytes) -> None:
         with self.lock:
             self.data[key] = value
+            self.sets.setdefault(key, []).append(value)
 
     def get(self, key: str) -> bytes:
         with self.lock:
@@ -51,6 +54,18 @@ class FakeStore:
             value = int(self.data.get(key, b"0")) + n
             self.data[key] = str(value).encode()
             return value
+
+    def append(self, key: str, value: str | bytes) -> None:
+        with self.lock:
+            self.data[key] = self.data.get(key, b"") + (value.encode() if isinstance(value, str) else value)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        with self.lock:
+            return [self.data[k] for k in keys]
+
+    def delete_key(self, key: str) -> bool:
+        with self.lock:
+            return self.data.pop(key, None) is not None
 
 
 class Node(RollCaller):
@@ -100,6 +115,8 @@ def test_a_forged_request_is_said_once_and_the_genuine_one_after_it_is_answered(
         caplog: pytest.LogCaptureFixture) -> None:
     store = FakeStore()
     store.set(request_key(0), b'{"v":1,"kind":"roll_call","mac":"00"}')
+    store.append(ASKERS_KEY, "0,")  # listed and rung, as anyone who reaches the store can
+    store.add(BELL_KEY, 1)
     b = Node("b", [])
     with caplog.at_level(logging.WARNING, logger="ft_monitor.launcher"):
         assert not b.answer_pending([], store=store, channel=CHANNEL, group_rank=1, group_world_size=2, wait=0.3)
@@ -129,7 +146,8 @@ def test_a_request_replayed_in_the_same_round_is_refused_and_dumps_nothing(caplo
         helper.start()
         a.run(HUNG, [], store=store, channel=CHANNEL, group_rank=0, group_world_size=2, world_size=3, attempt=0)
         helper.join(10)
-        first.append(store.get(request_key(0)))
+        first.append(store.sets[request_key(0)][-1])
+        assert not store.check([request_key(0)])  # the asker tidied it away
     assert b.dumped == 2 and b.answered == {0: 2}
     store.set(request_key(0), first[0])  # incident 1's genuine request, stored again
     with caplog.at_level(logging.WARNING, logger="ft_monitor.launcher"):
@@ -153,7 +171,8 @@ def test_answers_are_sealed_in_the_store_and_altered_or_moved_ones_do_not_open()
     d = a.run(HUNG, [], store=store, channel=CHANNEL, group_rank=0, group_world_size=2, world_size=3, attempt=0)
     helper.join(10)
     assert [e for e in d.evidence if e.rank == 2] == [b_rank]  # it crossed the store whole
-    raw = store.get(answer_key(0, 1, 1))
+    assert not store.check([answer_key(0, 1, 1)])  # and left it with the roll call
+    (raw,) = store.sets[answer_key(0, 1, 1)]
     for clear in ("hidden_function", "987654321", "native_frame_xyz", "/private/evidence", "note-qwerty",
                   "last_enqueued", "all_reduce", "stack"):
         assert clear.encode() not in raw, clear

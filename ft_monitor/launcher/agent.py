@@ -118,8 +118,11 @@ class FtLocalElasticAgent(HangHandling, _lea.LocalElasticAgent):
 
     # -- start ---------------------------------------------------------------
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        previous, previous_rank = worker_group.store, worker_group.group_rank
         super()._rendezvous(worker_group)
         self._rounds += 1
+        if previous is not None and previous is not worker_group.store:  # every node has left that round
+            self.nodes.leave_round(previous, previous_rank, self.rollcall.written)
         self.rollcall.new_round(rendezvous_round(worker_group.spec.rdzv_handler, self._rounds - 1))
         if self.ft.restarts and self.ft.restarts[-1].rendezvous_done is None:
             self.ft.restarts[-1].rendezvous_done = time.time()

@@ -40,6 +40,7 @@ from bench import (  # noqa: E402
     import_time,
     ingest,
     restart,
+    sim_nodes,
     snapshot,
     stalled,
     startup,
@@ -63,6 +64,8 @@ BENCHMARKS: dict[str, tuple[bool, Callable[..., list[Figure]]]] = {
     "diagnosis": (False, lambda mode, loop: diagnosis.run(mode)),  # the launcher's daemons pick their own loop
     # the full set runs its quick variant (100 MB); the 1 GB rows: bench/snapshot.py
     "snapshot": (False, lambda mode, loop: snapshot.run(Mode("quick") if mode.name == "full" else mode, loop)),
+    # issue 28: the launcher's store protocols at M simulated nodes, before and after (its own process: torch)
+    "sim_nodes": (False, lambda mode, loop: sim_nodes.figures(mode)),
 }
 
 

@@ -47,6 +47,13 @@ def hang_board(nodes: int) -> Board:
     return Board(HANG_INDEX_KEY, HANG_COUNT_KEY, HANG_KEY.format, nodes)
 
 
+TORCH_NODE_KEYS = ("torchelastic/role_info/{}", "torchelastic/assigned_ranks/{}")
+"""The keys torch's agent writes per node in every round (`_assign_worker_ranks`), read by
+no one once the round is over."""
+TORCH_ROUND_KEYS = ("MASTER_ADDR", "MASTER_PORT")
+"""The round's keys torch's rendezvous handler writes from its rank 0 (RendezvousStoreInfo.build)."""
+
+
 class NodeMessages:
     """One agent's side of the messages between nodes (``job_secret`` None: none are sent)."""
 
@@ -118,14 +125,16 @@ class NodeMessages:
         """After the next rendezvous completed (so every node has left the previous round, and
         nobody reads its keys again): delete this node's keys of the previous round, its hang
         record, step times, roll call request and the answers it ``written``; node 0 also the
-        round's shared boards (hang index and counter, the askers' index and the bell). Without
-        this every incident left ~2 keys per node in the store for the rest of the job. The
-        number of store operations."""
+        round's shared boards (hang index and counter, the askers' index and the bell). Torch's
+        own keys of the round go too (the rank assignment's per node, and the master address
+        of node 0), which nothing reads again either. Without this every restart left ~4 keys
+        per node in the store for the rest of the job. The number of store operations."""
         if store is None or group_rank is None:
             return 0
-        keys = [HANG_KEY.format(group_rank), STEP_TIMES_KEY.format(group_rank), request_key(group_rank), *written]
+        keys = [HANG_KEY.format(group_rank), STEP_TIMES_KEY.format(group_rank), request_key(group_rank), *written,
+                *(k.format(group_rank) for k in TORCH_NODE_KEYS)]
         if group_rank == 0:
-            keys += [HANG_INDEX_KEY, HANG_COUNT_KEY, ASKERS_KEY, BELL_KEY]
+            keys += [HANG_INDEX_KEY, HANG_COUNT_KEY, ASKERS_KEY, BELL_KEY, *TORCH_ROUND_KEYS]
         try:
             for key in keys:
                 store.delete_key(key)

@@ -566,6 +566,7 @@ def idle(host: StoreHost, nodes: list[SimNode], seconds: float) -> dict[str, Any
     if seconds <= 0:
         return {}
     ops0, _ = totals(nodes)
+    rops0, rbytes0 = totals(nodes, "rdzv_counter")
     cpu0 = host.cpu_s()
     end = time.monotonic() + seconds
 
@@ -577,10 +578,14 @@ def idle(host: StoreHost, nodes: list[SimNode], seconds: float) -> dict[str, Any
             n.messages.shared_shutdown(n.wg)
             time.sleep(MONITOR_INTERVAL)
 
+    t0 = time.monotonic()
     errors = on_all(nodes, loop, seconds + 60)
     ops1, _ = totals(nodes)
-    return {"ops_per_s": (ops1 - ops0) / seconds, "ops_per_s_per_node": (ops1 - ops0) / seconds / len(nodes),
-            "store_cpu_share": (host.cpu_s() - cpu0) / seconds, "errors": errors[:3]}
+    rops1, rbytes1 = totals(nodes, "rdzv_counter")
+    took = time.monotonic() - t0
+    return {"ops_per_s": (ops1 - ops0) / took, "ops_per_s_per_node": (ops1 - ops0) / took / len(nodes),
+            "torch_ops_per_s": (rops1 - rops0) / took, "torch_bytes_per_s": (rbytes1 - rbytes0) / took,
+            "store_cpu_share": (host.cpu_s() - cpu0) / took, "errors": errors[:3]}
 
 
 # -- bench/run.py's figures ------------------------------------------------------------
@@ -656,6 +661,8 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
     row["idle_ops_per_s"] = idle_.get("ops_per_s")
     row["idle_ops_per_s_per_node"] = idle_.get("ops_per_s_per_node")
     row["idle_store_cpu_share"] = idle_.get("store_cpu_share")
+    row["idle_torch_ops_per_s"] = idle_.get("torch_ops_per_s")
+    row["idle_torch_bytes_per_s"] = idle_.get("torch_bytes_per_s")
     return row
 
 
@@ -666,7 +673,8 @@ COLUMNS = [("protocol", "protocol", "{}"), ("nodes", "M", "{}"), ("hang_decision
            ("incident_bytes_per_node", "bytes/node/incident", "{:.0f}"), ("step_ops", "step-exch. ops", "{:.0f}"),
            ("rendezvous_ops", "rdzv ops", "{:.0f}"), ("keys_left_ours", "our keys left", "{:.0f}"),
            ("keys_added_total", "keys added (all)", "{:.0f}"), ("store_cpu_s", "store CPU s/incident", "{:.3f}"),
-           ("idle_ops_per_s", "idle ops/s", "{:.0f}"), ("idle_store_cpu_share", "idle store CPU", "{:.1%}"),
+           ("idle_ops_per_s", "idle ops/s", "{:.0f}"), ("idle_torch_ops_per_s", "idle torch ops/s", "{:.0f}"),
+           ("idle_store_cpu_share", "idle store CPU", "{:.1%}"),
            ("all_agreed", "agreed", "{}"), ("all_answered", "all answered", "{}")]
 
 
@@ -765,7 +773,7 @@ def main(argv: list[str] | None = None) -> int:
     nodes = [int(x) for x in args.nodes.split(",")] if args.nodes else \
         {"full": [2, 4, 8, 16, 32, 64, 128], "quick": [2, 4, 8, 16, 32], "smoke": [2, 4]}[mode]
     incidents = args.incidents or {"full": 3, "quick": 2, "smoke": 1}[mode]
-    idle_s = args.idle if args.idle is not None else {"full": 3.0, "quick": 2.0, "smoke": 1.0}[mode]
+    idle_s = args.idle if args.idle is not None else {"full": 6.0, "quick": 2.0, "smoke": 1.0}[mode]
     result = run(nodes, incidents, args.ranks_per_node, idle_s, args.protocols.split(","))
     result["mode"] = mode
     text = table(result["rows"])

@@ -30,7 +30,10 @@ HUNG = HungRank(1, "a", 101, "section 'step' open for 4.0 s, timeout 4.0 s", "se
 
 
 class FakeStore:
-    def __init__(self) -> None:
+    def __init__(self, extended: bool = True) -> None:
+        self.extended = extended
+        """torch's extended API (append, multi_get), as a TCPStore has; without it (torch's etcd
+        store) the boards keep no index and a look reads every node's key."""
         self.data: dict[str, bytes] = {}
         self.sets: dict[str, list[bytes]] = {}
         """Every value set, by key (the roll call deletes its keys once it is over)."""
@@ -55,11 +58,16 @@ class FakeStore:
             self.data[key] = str(value).encode()
             return value
 
+    def has_extended_api(self) -> bool:
+        return self.extended
+
     def append(self, key: str, value: str | bytes) -> None:
+        assert self.extended
         with self.lock:
             self.data[key] = self.data.get(key, b"") + (value.encode() if isinstance(value, str) else value)
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
+        assert self.extended
         with self.lock:
             return [self.data[k] for k in keys]
 
@@ -81,8 +89,9 @@ class Node(RollCaller):
         return self.evidence
 
 
-def test_the_owner_gets_the_other_nodes_ranks_through_the_store() -> None:
-    store = FakeStore()
+@pytest.mark.parametrize("extended", [True, False], ids=["tcpstore", "plain-store-api"])
+def test_the_owner_gets_the_other_nodes_ranks_through_the_store(extended: bool) -> None:
+    store = FakeStore(extended)
     a = Node("a", [RankEvidence(0, "a", ANSWERED, stack=STACK_IN_ALL_REDUCE),
                    RankEvidence(1, "a", ANSWERED, stack=STACK_SLEEPING)])
     b = Node("b", [RankEvidence(2, "b", ANSWERED, stack=STACK_IN_ALL_REDUCE),
@@ -100,6 +109,7 @@ def test_the_owner_gets_the_other_nodes_ranks_through_the_store() -> None:
     assert not a.answer_pending([], store=store, channel=CHANNEL, group_rank=0, group_world_size=2)
     assert not b.answer_pending([], store=store, channel=CHANNEL, group_rank=1, group_world_size=2, wait=0.3)
     assert b.dumped == 1 and b.answered == {0: 1}
+    assert store.data.keys() <= {BELL_KEY, ASKERS_KEY}  # the answers and the request left with the roll call
 
 
 def test_a_node_that_never_answers_costs_the_bound_and_no_more() -> None:

@@ -63,7 +63,7 @@ from ft_monitor.launcher.rollcall_wire import (
 )
 from ft_monitor.launcher.sealed import Sealer
 from ft_monitor.launcher.store_auth import RollCallRequest, StoreChannel, StoreMessageError
-from ft_monitor.launcher.store_board import Board, existing
+from ft_monitor.launcher.store_board import Board, existing, read_all
 from ft_monitor.processes import procinfo
 
 log = logging.getLogger("ft_monitor.launcher")
@@ -297,7 +297,7 @@ class RollCaller:
             if pending:
                 keys = existing(store, [answer_key(group_rank, incident, g) for g in sorted(pending)])
                 by_key = {answer_key(group_rank, incident, g): g for g in pending}
-                take({by_key[k]: raw for k, raw in zip(keys, store.multi_get(keys) if keys else [], strict=True)})
+                take({by_key[k]: raw for k, raw in zip(keys, read_all(store, keys), strict=True)})
         except Exception as e:  # noqa: BLE001 - the store may be gone
             log.warning("ft-launcher: could not read the other nodes' roll call answers: %s", e)
         return evidence, hosts

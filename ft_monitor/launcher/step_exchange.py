@@ -13,7 +13,7 @@ import logging
 from typing import Any
 
 from ft_monitor.launcher.store_auth import StepTimes, StoreChannel, StoreMessageError
-from ft_monitor.launcher.store_board import existing
+from ft_monitor.launcher.store_board import existing, read_all
 
 log = logging.getLogger("ft_monitor.launcher")
 
@@ -29,7 +29,7 @@ def exchange_step_times(store: Any, channel: StoreChannel, group_rank: int, grou
     store.set(mine, channel.encode(mine, StepTimes(section, local, host)))
     keys = existing(store, [STEP_TIMES_KEY.format(n) for n in range(group_world_size) if n != group_rank])
     medians: dict[int, float] = {}
-    for key, raw in zip(keys, store.multi_get(keys) if keys else [], strict=True):
+    for key, raw in zip(keys, read_all(store, keys), strict=True):
         try:
             theirs = channel.decode(key, raw, StepTimes)
         except StoreMessageError as e:

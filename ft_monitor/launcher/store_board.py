@@ -20,6 +20,10 @@ attacker resets delays a reader until the counter moves or, where a caller needs
 until its next forced look (``look(force=True)`` reads the index whatever the counter).
 
 `parse_index` is total: any bytes give a set of group ranks below ``nodes``.
+
+A store without torch's extended API (``has_extended_api()`` false: no ``append`` nor
+``multi_get``, as torch's etcd store) gets no index: a look whose counter moved reads every
+wanted node's key, one ``check`` and one ``get`` each, as before the board.
 """
 
 from __future__ import annotations
@@ -46,6 +50,21 @@ def parse_index(raw: object, nodes: int) -> set[int]:
     return out
 
 
+def extended(store: Any) -> bool:
+    """Whether ``store`` has torch's extended API (append, multi_get: TCPStore, PrefixStore of one)."""
+    try:
+        return bool(store.has_extended_api())
+    except Exception:  # noqa: BLE001 - no such method, or a store that cannot say: the plain API
+        return False
+
+
+def read_all(store: Any, keys: list[str]) -> list[bytes]:
+    """The values of ``keys`` (all in the store): one ``multi_get``, or a ``get`` each."""
+    if not keys:
+        return []
+    return list(store.multi_get(keys)) if extended(store) else [store.get(k) for k in keys]
+
+
 def existing(store: Any, keys: list[str]) -> list[str]:
     """Those of ``keys`` that are in the store: one `check` when all are (the usual case),
     else one per key (a `get` or `multi_get` of a missing key would wait for it)."""
@@ -70,7 +89,8 @@ class Board:
         """Set this node's value, then list and count it; its key."""
         key = self.key_of(group_rank)
         store.set(key, value)
-        store.append(self.index_key, f"{group_rank},")
+        if extended(store):
+            store.append(self.index_key, f"{group_rank},")
         store.add(self.count_key, 1)
         return key
 
@@ -80,21 +100,26 @@ class Board:
     def look(self, store: Any, wanted: Iterable[int], force: bool = False) -> dict[int, bytes]:
         """The values of the ``wanted`` nodes that are listed, read when the counter moved since
         the last look (or with ``force`` whenever it is not 0); {} when nothing new."""
+        wanted = set(wanted)
         count = self.count(store)
         if count == 0 or (count == self.seen_count and not force):
             self.seen_count = count
             return {}
         self.seen_count = count
+        if not extended(store):  # no index: every wanted node's key
+            keys = existing(store, [self.key_of(g) for g in sorted(wanted)])
+            by_key = {self.key_of(g): g for g in wanted}
+            return {by_key[k]: store.get(k) for k in keys}
         if not store.check([self.index_key]):  # a counter moved by someone else: nothing listed (never wait)
             return {}
-        listed = sorted(parse_index(store.get(self.index_key), self.nodes) & set(wanted))
+        listed = sorted(parse_index(store.get(self.index_key), self.nodes) & wanted)
         if not listed:
             return {}
         keys = existing(store, [self.key_of(g) for g in listed])
         if not keys:
             return {}
         by_key = {self.key_of(g): g for g in listed}
-        return {by_key[k]: raw for k, raw in zip(keys, store.multi_get(keys), strict=True)}
+        return {by_key[k]: raw for k, raw in zip(keys, read_all(store, keys), strict=True)}
 
     def clear(self, store: Any) -> None:
         """Delete the index and the counter (the values are their writers' to delete)."""

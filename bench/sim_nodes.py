@@ -730,7 +730,10 @@ def loadavg() -> str:
 
 
 def run(nodes: list[int], incidents: int, ranks_per_node: int, idle_s: float, protocols: list[str],
-        log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)) -> dict[str, Any]:
+        log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True),
+        partial: Path | None = None, incidents_at: dict[int, int] | None = None) -> dict[str, Any]:
+    """Every M, both protocols side by side; a job that fails is recorded (its error) and the
+    others go on; ``partial``: the JSON so far, rewritten after each job."""
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # as ft-launcher sets it
     import logging
 
@@ -747,11 +750,20 @@ def run(nodes: list[int], incidents: int, ranks_per_node: int, idle_s: float, pr
         for p in protos:  # side by side, at each M
             t = time.monotonic()
             log(f"sim_nodes: M={m} {p.name} ... (load {loadavg()})")
-            r = run_nodes(m, p, incidents, ranks_per_node, idle_s)
+            try:
+                r = run_nodes(m, p, (incidents_at or {}).get(m, incidents), ranks_per_node, idle_s)
+            except Exception as e:  # noqa: BLE001 - one M that the machine cannot host ends only its job
+                log(f"sim_nodes: M={m} {p.name} failed: {type(e).__name__}: {e}")
+                runs.append({"nodes": m, "protocol": p.name, "failed": f"{type(e).__name__}: {e}"[:2000],
+                             "wall_s": time.monotonic() - t, "loadavg": loadavg()})
+                continue
             r["wall_s"] = time.monotonic() - t
             r["loadavg"] = loadavg()
             runs.append(r)
-    rows = [summarize(r) for r in runs]
+            if partial is not None:
+                partial.write_text(json.dumps({"runs": runs, "rows": [summarize(x) for x in runs if "failed" not in x]},
+                                              indent=1, default=str) + "\n")
+    rows = [summarize(r) for r in runs if "failed" not in r]
     return {"runs": runs, "rows": rows, "loadavg_start": load_start, "loadavg_end": loadavg(),
             "uptime": Path("/proc/uptime").read_text().split()[0], "before": BEFORE}
 
@@ -774,13 +786,19 @@ def main(argv: list[str] | None = None) -> int:
         {"full": [2, 4, 8, 16, 32, 64, 128], "quick": [2, 4, 8, 16, 32], "smoke": [2, 4]}[mode]
     incidents = args.incidents or {"full": 3, "quick": 2, "smoke": 1}[mode]
     idle_s = args.idle if args.idle is not None else {"full": 6.0, "quick": 2.0, "smoke": 1.0}[mode]
-    result = run(nodes, incidents, args.ranks_per_node, idle_s, args.protocols.split(","))
-    result["mode"] = mode
-    text = table(result["rows"])
-    print(text)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"sim_nodes-{mode}-{stamp}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
+    at = {128: 2} if mode == "full" and args.incidents is None else None  # each 128-node round takes minutes here
+    result = run(nodes, incidents, args.ranks_per_node, idle_s, args.protocols.split(","),
+                 partial=out.with_suffix(".partial.json"), incidents_at=at)
+    result["mode"] = mode
+    text = table(result["rows"])
+    print(text)
+    for r in result["runs"]:
+        if "failed" in r:
+            print(f"\nM={r['nodes']} {r['protocol']}: failed after {r['wall_s']:.0f} s (load {r['loadavg']}): "
+                  f"{r['failed'][:300]}")
     out.write_text(json.dumps(result, indent=1, default=str) + "\n")
     print(f"sim_nodes: JSON written to {out}", file=sys.stderr)
     if args.plot:

@@ -478,6 +478,9 @@ def run_nodes(m: int, proto: Protocol, incidents: int, ranks_per_node: int, idle
             raise RuntimeError(f"first rendezvous: {errors[:3]}")
         for n in nodes:
             n.round_written.append(n.written)
+        errors = on_all(nodes, lambda n: n.proto.step_exchange(n, "step", {}), 120)  # as every incident leaves it
+        if errors:
+            raise RuntimeError(f"first slow-rank exchange: {errors[:3]}")
         for k in range(incidents):
             out["incidents"].append(one_incident(host, nodes, k, timeout))
         out["idle"] = idle(host, nodes, idle_s)
@@ -509,7 +512,6 @@ def one_incident(host: StoreHost, nodes: list[SimNode], k: int, timeout: float) 
     ops2, bytes2 = totals(nodes)
     rops1, rbytes1 = totals(nodes, "rdzv_counter")
     left_ours = left_keys(nodes, incident_round)
-    keys_after = host.num_keys()
     # the slow-rank exchange, twice (the first of a round finds keys missing; the second is the steady state)
     local = {n.index: {w.global_rank: 0.1 + 0.001 * w.global_rank for w in n.wg.workers} for n in nodes}
     step_ops: list[tuple[int, int]] = []
@@ -525,6 +527,7 @@ def one_incident(host: StoreHost, nodes: list[SimNode], k: int, timeout: float) 
         errors += on_all(nodes, step, 120)
         s1 = totals(nodes)
         step_ops.append((s1[0] - s0[0], s1[1] - s0[1]))
+    keys_after = host.num_keys()  # the next round as the last was before the incident: its step times published
     owners = [r for r in results.values() if r.owner]
     decided = [r for r in results.values() if r.first_rank is not None]
     slowest = max(n.delay for n in nodes)

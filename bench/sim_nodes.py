@@ -263,8 +263,11 @@ def protocol_after() -> Protocol:
     from ft_monitor.launcher.step_exchange import exchange_step_times
 
     def step(node: SimNode, section: str, local: dict[int, float]) -> dict[int, float]:
-        return exchange_step_times(node.wg.store, node.channel, node.wg.group_rank, node.wg.group_world_size, section,
-                                   local, node.host, set())
+        medians, listed = exchange_step_times(node.wg.store, node.channel, node.wg.group_rank,
+                                              node.wg.group_world_size, section, local, node.host, set(),
+                                              listed=node.step_listed is node.wg)
+        node.step_listed = node.wg if listed else None  # as Telemetry keeps it, per round
+        return medians
 
     return Protocol("after", NodeMessages, RollCaller, step, tidies=True)
 
@@ -331,6 +334,7 @@ class SimNode:
         self.round_written: list[set[str]] = []
         """The keys this node wrote in each round (the protocols' and torch's rank assignment)."""
         self.channel: Any = None
+        self.step_listed: Any = None
         self.rounds = 0
 
     def rendezvous(self) -> None:

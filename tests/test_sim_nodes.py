@@ -51,12 +51,13 @@ def test_no_key_of_ours_is_left_once_the_next_round_is_joined(runs: dict[int, di
 @pytest.mark.timeout(240)
 def test_store_operations_grow_at_most_linearly_with_the_nodes(runs: dict[int, dict[str, Any]]) -> None:
     """Per node: an incident's operations are bounded by a constant (the polls of a window
-    and a roll call, not one per other node); the slow-rank exchange costs 3 per node in the
-    steady state; an idle monitor loop a few per second."""
+    and a roll call, not one per other node); the slow-rank exchange costs 4 per node (5 the
+    first time in a round); an idle monitor loop a few per second."""
     for m, run in runs.items():
         for inc in run["incidents"]:
             assert inc["incident_ops"] <= 120 * m * slack(), (m, inc["incident_ops"])
-            assert inc["step_ops"] == 3 * m, (m, inc["step_ops"])
+            assert inc["step_ops"] == 4 * m, (m, inc["step_ops"])  # set, get(index), check, multi_get
+            assert inc["step_ops_first"] <= 6 * m, (m, inc["step_ops_first"])  # the round's first: + append
             assert inc["step_medians_seen"] == 2 * (m - 1), m  # every other node's ranks, through multi_get
         assert run["idle"]["ops_per_s_per_node"] <= 10, (m, run["idle"])
     per_node = {m: max(i["incident_ops"] for i in r["incidents"]) / m for m, r in runs.items()}

@@ -16,7 +16,7 @@ from torch.distributed.elastic.agent.server.api import WorkerGroup
 
 from ft_monitor.launcher.decide import read_hang_record
 from ft_monitor.launcher.rollcall_wire import ASKERS_KEY, BELL_KEY, request_key
-from ft_monitor.launcher.step_exchange import STEP_TIMES_KEY
+from ft_monitor.launcher.step_exchange import STEP_TIMES_INDEX_KEY, STEP_TIMES_KEY
 from ft_monitor.launcher.store_auth import (
     SECRET_ENV,
     HangRecord,
@@ -125,7 +125,8 @@ class NodeMessages:
         """After the next rendezvous completed (so every node has left the previous round, and
         nobody reads its keys again): delete this node's keys of the previous round, its hang
         record, step times, roll call request and the answers it ``written``; node 0 also the
-        round's shared boards (hang index and counter, the askers' index and the bell). Torch's
+        round's shared boards (hang index and counter, the askers' index and the bell, the
+        step times' index). Torch's
         own keys of the round go too (the rank assignment's per node, and the master address
         of node 0), which nothing reads again either. Without this every restart left ~4 keys
         per node in the store for the rest of the job. The number of store operations."""
@@ -134,7 +135,7 @@ class NodeMessages:
         keys = [HANG_KEY.format(group_rank), STEP_TIMES_KEY.format(group_rank), request_key(group_rank), *written,
                 *(k.format(group_rank) for k in TORCH_NODE_KEYS)]
         if group_rank == 0:
-            keys += [HANG_INDEX_KEY, HANG_COUNT_KEY, ASKERS_KEY, BELL_KEY, *TORCH_ROUND_KEYS]
+            keys += [HANG_INDEX_KEY, HANG_COUNT_KEY, ASKERS_KEY, BELL_KEY, STEP_TIMES_INDEX_KEY, *TORCH_ROUND_KEYS]
         try:
             for key in keys:
                 store.delete_key(key)

@@ -110,6 +110,8 @@ class Telemetry:
         self._textfile_at = -1e18
         self._exchanged_at = -1e18
         self._bad_values: set[bytes] = set()
+        self._listed_in: Any = None
+        """The round's store whose step-times index lists this node (step_exchange.py)."""
         self.snapshot = Snapshot(start=self.start)
         self.metrics_url: str | None = None
         self.textfile: str | None = None
@@ -433,8 +435,10 @@ class Telemetry:
         self._exchanged_at = mono
         channel = StoreChannel(self.job_secret, wg.spec.rdzv_handler.get_run_id())
         try:
-            self.remote_medians.update(exchange_step_times(wg.store, channel, wg.group_rank, wg.group_world_size,
-                                                           section, local, self.host, self._bad_values))
+            medians, listed = exchange_step_times(wg.store, channel, wg.group_rank, wg.group_world_size, section, local,
+                                                  self.host, self._bad_values, listed=self._listed_in is wg.store)
+            self.remote_medians.update(medians)
+            self._listed_in = wg.store if listed else None
         except Exception as e:  # noqa: BLE001 - slow-rank comparison across nodes is best effort
             log.debug("ft-launcher: could not exchange step times with other nodes: %s", e)
 

@@ -304,7 +304,7 @@ class NodeResult:
 
 class SimNode:
     def __init__(self, index: int, nodes: int, ranks_per_node: int, port: int, proto: Protocol,
-                 timeout: float) -> None:
+                 timeout: float, rendezvous: str = "c10d") -> None:
         from torch.distributed import TCPStore
         from torch.distributed.elastic.rendezvous import RendezvousParameters
         from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
@@ -326,6 +326,9 @@ class SimNode:
         # what c10d_rendezvous_backend.create_backend + registry do, with the backend's store counted
         backend = C10dRendezvousBackend(CountingStore(self.client, self.rdzv_counter), RUN_ID)
         self.handler = create_handler(self.client, backend, params)
+        self.rdzv = rendezvous
+        """``c10d``: torch's dynamic rendezvous; ``given``: none, each node's rank given (as torch's
+        static rendezvous does), under the same per-round store prefix as c10d's."""
         self.messages = proto.node_messages(SECRET)
         self.rollcall = sim_roll_caller(proto.roll_caller, self.host, self.delay, timeout)
         self.wg: Any = None
@@ -339,12 +342,17 @@ class SimNode:
 
     def rendezvous(self) -> None:
         """The agent's _rendezvous: torch's next_rendezvous and _assign_worker_ranks, then ours."""
+        from torch.distributed import PrefixStore
         from torch.distributed.elastic.agent.server.api import SimpleElasticAgent, WorkerSpec
 
         from ft_monitor.launcher.agent import rendezvous_round
 
         previous = self.wg
-        info = self.handler.next_rendezvous()
+        if self.rdzv == "c10d":
+            info = self.handler.next_rendezvous()
+        else:
+            info = types.SimpleNamespace(store=PrefixStore(f"torch.rendezvous.{RUN_ID}.{self.rounds}", self.client),
+                                         rank=self.index, world_size=self.nodes)
         spec = WorkerSpec(role="trainer", local_world_size=self.ranks_per_node, rdzv_handler=self.handler,
                           entrypoint="sim")
         self.written = set()
@@ -357,7 +365,8 @@ class SimNode:
         if previous is not None and self.proto.tidies:
             self.messages.leave_round(CountingStore(previous.store.inner, self.counter), previous.group_rank,
                                       self.rollcall.written)
-        self.rollcall.new_round(rendezvous_round(self.handler, self.rounds - 1))
+        self.rollcall.new_round(rendezvous_round(self.handler, self.rounds - 1) if self.rdzv == "c10d"
+                                else self.rounds - 1)
         self.channel = self.messages.channel(self.wg)
 
     def ranks(self) -> list[Any]:
@@ -366,7 +375,8 @@ class SimNode:
         return [Rank(w.global_rank, w.local_rank, 100000 + w.global_rank) for w in self.wg.workers]
 
     def close(self) -> None:
-        self.handler._stop_heartbeats()
+        if self.rdzv == "c10d":
+            self.handler._stop_heartbeats()
 
 
 # -- one incident -----------------------------------------------------------------------
@@ -468,13 +478,14 @@ def left_keys(nodes: list[SimNode], round_index: int) -> int:
 
 
 def run_nodes(m: int, proto: Protocol, incidents: int, ranks_per_node: int, idle_s: float,
-              timeout: float = 5.0) -> dict[str, Any]:
+              timeout: float = 5.0, rendezvous: str = "c10d") -> dict[str, Any]:
     """One job of ``m`` nodes on a fresh store host: rendezvous, ``incidents`` incidents, idle."""
     host = StoreHost()
     nodes: list[SimNode] = []
-    out: dict[str, Any] = {"nodes": m, "protocol": proto.name, "ranks_per_node": ranks_per_node, "incidents": []}
+    out: dict[str, Any] = {"nodes": m, "protocol": proto.name, "ranks_per_node": ranks_per_node, "incidents": [],
+                           "rendezvous": rendezvous}
     try:
-        nodes = [SimNode(i, m, ranks_per_node, host.port, proto, timeout) for i in range(m)]
+        nodes = [SimNode(i, m, ranks_per_node, host.port, proto, timeout, rendezvous) for i in range(m)]
         t = time.monotonic()
         errors = on_all(nodes, lambda n: n.rendezvous(), 300)
         out["first_rendezvous_s"] = time.monotonic() - t
@@ -738,7 +749,8 @@ def loadavg() -> str:
 
 def run(nodes: list[int], incidents: int, ranks_per_node: int, idle_s: float, protocols: list[str],
         log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True),
-        partial: Path | None = None, incidents_at: dict[int, int] | None = None) -> dict[str, Any]:
+        partial: Path | None = None, incidents_at: dict[int, int] | None = None,
+        rendezvous: str = "c10d") -> dict[str, Any]:
     """Every M, both protocols side by side; a job that fails is recorded (its error) and the
     others go on; ``partial``: the JSON so far, rewritten after each job."""
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # as ft-launcher sets it
@@ -758,7 +770,8 @@ def run(nodes: list[int], incidents: int, ranks_per_node: int, idle_s: float, pr
             t = time.monotonic()
             log(f"sim_nodes: M={m} {p.name} ... (load {loadavg()})")
             try:
-                r = run_nodes(m, p, (incidents_at or {}).get(m, incidents), ranks_per_node, idle_s)
+                r = run_nodes(m, p, (incidents_at or {}).get(m, incidents), ranks_per_node, idle_s,
+                              rendezvous=rendezvous)
             except Exception as e:  # noqa: BLE001 - one M that the machine cannot host ends only its job
                 log(f"sim_nodes: M={m} {p.name} failed: {type(e).__name__}: {e}")
                 runs.append({"nodes": m, "protocol": p.name, "failed": f"{type(e).__name__}: {e}"[:2000],
@@ -785,6 +798,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ranks-per-node", type=int, default=8)
     p.add_argument("--idle", type=float, default=None, help="seconds of idle monitor loops per M")
     p.add_argument("--protocols", default="before,after")
+    p.add_argument("--rendezvous", choices=("c10d", "given"), default="c10d",
+                   help="torch's c10d rendezvous (default), or none: each node's rank given, as a static rendezvous")
     p.add_argument("--out", default=None)
     p.add_argument("--plot", default=None, help="folder for sim_nodes.png (default: none)")
     args = p.parse_args(argv)
@@ -798,7 +813,8 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     at = {128: 2} if mode == "full" and args.incidents is None else None  # each 128-node round takes minutes here
     result = run(nodes, incidents, args.ranks_per_node, idle_s, args.protocols.split(","),
-                 partial=out.with_suffix(".partial.json"), incidents_at=at)
+                 partial=out.with_suffix(".partial.json"), incidents_at=at, rendezvous=args.rendezvous)
+    result["rendezvous"] = args.rendezvous
     result["mode"] = mode
     text = table(result["rows"])
     print(text)

@@ -77,3 +77,18 @@ def test_clear_deletes_the_index_and_the_counter() -> None:
     board().publish(store, 1, b"one")
     board().clear(store)
     assert set(store.data) == {"value/1"}
+
+
+def test_only_a_rendezvous_with_a_prefix_per_round_has_its_last_round_tidied() -> None:
+    """A static rendezvous shares one store prefix between attempts: deleting "the last
+    round's" keys there would delete the new round's (torch's rank assignment among them)."""
+    from types import SimpleNamespace
+
+    from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
+
+    from ft_monitor.launcher.agent import rounds_apart
+
+    dynamic = SimpleNamespace(_state_holder=SimpleNamespace(state=SimpleNamespace(round=3)))
+    assert rounds_apart(dynamic)
+    assert not rounds_apart(StaticTCPRendezvous("127.0.0.1", 1, 0, 2, "run", 30))
+    assert not rounds_apart(None)

@@ -122,8 +122,9 @@ class NodeMessages:
         return values
 
     def leave_round(self, store: Any, group_rank: int | None, written: Iterable[str] = ()) -> int:
-        """After the next rendezvous completed (so every node has left the previous round, and
-        nobody reads its keys again): delete this node's keys of the previous round, its hang
+        """After the next round of a rendezvous whose rounds have their own store prefix
+        (torch's c10d/dynamic one: agent.rounds_apart) completed, so that every node has left the
+        previous round and nobody reads its keys again: delete this node's keys of the previous round, its hang
         record, step times, roll call request and the answers it ``written``; node 0 also the
         round's shared boards (hang index and counter, the askers' index and the bell, the
         step times' index). Torch's

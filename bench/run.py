@@ -42,6 +42,7 @@ from bench import (  # noqa: E402
     rdzv_restart,
     restart,
     sim_inprocess,
+    sim_nodes,
     snapshot,
     stalled,
     startup,
@@ -69,6 +70,8 @@ BENCHMARKS: dict[str, tuple[bool, Callable[..., list[Figure]]]] = {
     "snapshot": (False, lambda mode, loop: snapshot.run(Mode("quick") if mode.name == "full" else mode, loop)),
     # issue 28: the in-process restart's store protocol at N simulated ranks (before/after: --baseline REV there)
     "sim_inprocess": (False, lambda mode, loop: sim_inprocess.run(mode)),
+    # issue 28: the launcher's store protocols at M simulated nodes, before and after (its own process: torch)
+    "sim_nodes": (False, lambda mode, loop: sim_nodes.figures(mode)),
 }
 
 

@@ -52,6 +52,9 @@ EXPECTED_IDS = {  # the figures each group of benchmarks writes (bench/run.py --
                       for k in ("bare", "client", "calls", "noise", "overhead")},
     "diagnosis": {*(f"diagnosis.n2.{k}" for k in ("verdict_to_written", "roll_call", "dump_wait", "all_answered")),
                   "fr.overhead"},
+    "sim_nodes": {f"scale.nodes.{p}.{k}" for p in ("before", "after") for k in (
+        "roll_call_beyond_slowest", "hang_decision", "ops_per_node", "idle_ops", "step_ops", "rendezvous", "keys_left",
+        "agreed")},
     "snapshot": {f"snap.1MB.{k}" for k in (
         "step.none", "step.every10", "step.every1", "added.every10", "added.every1", "noise", "copy", "copy_memfd",
         "crc32", "save_call", "save_wait", "torch_save", "dcp_save", "restore", "torch_load", "dcp_load",

@@ -19,7 +19,7 @@ from ft_monitor.core.snapshot import MonitorSnapshot
 from ft_monitor.forensics.fr_digest import digest
 from ft_monitor.launcher.diagnosis import ANSWERED, NO_ANSWER, NOT_RUNNING, HungRank, RankEvidence
 from ft_monitor.launcher.rollcall import Rank, RollCaller, evidence_from
-from ft_monitor.launcher.rollcall_wire import answer_key, read_answer, request_key
+from ft_monitor.launcher.rollcall_wire import ASKERS_KEY, BELL_KEY, answer_key, read_answer, request_key
 from ft_monitor.launcher.sealed import Sealer, SealError
 from ft_monitor.launcher.store_auth import RollCallAnswer, RollCallRequest, StoreChannel, StoreMessageError
 from tests.test_diagnosis import STACK_IN_ALL_REDUCE, STACK_SLEEPING, trace
@@ -30,13 +30,19 @@ HUNG = HungRank(1, "a", 101, "section 'step' open for 4.0 s, timeout 4.0 s", "se
 
 
 class FakeStore:
-    def __init__(self) -> None:
+    def __init__(self, extended: bool = True) -> None:
+        self.extended = extended
+        """torch's extended API (append, multi_get), as a TCPStore has; without it (torch's etcd
+        store) the boards keep no index and a look reads every node's key."""
         self.data: dict[str, bytes] = {}
+        self.sets: dict[str, list[bytes]] = {}
+        """Every value set, by key (the roll call deletes its keys once it is over)."""
         self.lock = threading.Lock()
 
     def set(self, key: str, value: bytes) -> None:
         with self.lock:
             self.data[key] = value
+            self.sets.setdefault(key, []).append(value)
 
     def get(self, key: str) -> bytes:
         with self.lock:
@@ -52,6 +58,23 @@ class FakeStore:
             self.data[key] = str(value).encode()
             return value
 
+    def has_extended_api(self) -> bool:
+        return self.extended
+
+    def append(self, key: str, value: str | bytes) -> None:
+        assert self.extended
+        with self.lock:
+            self.data[key] = self.data.get(key, b"") + (value.encode() if isinstance(value, str) else value)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        assert self.extended
+        with self.lock:
+            return [self.data[k] for k in keys]
+
+    def delete_key(self, key: str) -> bool:
+        with self.lock:
+            return self.data.pop(key, None) is not None
+
 
 class Node(RollCaller):
     """A launcher's roll caller whose monitors are a list of evidence (it counts their dumps)."""
@@ -66,8 +89,9 @@ class Node(RollCaller):
         return self.evidence
 
 
-def test_the_owner_gets_the_other_nodes_ranks_through_the_store() -> None:
-    store = FakeStore()
+@pytest.mark.parametrize("extended", [True, False], ids=["tcpstore", "plain-store-api"])
+def test_the_owner_gets_the_other_nodes_ranks_through_the_store(extended: bool) -> None:
+    store = FakeStore(extended)
     a = Node("a", [RankEvidence(0, "a", ANSWERED, stack=STACK_IN_ALL_REDUCE),
                    RankEvidence(1, "a", ANSWERED, stack=STACK_SLEEPING)])
     b = Node("b", [RankEvidence(2, "b", ANSWERED, stack=STACK_IN_ALL_REDUCE),
@@ -85,6 +109,7 @@ def test_the_owner_gets_the_other_nodes_ranks_through_the_store() -> None:
     assert not a.answer_pending([], store=store, channel=CHANNEL, group_rank=0, group_world_size=2)
     assert not b.answer_pending([], store=store, channel=CHANNEL, group_rank=1, group_world_size=2, wait=0.3)
     assert b.dumped == 1 and b.answered == {0: 1}
+    assert store.data.keys() <= {BELL_KEY, ASKERS_KEY}  # the answers and the request left with the roll call
 
 
 def test_a_node_that_never_answers_costs_the_bound_and_no_more() -> None:
@@ -100,6 +125,8 @@ def test_a_forged_request_is_said_once_and_the_genuine_one_after_it_is_answered(
         caplog: pytest.LogCaptureFixture) -> None:
     store = FakeStore()
     store.set(request_key(0), b'{"v":1,"kind":"roll_call","mac":"00"}')
+    store.append(ASKERS_KEY, "0,")  # listed and rung, as anyone who reaches the store can
+    store.add(BELL_KEY, 1)
     b = Node("b", [])
     with caplog.at_level(logging.WARNING, logger="ft_monitor.launcher"):
         assert not b.answer_pending([], store=store, channel=CHANNEL, group_rank=1, group_world_size=2, wait=0.3)
@@ -129,7 +156,8 @@ def test_a_request_replayed_in_the_same_round_is_refused_and_dumps_nothing(caplo
         helper.start()
         a.run(HUNG, [], store=store, channel=CHANNEL, group_rank=0, group_world_size=2, world_size=3, attempt=0)
         helper.join(10)
-        first.append(store.get(request_key(0)))
+        first.append(store.sets[request_key(0)][-1])
+        assert not store.check([request_key(0)])  # the asker tidied it away
     assert b.dumped == 2 and b.answered == {0: 2}
     store.set(request_key(0), first[0])  # incident 1's genuine request, stored again
     with caplog.at_level(logging.WARNING, logger="ft_monitor.launcher"):
@@ -153,7 +181,8 @@ def test_answers_are_sealed_in_the_store_and_altered_or_moved_ones_do_not_open()
     d = a.run(HUNG, [], store=store, channel=CHANNEL, group_rank=0, group_world_size=2, world_size=3, attempt=0)
     helper.join(10)
     assert [e for e in d.evidence if e.rank == 2] == [b_rank]  # it crossed the store whole
-    raw = store.get(answer_key(0, 1, 1))
+    assert not store.check([answer_key(0, 1, 1)])  # and left it with the roll call
+    (raw,) = store.sets[answer_key(0, 1, 1)]
     for clear in ("hidden_function", "987654321", "native_frame_xyz", "/private/evidence", "note-qwerty",
                   "last_enqueued", "all_reduce", "stack"):
         assert clear.encode() not in raw, clear

@@ -24,7 +24,7 @@ import pytest
 from torch.distributed import PrefixStore, TCPStore
 
 from ft_monitor.launcher.diagnosis import ANSWERED, RankEvidence
-from ft_monitor.launcher.rollcall_wire import BELL_KEY, answer_key, encode_answer, request_key
+from ft_monitor.launcher.rollcall_wire import ASKERS_KEY, BELL_KEY, answer_key, encode_answer, request_key
 from ft_monitor.launcher.sealed import Sealer
 from ft_monitor.launcher.store_auth import RollCallRequest
 from tests.procs import ROOT, slack
@@ -62,17 +62,32 @@ def client(port: int, round: int) -> PrefixStore:
                                 timeout=timedelta(seconds=30)))
 
 
+class Recorder:
+    """A node's store client that keeps what the node set (the roll call deletes its keys when it ends)."""
+
+    def __init__(self, store: PrefixStore) -> None:
+        self.store = store
+        self.sets: dict[str, list[bytes]] = {}
+
+    def set(self, key: str, value: bytes) -> None:
+        self.sets.setdefault(key, []).append(value)
+        self.store.set(key, value)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+
 def roll_call(a: Node, b: Node, port: int, round: int, *, group_world_size: int = 2, b_rank: int = 1,
-              world_size: int = 4) -> tuple[Any, list[bool]]:
+              world_size: int = 4, a_store: Any = None, b_store: Any = None) -> tuple[Any, list[bool]]:
     """a (node 0) takes the roll call while b answers from its own thread."""
     answered: list[bool] = []
-    b_store = client(port, round)
+    b_store = b_store or client(port, round)
     helper = threading.Thread(target=lambda: answered.append(b.answer_pending(
         [], store=b_store, channel=CHANNEL, group_rank=b_rank, group_world_size=group_world_size,
         wait=a.timeout + 5 * slack())))
     helper.start()
-    d = a.run(HUNG, [], store=client(port, round), channel=CHANNEL, group_rank=0, group_world_size=group_world_size,
-              world_size=world_size, attempt=0)
+    d = a.run(HUNG, [], store=a_store or client(port, round), channel=CHANNEL, group_rank=0,
+              group_world_size=group_world_size, world_size=world_size, attempt=0)
     helper.join(30 * slack())
     assert not helper.is_alive()
     return d, answered
@@ -93,12 +108,15 @@ def test_a_counter_another_user_adds_to_steers_nothing_and_reads_no_evidence(por
     a = Node("a", [RankEvidence(0, "a", ANSWERED, stack=STACK_IN_ALL_REDUCE),
                    RankEvidence(1, "a", ANSWERED, stack=STACK_SLEEPING)], timeout=3.0 * slack())
     b = Node("b", B_EVIDENCE)
-    d, answered = roll_call(a, b, port, 0)
+    b_store = Recorder(client(port, 0))
+    d, answered = roll_call(a, b, port, 0, b_store=b_store)
     assert answered == [True] and b.dumped == 1
     assert [e.rank for e in d.evidence] == [0, 1, 2, 3] and d.missing_ranks == []
     assert d.roll_call.nodes_answered == ["a", "b"] and d.verdict.behind == [1]
-    seen = bytes.fromhex(forge(port, [["print", PREFIX.format(0) + answer_key(0, 1, 1)]]).splitlines()[0])
-    assert b'"host":"b"' in seen  # the answer is there, to whoever reaches the store ...
+    gone = forge(port, [["exists", PREFIX.format(0) + answer_key(0, 1, 1)]]).splitlines()[0]
+    assert gone == "False"  # the asker deleted the answer once read
+    (seen,) = b_store.sets[answer_key(0, 1, 1)]
+    assert b'"host":"b"' in seen  # while it was there, anyone who reached the store saw who answered ...
     for clear in (SECRET_TEXT, "424242", "434343", "native_frame", "all_reduce", "File"):
         assert clear.encode() not in seen, clear  # ... but not what it says
 
@@ -110,11 +128,14 @@ def test_a_request_copied_into_the_next_round_dumps_nothing(port: int, caplog: p
     b = Node("b", B_EVIDENCE)
     for n in (a, b):
         n.new_round(0)
-    _, answered = roll_call(a, b, port, 0)
+    a_store = Recorder(client(port, 0))
+    _, answered = roll_call(a, b, port, 0, a_store=a_store)
     assert answered == [True] and b.dumped == 1
     for n in (a, b):
         n.new_round(1)
-    forge(port, [["copy", PREFIX.format(0) + request_key(0), PREFIX.format(1) + request_key(0)]])
+    (genuine,) = a_store.sets[request_key(0)]  # as another user read it while it was there
+    forge(port, [["set", PREFIX.format(1) + request_key(0), genuine.decode("latin-1")],
+                 ["append", PREFIX.format(1) + ASKERS_KEY, "0,"], ["add", PREFIX.format(1) + BELL_KEY, 1]])
     with caplog.at_level(logging.WARNING, logger="ft_monitor.launcher"):
         assert not b.answer_pending([], store=client(port, 1), channel=CHANNEL, group_rank=1, group_world_size=2,
                                     wait=1.0)

@@ -103,6 +103,13 @@ def rendezvous_round(handler: Any, joined: int) -> int:
     return joined
 
 
+def rounds_apart(handler: Any) -> bool:
+    """Whether each rendezvous round has a store prefix of its own (torch's dynamic handler:
+    ``torch.rendezvous.<run id>.<round>``), so that a round's keys can be deleted once the next
+    is joined; a static rendezvous shares one prefix between every attempt, and nothing is."""
+    return isinstance(getattr(getattr(getattr(handler, "_state_holder", None), "state", None), "round", None), int)
+
+
 class FtLocalElasticAgent(HangHandling, _lea.LocalElasticAgent):
     def __init__(self, *args: Any, ft: FtRuntime, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -119,10 +126,14 @@ class FtLocalElasticAgent(HangHandling, _lea.LocalElasticAgent):
 
     # -- start ---------------------------------------------------------------
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        previous, previous_rank = worker_group.store, worker_group.group_rank
         # A restart is not torch's "first run": no random 0-0.3 s before joining (rdzv_delay).
         with no_first_run_delay() if self._rounds > 0 else contextlib.nullcontext(False):
             super()._rendezvous(worker_group)
         self._rounds += 1
+        if previous is not None and previous is not worker_group.store \
+                and rounds_apart(worker_group.spec.rdzv_handler):  # every node has left that round
+            self.nodes.leave_round(previous, previous_rank, self.rollcall.written)
         self.rollcall.new_round(rendezvous_round(worker_group.spec.rdzv_handler, self._rounds - 1))
         if self.ft.restarts and self.ft.restarts[-1].rendezvous_done is None:
             self.ft.restarts[-1].rendezvous_done = time.time()

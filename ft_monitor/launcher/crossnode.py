@@ -9,10 +9,14 @@ from __future__ import annotations
 import logging
 import socket
 import time
+from collections.abc import Iterable
+from typing import Any
 
 from torch.distributed.elastic.agent.server.api import WorkerGroup
 
 from ft_monitor.launcher.decide import read_hang_record
+from ft_monitor.launcher.rollcall_wire import ASKERS_KEY, BELL_KEY, request_key
+from ft_monitor.launcher.step_exchange import STEP_TIMES_INDEX_KEY, STEP_TIMES_KEY
 from ft_monitor.launcher.store_auth import (
     SECRET_ENV,
     HangRecord,
@@ -20,17 +24,34 @@ from ft_monitor.launcher.store_auth import (
     StoreChannel,
     StoreMessageError,
 )
+from ft_monitor.launcher.store_board import Board
 
 log = logging.getLogger("ft_monitor.launcher")
 
 SHUTDOWN_KEY = "ft_launcher/shutdown"
 SHUTDOWN_ACKS_KEY = "ft_launcher/shutdown_acks"
 HANG_KEY = "ft_launcher/hang/{}"
+HANG_INDEX_KEY = "ft_launcher/hang_index"
+HANG_COUNT_KEY = "ft_launcher/hang_count"
+HANG_POLL = 0.05
+"""Seconds between looks at the hang board within the attribution window."""
 STORE_POLL_INTERVAL = 1.0
 ATTRIBUTION_WINDOW = 0.5
 """Seconds a launcher waits, on several nodes, for the other nodes' hang reports of the
 same rendezvous round: ranks waiting in a collective for a hung rank on another node
 time out too, and only the earliest onset is the hung rank."""
+
+
+def hang_board(nodes: int) -> Board:
+    """Where the nodes' hang records of a round are listed (store_board.py)."""
+    return Board(HANG_INDEX_KEY, HANG_COUNT_KEY, HANG_KEY.format, nodes)
+
+
+TORCH_NODE_KEYS = ("torchelastic/role_info/{}", "torchelastic/assigned_ranks/{}")
+"""The keys torch's agent writes per node in every round (`_assign_worker_ranks`), read by
+no one once the round is over."""
+TORCH_ROUND_KEYS = ("MASTER_ADDR", "MASTER_PORT")
+"""The round's keys torch's rendezvous handler writes from its rank 0 (RendezvousStoreInfo.build)."""
 
 
 class NodeMessages:
@@ -70,31 +91,58 @@ class NodeMessages:
     def exchange_hang_records(self, wg: WorkerGroup, channel: StoreChannel | None,
                               mine: HangRecord) -> dict[str, bytes]:
         """Publish this node's hang in the rendezvous store (keys are per round) and return the
-        values the other nodes stored within ATTRIBUTION_WINDOW, by key (decide.first_hang picks)."""
+        values the other nodes stored within ATTRIBUTION_WINDOW, by key (decide.first_hang picks).
+
+        Through a `store_board.Board`: one ``add(count, 0)`` per look, and only the records
+        published since the last look are read (one ``multi_get``), never a ``check`` per node."""
         store = wg.store
         values: dict[str, bytes] = {}
         if store is None or wg.group_world_size <= 1 or channel is None:
             return values
         try:
-            keys = [HANG_KEY.format(r) for r in range(wg.group_world_size)]
-            store.set(keys[wg.group_rank], channel.encode(keys[wg.group_rank], mine))
+            board = hang_board(wg.group_world_size)
+            key = HANG_KEY.format(wg.group_rank)
+            board.publish(store, wg.group_rank, channel.encode(key, mine))
             end = time.monotonic() + ATTRIBUTION_WINDOW
-            pending = [k for i, k in enumerate(keys) if i != wg.group_rank]
+            pending = {g for g in range(wg.group_world_size) if g != wg.group_rank}
             while pending and time.monotonic() < end:
-                for key in [k for k in pending if store.check([k])]:
-                    raw = store.get(key)
+                for g, raw in sorted(board.look(store, pending).items()):
+                    key = HANG_KEY.format(g)
                     values.pop(key, None)
                     values[key] = raw  # in order of the last read
                     record = read_hang_record(channel, key, raw)
                     if isinstance(record, HangRecord):  # a forged value stays pending: the real one may follow
-                        pending.remove(key)
+                        pending.discard(g)
                     else:
                         self._warn_bad_store_value(key, raw, HangRecord.KIND, record)
                 if pending:
-                    time.sleep(0.05)
+                    time.sleep(max(0.0, min(HANG_POLL, end - time.monotonic())))
         except Exception as e:  # noqa: BLE001 - attribution is best effort
             log.warning("ft-launcher: could not compare hangs with other nodes: %s", e)
         return values
+
+    def leave_round(self, store: Any, group_rank: int | None, written: Iterable[str] = ()) -> int:
+        """After the next round of a rendezvous whose rounds have their own store prefix
+        (torch's c10d/dynamic one: agent.rounds_apart) completed, so that every node has left the
+        previous round and nobody reads its keys again: delete this node's keys of the previous round, its hang
+        record, step times, roll call request and the answers it ``written``; node 0 also the
+        round's shared boards (hang index and counter, the askers' index and the bell, the
+        step times' index). Torch's
+        own keys of the round go too (the rank assignment's per node, and the master address
+        of node 0), which nothing reads again either. Without this every restart left ~4 keys
+        per node in the store for the rest of the job. The number of store operations."""
+        if store is None or group_rank is None:
+            return 0
+        keys = [HANG_KEY.format(group_rank), STEP_TIMES_KEY.format(group_rank), request_key(group_rank), *written,
+                *(k.format(group_rank) for k in TORCH_NODE_KEYS)]
+        if group_rank == 0:
+            keys += [HANG_INDEX_KEY, HANG_COUNT_KEY, ASKERS_KEY, BELL_KEY, STEP_TIMES_INDEX_KEY, *TORCH_ROUND_KEYS]
+        try:
+            for key in keys:
+                store.delete_key(key)
+        except Exception as e:  # noqa: BLE001 - the store may be gone; tidying is best effort
+            log.debug("ft-launcher: could not delete the previous round's keys: %s", e)
+        return len(keys)
 
     def publish_shutdown(self, wg: WorkerGroup, reason: str, rank: int | None) -> None:
         """Tell the other nodes to stop (a workload shutdown), and wait (bounded) until they saw it."""

@@ -52,16 +52,18 @@ from ft_monitor.launcher.diagnosis import (
     diagnose,
 )
 from ft_monitor.launcher.rollcall_wire import (
-    BELL_KEY,
     SCAN_INTERVAL,
     answer_key,
+    answers_board,
     encode_answer,
     read_answer,
     read_request,
     request_key,
+    requests_board,
 )
 from ft_monitor.launcher.sealed import Sealer
 from ft_monitor.launcher.store_auth import RollCallRequest, StoreChannel, StoreMessageError
+from ft_monitor.launcher.store_board import Board, existing, read_all
 from ft_monitor.processes import procinfo
 
 log = logging.getLogger("ft_monitor.launcher")
@@ -187,9 +189,11 @@ class RollCaller:
     last_started: float | None = None
     """Wall clock of the last roll call this node started or answered (on_hang: dump groups
     later notices with it, and ignores the other nodes' hang records from before it)."""
+    written: list[str] = field(default_factory=list)
+    """The answers this node stored in this round (their keys: deleted when the round ends)."""
     _polled: float = field(default=-1e18)
     _scanned: float = field(default=-1e18)
-    _bell: int | None = None
+    _requests: Board | None = None
     _seen: dict[int, bytes] = field(default_factory=dict)
     """Asking node -> the value of its request key last read (answered, or refused and said once)."""
 
@@ -232,19 +236,20 @@ class RollCaller:
             assert channel is not None
             try:
                 key = request_key(group_rank)
-                store.set(key, channel.encode(key, RollCallRequest(incident, hung.rank, self.host, group_rank,
-                                                                   self.timeout, self.round)))
+                requests_board(group_world_size).publish(store, group_rank, channel.encode(
+                    key, RollCallRequest(incident, hung.rank, self.host, group_rank, self.timeout, self.round)))
                 asked = [f"node {g}" for g in others]
             except Exception as e:  # noqa: BLE001 - the store may be gone; this node's ranks still count
                 log.warning("ft-launcher: could not ask the other nodes for their ranks' stacks: %s", e)
                 others = []
-            else:
-                with contextlib.suppress(Exception):  # only a hint: the others read every request key anyway
-                    store.add(BELL_KEY, 1)
         evidence = self.local(ranks, incident, deadline - self.clock())
         answered = [self.host]
         if others:
-            remote, hosts = self._collect(store, channel, group_rank, incident, others, deadline)
+            board = answers_board(group_rank, incident, group_world_size)
+            try:
+                remote, hosts = self._collect(store, channel, board, group_rank, incident, others, deadline)
+            finally:
+                self._tidy(store, board, group_rank, incident, others)
             evidence += remote
             answered += hosts
         self.last_started = started
@@ -252,15 +257,19 @@ class RollCaller:
                               [self.host, *asked], answered)
         return diagnose(hung, evidence, facts, world_size=world_size, attempt=attempt)
 
-    def _collect(self, store: Any, channel: StoreChannel | None, group_rank: int, incident: int,
+    def _collect(self, store: Any, channel: StoreChannel | None, board: Board, group_rank: int, incident: int,
                  others: list[int], deadline: float) -> tuple[list[RankEvidence], list[str]]:
-        """Every other node's answer until ``deadline``; one that is refused (forged, replayed, altered)
-        is said once and waited for further: the others' are collected all the same."""
+        """Every other node's answer until ``deadline``, read from the answers' board (one
+        ``add`` per look; an answer only once it is listed); one that is refused (forged,
+        replayed, altered) is said once and waited for further: the others' are collected
+        all the same. At the deadline the nodes still missing are looked at once at their
+        own keys (an answer whose listing failed, or a value planted there: said)."""
         assert channel is not None and self.sealer is not None
+        sealer = self.sealer
         pending = set(others)
         evidence: list[RankEvidence] = []
         hosts: list[str] = []
-        warned: set[tuple[int, str]] = set()  # a forged value is read again every 50 ms: said once
+        warned: set[tuple[int, str]] = set()  # a forged value is read again when the board moves: said once
 
         def refuse(g: int, why: str) -> None:
             if (g, why) not in warned:
@@ -268,28 +277,39 @@ class RollCaller:
                 log.warning("ft-launcher: ignored a roll call answer in the rendezvous store at %s: %s",
                             answer_key(group_rank, incident, g), printable(why))
 
-        while pending and self.clock() < deadline:
-            for g in sorted(pending):
-                key = answer_key(group_rank, incident, g)
+        def take(found: dict[int, bytes]) -> None:
+            for g, raw in sorted(found.items()):
                 try:
-                    if not store.check([key]):
-                        continue
-                    raw = store.get(key)
-                except Exception as e:  # noqa: BLE001 - the store may be gone
-                    log.warning("ft-launcher: could not read the other nodes' roll call answers: %s", e)
-                    return evidence, hosts
-                try:
-                    host, ranks = read_answer(channel, self.sealer, raw, asker=group_rank, incident=incident,
+                    host, ranks = read_answer(channel, sealer, raw, asker=group_rank, incident=incident,
                                               group_rank=g, round=self.round, refused=_ignored_rank)
                 except StoreMessageError as e:
                     refuse(g, str(e))
                     continue
                 pending.discard(g)
                 hosts.append(host)
-                evidence += ranks
+                evidence.extend(ranks)
+
+        try:
+            while pending and self.clock() < deadline:
+                take(board.look(store, pending))
+                if pending:
+                    time.sleep(min(0.05, max(0.0, deadline - self.clock())))
             if pending:
-                time.sleep(min(0.05, max(0.0, deadline - self.clock())))
+                keys = existing(store, [answer_key(group_rank, incident, g) for g in sorted(pending)])
+                by_key = {answer_key(group_rank, incident, g): g for g in pending}
+                take({by_key[k]: raw for k, raw in zip(keys, read_all(store, keys), strict=True)})
+        except Exception as e:  # noqa: BLE001 - the store may be gone
+            log.warning("ft-launcher: could not read the other nodes' roll call answers: %s", e)
         return evidence, hosts
+
+    def _tidy(self, store: Any, board: Board, group_rank: int, incident: int, others: list[int]) -> None:
+        """The roll call is over: its answers, their board and this node's request leave the store
+        (an answer stored after this is its writer's to delete, when the round ends)."""
+        with contextlib.suppress(Exception):  # the store may be gone
+            for key in existing(store, [answer_key(group_rank, incident, g) for g in others]):
+                store.delete_key(key)
+            board.clear(store)
+            store.delete_key(request_key(group_rank))
 
     # -- the other nodes ----------------------------------------------------------------
     def new_round(self, round: int) -> None:
@@ -300,8 +320,9 @@ class RollCaller:
         self.answered_at = None
         self.incidents = 0
         self._seen = {}
-        self._bell = None
+        self._requests = None
         self._scanned = -1e18
+        self.written = []
 
     def answer_pending(self, ranks: list[Rank], *, store: Any, channel: StoreChannel | None, group_rank: int,
                        group_world_size: int, wait: float = 0.0) -> bool:
@@ -316,7 +337,7 @@ class RollCaller:
                 self._polled = now
                 request = self._pending_request(store, channel, group_rank, group_world_size, force=bool(wait))
                 if request is not None:
-                    self._answer(request, ranks, store, channel, group_rank)
+                    self._answer(request, ranks, store, channel, group_rank, group_world_size)
                     return True
             if self.clock() >= end:
                 return False
@@ -324,26 +345,21 @@ class RollCaller:
 
     def _pending_request(self, store: Any, channel: StoreChannel, group_rank: int, group_world_size: int,
                          force: bool) -> RollCallRequest | None:
-        """The first other node's request this node has not answered yet, read from its own key
-        when the bell rang, every SCAN_INTERVAL, or always with ``force``."""
+        """The first other node's request this node has not answered yet, from the requests'
+        board (rollcall_wire.requests_board): read when the bell rang, every SCAN_INTERVAL,
+        or always with ``force``; one store operation per look while nobody asks."""
+        if self._requests is None or self._requests.nodes != group_world_size:
+            self._requests = requests_board(group_world_size)
+        now = self.clock()
+        scan = force or now - self._scanned >= SCAN_INTERVAL
         try:
-            bell = int(store.add(BELL_KEY, 0))
+            found = self._requests.look(store, (g for g in range(group_world_size) if g != group_rank), force=scan)
         except Exception:  # noqa: BLE001 - the store host may be gone
             return None
-        now = self.clock()
-        if not force and bell == self._bell and now - self._scanned < SCAN_INTERVAL:
-            return None
-        self._bell, self._scanned = bell, now
-        for asker in range(group_world_size):
-            if asker == group_rank:
-                continue
+        if scan:
+            self._scanned = now
+        for asker, raw in sorted(found.items()):
             key = request_key(asker)
-            try:
-                if not store.check([key]):
-                    continue
-                raw = store.get(key)
-            except Exception:  # noqa: BLE001 - the store host may be gone
-                return None
             if self._seen.get(asker) == raw:
                 continue  # answered, or refused and said
             self._seen[asker] = raw
@@ -366,7 +382,7 @@ class RollCaller:
         return self.answered_at is not None and self.clock() - self.answered_at < self.timeout + 2 * POLL_INTERVAL
 
     def _answer(self, request: RollCallRequest, ranks: list[Rank], store: Any, channel: StoreChannel,
-                group_rank: int) -> None:
+                group_rank: int, group_world_size: int) -> None:
         assert self.sealer is not None
         self.answered[request.group_rank] = request.incident
         self.answered_at = self.clock()
@@ -377,7 +393,8 @@ class RollCaller:
         evidence = self.local(ranks, request.incident, budget)
         try:
             key, value = encode_answer(channel, self.sealer, request, self.host, group_rank, evidence)
-            store.set(key, value)
+            self.written.append(key)
+            answers_board(request.group_rank, request.incident, group_world_size).publish(store, group_rank, value)
         except Exception as e:  # noqa: BLE001
             log.warning("ft-launcher: could not store this node's roll call answer: %s", e)
 

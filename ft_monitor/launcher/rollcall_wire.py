@@ -9,9 +9,16 @@ Keys (under torch's per-round prefix of the rendezvous store):
   incident is in the signed request.
 * ``ft_launcher/roll_call/answer/<A>/<I>/<G>``: node G's answer to node A's incident I
   (`RollCallAnswer`, signed; its evidence sealed: sealed.py).
-* ``ft_launcher/roll_call/bell``: a counter each asking node adds 1 to after storing a
-  request. Only a hint to look sooner: a node also reads every request key at least
-  every `SCAN_INTERVAL` seconds, so a forged or withheld ring delays nothing beyond that.
+* ``ft_launcher/roll_call/askers``: the group ranks that stored a request, appended after
+  it is stored, and ``ft_launcher/roll_call/bell``: a counter each asking node adds 1 to
+  after that (store_board.py: the requests' board). Only hints of where and when to look:
+  a node polls the bell, and reads the askers' index when it moved and at least every
+  `SCAN_INTERVAL` seconds, so a forged or withheld ring delays nothing beyond that;
+  what it reads there is the signed request, checked as ever.
+* ``ft_launcher/roll_call/answered/<A>/<I>`` and ``.../answered_count/<A>/<I>``: the
+  answers' board of node A's incident I (the answering nodes, and a counter): node A
+  polls the counter, and reads only the answers listed since its last look. A deletes
+  the answers it read, this board and its request when its roll call ends.
 
 What binds each value: the signature covers the store key and the rendezvous run id
 (store_auth.StoreChannel); the body names the round, and the answer also the asker and
@@ -35,10 +42,14 @@ from ft_monitor.launcher.store_auth import (
     StoreChannel,
     StoreMessageError,
 )
+from ft_monitor.launcher.store_board import Board
 
 REQUEST_KEY = "ft_launcher/roll_call/request/{}"
 ANSWER_KEY = "ft_launcher/roll_call/answer/{}/{}/{}"
 BELL_KEY = "ft_launcher/roll_call/bell"
+ASKERS_KEY = "ft_launcher/roll_call/askers"
+ANSWERED_KEY = "ft_launcher/roll_call/answered/{}/{}"
+ANSWERED_COUNT_KEY = "ft_launcher/roll_call/answered_count/{}/{}"
 SCAN_INTERVAL = 1.0
 """Seconds between full reads of the other nodes' request keys, whatever the bell says."""
 MAX_EVIDENCE_BYTES = 8 * 1024 * 1024
@@ -53,6 +64,17 @@ def request_key(asker: int) -> str:
 
 def answer_key(asker: int, incident: int, group_rank: int) -> str:
     return ANSWER_KEY.format(asker, incident, group_rank)
+
+
+def requests_board(nodes: int) -> Board:
+    """Where the asking nodes of a round are listed (the bell is its counter)."""
+    return Board(ASKERS_KEY, BELL_KEY, request_key, nodes)
+
+
+def answers_board(asker: int, incident: int, nodes: int) -> Board:
+    """Where the answers to node ``asker``'s ``incident`` are listed and counted."""
+    return Board(ANSWERED_KEY.format(asker, incident), ANSWERED_COUNT_KEY.format(asker, incident),
+                 lambda g: answer_key(asker, incident, g), nodes)
 
 
 def _decode(channel: StoreChannel, key: str, raw: Any, kind: type[M]) -> M:

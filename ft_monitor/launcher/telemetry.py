@@ -9,7 +9,7 @@ loop: no thread of its own). From that it
 * keeps the `metrics.Snapshot` that ``/metrics`` and the textfile export;
 * derives goodput and the time lost per incident (goodput.py);
 * flags slow ranks (slow_ranks.py), comparing with the other nodes through the
-  rendezvous store (store_auth.StepTimes, signed with the job secret);
+  rendezvous store (step_exchange.py: store_auth.StepTimes, signed with the job secret);
 * hands torchelastic's own events and aggregated metrics to the same stream
   (torch_events.py).
 
@@ -32,7 +32,8 @@ from ft_monitor.launcher.events import EventLog
 from ft_monitor.launcher.goodput import Goodput, Incident, goodput
 from ft_monitor.launcher.metrics import RankView, Snapshot
 from ft_monitor.launcher.slow_ranks import MIN_SAMPLES, SlowVerdict, judge
-from ft_monitor.launcher.store_auth import StepTimes, StoreChannel, StoreMessageError
+from ft_monitor.launcher.step_exchange import exchange_step_times
+from ft_monitor.launcher.store_auth import StoreChannel
 from ft_monitor.launcher.torch_events import TorchMetrics
 
 log = logging.getLogger("ft_monitor.launcher")
@@ -49,7 +50,6 @@ ten-second one a few per second); one more, whatever the interval, when a hang i
 and when an attempt ends, so the report draws each rank's last progress before it."""
 EXCHANGE_INTERVAL = 10.0
 """Seconds between publishing this node's step times in the store and reading the others'."""
-STEP_TIMES_KEY = "ft_launcher/step_times/{}"
 
 
 @dataclass
@@ -115,6 +115,8 @@ class Telemetry:
         self._textfile_at = -1e18
         self._exchanged_at = -1e18
         self._bad_values: set[bytes] = set()
+        self._listed_in: Any = None
+        """The round's store whose step-times index lists this node (step_exchange.py)."""
         self.snapshot = Snapshot(start=self.start)
         self.metrics_url: str | None = None
         self.textfile: str | None = None
@@ -463,23 +465,10 @@ class Telemetry:
         self._exchanged_at = mono
         channel = StoreChannel(self.job_secret, wg.spec.rdzv_handler.get_run_id())
         try:
-            mine = STEP_TIMES_KEY.format(wg.group_rank)
-            wg.store.set(mine, channel.encode(mine, StepTimes(section, local, self.host)))
-            for node in range(wg.group_world_size):
-                key = STEP_TIMES_KEY.format(node)
-                if node == wg.group_rank or not wg.store.check([key]):
-                    continue
-                raw = wg.store.get(key)
-                try:
-                    theirs = channel.decode(key, raw, StepTimes)
-                except StoreMessageError as e:
-                    if raw not in self._bad_values and len(self._bad_values) < 100:
-                        self._bad_values.add(raw)
-                        log.warning("ft-launcher: ignored a step_times message in the rendezvous store at %s: %s",
-                                    key, e)
-                    continue
-                if theirs.section == section:
-                    self.remote_medians.update(theirs.medians)
+            medians, listed = exchange_step_times(wg.store, channel, wg.group_rank, wg.group_world_size, section, local,
+                                                  self.host, self._bad_values, listed=self._listed_in is wg.store)
+            self.remote_medians.update(medians)
+            self._listed_in = wg.store if listed else None
         except Exception as e:  # noqa: BLE001 - slow-rank comparison across nodes is best effort
             log.debug("ft-launcher: could not exchange step times with other nodes: %s", e)
 

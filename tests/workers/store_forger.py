@@ -5,7 +5,9 @@ Usage: store_forger.py PORT RUN_ID ROUNDS
 Connects to 127.0.0.1:PORT as any process that reaches the port could, and writes,
 for rendezvous rounds 0..ROUNDS-1, the launcher messages an unauthenticated
 ft-launcher acted on: a plain workload shutdown, and malformed and forged hang
-records for every node (a non-ASCII mac and 16 KiB of ``[`` at round 0's keys).
+records for every node (a non-ASCII mac and 16 KiB of ``[`` at round 0's keys), listed on
+the round's hang board (its index and counter: store_board.py) so that the launchers read
+them (an unlisted value is never read).
 Prints "done" once it has written everything. The tests run it as another user (uid
 65534) where they can.
 """
@@ -37,6 +39,8 @@ def main() -> None:
                   json.dumps({"reason": "forged by another user", "rank": 0, "host": "evil"}))
         for node in range(2):
             store.set(prefix + f"ft_launcher/hang/{node}", forged_hangs[(r + node) % len(forged_hangs)])
+            store.append(prefix + "ft_launcher/hang_index", f"{node},")
+            store.add(prefix + "ft_launcher/hang_count", 1)
     print("done", flush=True)
 
 

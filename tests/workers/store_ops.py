@@ -2,7 +2,8 @@
 the operations given as JSON on argv[2] against 127.0.0.1:argv[1], then prints "done".
 
 Operations: ``["add", key, n]``, ``["copy", from_key, to_key]``, ``["set", key, latin-1 text]``,
-``["print", key]`` (the value in hex on a line of its own). The tests run it as another
+``["print", key]`` (the value in hex on a line of its own), ``["append", key, latin-1 text]``,
+``["exists", key]`` (``True`` or ``False`` on a line of its own). The tests run it as another
 user (uid 65534) where they can."""
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ def main() -> None:
             store.set(args[1], store.get(args[0]))
         elif op == "set":
             store.set(args[0], args[1].encode("latin-1"))
+        elif op == "append":
+            store.append(args[0], args[1].encode("latin-1"))
+        elif op == "exists":
+            print(store.check([args[0]]), flush=True)
         elif op == "print":
             print(store.get(args[0]).hex(), flush=True)
         else:

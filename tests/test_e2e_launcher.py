@@ -226,7 +226,7 @@ def test_crashed_rank_restarts_the_job(workdir: Path) -> None:
     # torch because rank 1, whose all-reduce failed, died of its own teardown (SIGABRT) before it
     assert restart["message"].startswith("rank 0 (pid") and restart["total"] is not None, restart
     assert "raised RuntimeError: rank 0 crashed at step 7 (on purpose)" in restart["message"], restart
-    assert f"attempt 0: {restart['message']}; the worker group restarted" in out
+    assert f"failed      : {restart['message']} in attempt 0; the worker group restarted" in out
 
 
 def test_no_progress_stops_restarting_early(workdir: Path) -> None:

@@ -65,6 +65,14 @@ class Launcher:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
 
+    def succeed(self) -> dict:
+        """Run to the end, which must be a success (its output otherwise); its summary JSON."""
+        try:
+            assert self.wait() == exit_codes.SUCCESS, self.output()
+        finally:
+            self.kill()
+        return self.summary()
+
 
 def two_nodes(workdir: Path, rdzv_id: str, *args: str, train_args: tuple[str, ...]) -> tuple[Launcher, Launcher]:
     """Two ft-launchers on one c10d rendezvous (one machine playing two nodes), run to the

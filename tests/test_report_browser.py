@@ -30,7 +30,6 @@ from urllib.parse import unquote, urlparse
 
 import pytest
 
-from ft_monitor.launcher import exit_codes
 from ft_monitor.launcher.events import RESTART_PHASES
 from tests.browser import Page, chromium, open_page
 from tests.procs import ROOT
@@ -100,11 +99,7 @@ def _evidence_named(summary_files: list[str], targets: set[Path]) -> None:
 
 def test_the_demos_process_restart_page(workdir: Path) -> None:
     la = Launcher(workdir, *DEMO, train_args=("--hang", "rank=1,step=12,attempt=0"))
-    try:
-        assert la.wait() == exit_codes.SUCCESS, la.output()
-    finally:
-        la.kill()
-    summary = la.summary()
+    summary = la.succeed()
     (hang,) = summary["hangs"]
     page_file = _report(Path(summary["observability"]["events"]).parent)
     page = open_page(page_file)
@@ -123,11 +118,7 @@ def test_the_demos_process_restart_page(workdir: Path) -> None:
 
 def test_the_demos_inprocess_restart_page(workdir: Path) -> None:
     la = Launcher(workdir, *DEMO, *INPROCESS, train_args=("--inprocess", "--hang", "rank=1,step=12,attempt=0"))
-    try:
-        assert la.wait() == exit_codes.SUCCESS, la.output()
-    finally:
-        la.kill()
-    summary = la.summary()
+    summary = la.succeed()
     (row,) = summary["inprocess_restarts"]
     page_file = _report(Path(summary["observability"]["events"]).parent)
     page = open_page(page_file)

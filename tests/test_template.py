@@ -32,10 +32,15 @@ PY = sys.executable
 class Launcher:
     """The helper process, one JSON command a line."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, ignoring: str = "") -> None:
+        """``ignoring``: signals the helper starts with ignored (``trap '' INT HUP``: as
+        ``nohup ... &`` starts a launcher)."""
         env = {**os.environ, "PYTHONPATH": str(ROOT), "FT_TEMPLATE_ONLY": "1"}
         self.dir = directory
-        self.proc = subprocess.Popen([PY, str(WORKERS / "template_launcher.py")], stdin=subprocess.PIPE,
+        argv = [PY, str(WORKERS / "template_launcher.py")]
+        if ignoring:
+            argv = ["sh", "-c", f"trap '' {ignoring}; exec \"$0\" \"$@\"", *argv]
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, env=env, cwd=ROOT, start_new_session=True)
         self._buf = b""
         hello = self._line(20)
@@ -143,6 +148,28 @@ def test_a_forked_worker_sees_what_python_script_py_would(launcher: Launcher) ->
     assert {k: v for k, v in expected["env"].items() if k != "LC_CTYPE"} == WORKER_ENV  # PEP 538's coercion
     assert forked["pid"] == forked["sid"] == forked["pgid"]
     assert forked["stdin"] == "/dev/null"
+
+
+def test_a_forked_worker_keeps_the_signals_its_launcher_ignored() -> None:
+    """A launcher started from a background shell (``nohup ft-launcher ... &``) ignores SIGHUP,
+    SIGINT and SIGQUIT, and its exec'd workers inherit that; before, a forked worker got
+    Python's SIGINT handler and SIG_DFL for the rest (the template's own, reset)."""
+    d = short_tmpdir()
+    helper = Launcher(d, ignoring="INT HUP QUIT")
+    try:
+        assert "error" not in helper.call(cmd="start", name="main", dir=str(d), preload=[])
+        got = helper.spawn("report")
+        assert finished(helper, got["pid"]) == 0
+        forked = json.loads(got["out"].read_text())["handlers"]
+        reference = subprocess.run(["sh", "-c", "trap '' INT HUP QUIT; exec \"$0\" \"$@\"", PY, "-u", str(SCRIPT),
+                                    "report"], env=WORKER_ENV, cwd=d, capture_output=True, text=True,
+                                   timeout=60 * slack())
+        expected = json.loads(reference.stdout)["handlers"]
+        assert expected["SIGINT"] == expected["SIGHUP"] == expected["SIGQUIT"] == "SIG_IGN", expected
+        assert forked == expected
+    finally:
+        helper.close()
+        cleanup_dir(d)
 
 
 def test_the_start_up_hook_is_armed_as_in_a_fresh_worker(launcher: Launcher) -> None:

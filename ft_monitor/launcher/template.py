@@ -169,7 +169,7 @@ class Server:
 
     def __init__(self, socket_path: str, parent: int, preloaded: list[str], failed: dict[str, str],
                  start_env: dict[str, str], template_only_paths: set[str],
-                 unsafe: dict[str, str] | None = None) -> None:
+                 unsafe: dict[str, str] | None = None, inherited_ignored: frozenset[int] = frozenset()) -> None:
         self.socket_path = socket_path
         self.parent = parent
         self.preloaded = preloaded
@@ -177,6 +177,8 @@ class Server:
         self.unsafe = unsafe or {}
         self.start_env = start_env
         self.template_only_paths = template_only_paths
+        self.inherited_ignored = inherited_ignored
+        """The signals the template was started with ignored: ignored in every worker too."""
         self.pid = os.getpid()
         self.stopping = False
         self.listener: socket.socket | None = None
@@ -356,9 +358,7 @@ class Server:
         step = "the signal handlers"
         try:
             signal.set_wakeup_fd(-1)
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            _worker_signals(self.inherited_ignored)
             signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
             step = "setsid"
             os.setsid()
@@ -401,6 +401,22 @@ class Server:
             os._exit(1)  # the template died before the go: the launcher has no pid to watch
         os.close(go_r)
         return Worker(path)
+
+
+def _worker_signals(inherited_ignored: frozenset[int]) -> None:
+    """The dispositions an exec'd worker starts with: what the launcher ignored stays ignored
+    (exec keeps SIG_IGN; a launcher started by ``nohup ... &`` ignores SIGHUP, SIGINT and
+    SIGQUIT, and so do its cold workers); the rest of what the template set goes back to the
+    default, SIGINT to Python's KeyboardInterrupt as the interpreter sets it at start."""
+    for sig in inherited_ignored:
+        try:
+            signal.signal(sig, signal.SIG_IGN)
+        except (OSError, ValueError):
+            continue
+    for sig, handler in ((signal.SIGTERM, signal.SIG_DFL), (signal.SIGCHLD, signal.SIG_DFL),
+                         (signal.SIGINT, signal.default_int_handler)):
+        if int(sig) not in inherited_ignored:
+            signal.signal(sig, handler)
 
 
 def _read_line(fd: int, timeout: float) -> str:
@@ -553,6 +569,20 @@ def run_worker(worker: Worker) -> None:
         sys.exit(1)
 
 
+def ignored_signals() -> frozenset[int]:
+    """The signals this process ignores now. Read at the template's start, before it changes any:
+    those it inherited ignored from the launcher (``nohup`` ignores SIGHUP, a background shell
+    SIGINT and SIGQUIT), which an exec'd worker inherits ignored too (exec keeps SIG_IGN)."""
+    found = set()
+    for sig in signal.valid_signals():
+        try:
+            if signal.getsignal(sig) == signal.SIG_IGN:
+                found.add(int(sig))
+        except (OSError, ValueError):
+            continue
+    return frozenset(found)
+
+
 def _parent_alive(parent: int) -> bool:
     return os.getppid() == parent
 
@@ -573,6 +603,7 @@ def main(argv: list[str] | None = None) -> int:
     if not _parent_alive(parent):
         _say(f"the launcher (pid {parent}) is gone; exiting")
         return 1
+    inherited_ignored = ignored_signals()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     start_env = dict(os.environ)
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # else loading OpenBLAS starts its thread pool
@@ -590,7 +621,7 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, UnicodeDecodeError) as e:
             _say(f"cannot read the preload list {args.preload_file}: {e}; going on without it")
     preloaded, failed, unsafe = preload(names)
-    server = Server(args.socket, parent, preloaded, failed, start_env, template_only, unsafe)
+    server = Server(args.socket, parent, preloaded, failed, start_env, template_only, unsafe, inherited_ignored)
     worker = server.serve()
     if worker is None:
         _say("stopped")

@@ -34,7 +34,8 @@ def report() -> None:
     out = {
         "argv": sys.argv, "file": __file__, "path0": sys.path[0], "cwd": os.getcwd(), "env": dict(os.environ),
         "pid": pid, "sid": os.getsid(0), "pgid": os.getpgid(0), "pdeathsig": pdeath.value,
-        "handlers": {s.name: handler(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE)},
+        "handlers": {s.name: handler(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE,
+                                                         signal.SIGHUP, signal.SIGQUIT)},
         "stdin": os.readlink("/proc/self/fd/0"), "write_through": sys.stdout.write_through,
         "stdout_errors": sys.stdout.errors, "stderr_errors": sys.stderr.errors,
         "stdout_encoding": sys.stdout.encoding,

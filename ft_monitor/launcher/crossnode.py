@@ -17,6 +17,7 @@ from torch.distributed.elastic.agent.server.api import WorkerGroup
 from ft_monitor.launcher.decide import read_hang_record
 from ft_monitor.launcher.rollcall_wire import ASKERS_KEY, BELL_KEY, request_key
 from ft_monitor.launcher.step_exchange import STEP_TIMES_INDEX_KEY, STEP_TIMES_KEY
+from ft_monitor.launcher.stop_signal import reraise_stop
 from ft_monitor.launcher.store_auth import (
     SECRET_ENV,
     HangRecord,
@@ -118,6 +119,7 @@ class NodeMessages:
                 if pending:
                     time.sleep(max(0.0, min(HANG_POLL, end - time.monotonic())))
         except Exception as e:  # noqa: BLE001 - attribution is best effort
+            reraise_stop(e)
             log.warning("ft-launcher: could not compare hangs with other nodes: %s", e)
         return values
 
@@ -141,6 +143,7 @@ class NodeMessages:
             for key in keys:
                 store.delete_key(key)
         except Exception as e:  # noqa: BLE001 - the store may be gone; tidying is best effort
+            reraise_stop(e)
             log.debug("ft-launcher: could not delete the previous round's keys: %s", e)
         return len(keys)
 
@@ -157,6 +160,7 @@ class NodeMessages:
             while others > 0 and time.monotonic() < end and store.add(SHUTDOWN_ACKS_KEY, 0) < others:
                 time.sleep(0.05)  # the store outlives this node only while we wait for the others to see it
         except Exception as e:  # noqa: BLE001 - the store may be gone; this node stops regardless
+            reraise_stop(e)
             log.warning("ft-launcher: could not publish the shutdown to other nodes: %s", e)
 
     def shared_shutdown(self, wg: WorkerGroup) -> ShutdownRequest | None:
@@ -175,6 +179,7 @@ class NodeMessages:
             if not isinstance(request, ShutdownRequest):
                 return None
             wg.store.add(SHUTDOWN_ACKS_KEY, 1)
-        except Exception:  # noqa: BLE001 - the store host may be gone
+        except Exception as e:  # noqa: BLE001 - the store host may be gone
+            reraise_stop(e)
             return None
         return request

@@ -38,6 +38,7 @@ from ft_monitor.launcher.restarts import RestartTiming
 from ft_monitor.launcher.rollcall import Rank, RollCaller, diagnosis_path, write_diagnosis
 from ft_monitor.launcher.rootcause import read_stack, write_error_file
 from ft_monitor.launcher.runtime import FtRuntime
+from ft_monitor.launcher.stop_signal import reraise_stop
 from ft_monitor.launcher.store_auth import StoreChannel
 
 log = logging.getLogger("ft_monitor.launcher")
@@ -105,7 +106,8 @@ class HangHandling:
                                              wait=self.ft.config.roll_call_timeout + ATTRIBUTION_WINDOW)
                 return decision
             found = self._roll_call(wg, channel, notice, decision.worker.local_rank)
-        except Exception:  # noqa: BLE001 - diagnosis is best effort; the group is stopped regardless
+        except Exception as e:  # noqa: BLE001 - diagnosis is best effort; the group is stopped regardless
+            reraise_stop(e)
             log.exception("ft-launcher: the roll call failed; stopping the group without a diagnosis")
             return decision
         return with_diagnosis(decision, notice, stack, found, self._workers(wg), self._error_files())
@@ -169,7 +171,8 @@ class HangHandling:
             return
         try:
             self._roll_call(wg, channel, notice, triage.worker.local_rank)
-        except Exception:  # noqa: BLE001 - the job keeps running whatever happens here
+        except Exception as e:  # noqa: BLE001 - the job keeps running whatever happens here
+            reraise_stop(e)
             log.exception("ft-launcher: the roll call failed")
 
     def _answer_roll_calls(self, wg: WorkerGroup) -> None:
@@ -179,7 +182,8 @@ class HangHandling:
         try:
             self.rollcall.answer_pending(self._ranks(wg), store=wg.store, channel=self.nodes.channel(wg),
                                          group_rank=wg.group_rank or 0, group_world_size=wg.group_world_size or 1)
-        except Exception:  # noqa: BLE001 - answering is best effort
+        except Exception as e:  # noqa: BLE001 - answering is best effort
+            reraise_stop(e)
             log.exception("ft-launcher: answering another node's roll call failed")
 
     def _carry_out(self, decision: HangDecision) -> RunResult:

@@ -22,6 +22,7 @@ from ft_monitor.core.notices import HangNotice
 from ft_monitor.launcher.agent import FtLocalElasticAgent
 from ft_monitor.launcher.control import EventKind, LauncherEvent
 from ft_monitor.launcher.decide import HangDecision
+from ft_monitor.launcher.stop_signal import reraise_stop
 from ft_monitor.launcher.telemetry import Telemetry
 
 log = logging.getLogger("ft_monitor.launcher")
@@ -37,7 +38,8 @@ class FtObservedAgent(FtLocalElasticAgent):
     def _tell(self, fn: Callable[..., None], *args: Any, **kwargs: Any) -> None:
         try:
             fn(*args, **kwargs)
-        except Exception:  # noqa: BLE001 - telemetry must never stop the job
+        except Exception as e:  # noqa: BLE001 - telemetry must never stop the job
+            reraise_stop(e)
             if not self._failed_telemetry:
                 log.exception("ft-launcher: telemetry failed (events and metrics may be incomplete)")
             self._failed_telemetry = True

@@ -62,6 +62,7 @@ from ft_monitor.launcher.rollcall_wire import (
     requests_board,
 )
 from ft_monitor.launcher.sealed import Sealer
+from ft_monitor.launcher.stop_signal import reraise_stop
 from ft_monitor.launcher.store_auth import RollCallRequest, StoreChannel, StoreMessageError
 from ft_monitor.launcher.store_board import Board, existing, read_all
 from ft_monitor.processes import procinfo
@@ -240,6 +241,7 @@ class RollCaller:
                     key, RollCallRequest(incident, hung.rank, self.host, group_rank, self.timeout, self.round)))
                 asked = [f"node {g}" for g in others]
             except Exception as e:  # noqa: BLE001 - the store may be gone; this node's ranks still count
+                reraise_stop(e)
                 log.warning("ft-launcher: could not ask the other nodes for their ranks' stacks: %s", e)
                 others = []
         evidence = self.local(ranks, incident, deadline - self.clock())
@@ -299,6 +301,7 @@ class RollCaller:
                 by_key = {answer_key(group_rank, incident, g): g for g in pending}
                 take({by_key[k]: raw for k, raw in zip(keys, read_all(store, keys), strict=True)})
         except Exception as e:  # noqa: BLE001 - the store may be gone
+            reraise_stop(e)
             log.warning("ft-launcher: could not read the other nodes' roll call answers: %s", e)
         return evidence, hosts
 
@@ -354,7 +357,8 @@ class RollCaller:
         scan = force or now - self._scanned >= SCAN_INTERVAL
         try:
             found = self._requests.look(store, (g for g in range(group_world_size) if g != group_rank), force=scan)
-        except Exception:  # noqa: BLE001 - the store host may be gone
+        except Exception as e:  # noqa: BLE001 - the store host may be gone
+            reraise_stop(e)
             return None
         if scan:
             self._scanned = now
@@ -396,6 +400,7 @@ class RollCaller:
             self.written.append(key)
             answers_board(request.group_rank, request.incident, group_world_size).publish(store, group_rank, value)
         except Exception as e:  # noqa: BLE001
+            reraise_stop(e)
             log.warning("ft-launcher: could not store this node's roll call answer: %s", e)
 
 

@@ -33,6 +33,7 @@ from ft_monitor.launcher.goodput import Goodput, Incident, goodput
 from ft_monitor.launcher.metrics import RankView, Snapshot
 from ft_monitor.launcher.slow_ranks import MIN_SAMPLES, SlowVerdict, judge
 from ft_monitor.launcher.step_exchange import exchange_step_times
+from ft_monitor.launcher.stop_signal import reraise_stop
 from ft_monitor.launcher.store_auth import StoreChannel
 from ft_monitor.launcher.torch_events import TorchMetrics
 
@@ -470,6 +471,7 @@ class Telemetry:
             self.remote_medians.update(medians)
             self._listed_in = wg.store if listed else None
         except Exception as e:  # noqa: BLE001 - slow-rank comparison across nodes is best effort
+            reraise_stop(e)
             log.debug("ft-launcher: could not exchange step times with other nodes: %s", e)
 
     def _goodput(self, now: float) -> Goodput:

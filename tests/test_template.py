@@ -252,6 +252,7 @@ def test_a_failed_preload_is_reported_and_the_template_serves(launcher: Launcher
     assert status["failed"] == {"no_such_module_xyz": "ModuleNotFoundError: No module named 'no_such_module_xyz'"}
     assert status["pid"] == launcher.template_pid  # type: ignore[attr-defined]
     assert status["cuda_initialized"] is False and status["rss_kb"] > 0
+    assert status["frozen_objects"] > 1000  # what it imported, out of the collector's sight (gc.freeze)
     log = (launcher.dir / "template.log").read_text()
     assert "preload no_such_module_xyz failed, going on without it: ModuleNotFoundError" in log
 

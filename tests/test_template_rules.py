@@ -142,7 +142,7 @@ def test_replies_are_read_field_by_field() -> None:
     assert isinstance(parse_spawn_reply({"ok": True, "pid": True}), Refusal)
     assert isinstance(parse_spawn_reply("x"), Refusal)
     status = {"ok": True, "pid": 5, "preloaded": ["torch"], "failed": {}, "threads": 1, "cuda_initialized": False,
-              "rss_kb": 100}
+              "rss_kb": 100, "frozen_objects": 0}
     assert parse_status_reply(status) == {**status, "unsafe": {}}
     assert parse_status_reply({**status, "unsafe": {"m": "initialised CUDA"}}) == \
         {**status, "unsafe": {"m": "initialised CUDA"}}

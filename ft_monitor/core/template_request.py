@@ -148,7 +148,7 @@ def parse_spawn_reply(obj: object) -> SpawnReply | Refusal:
 
 STATUS_FIELDS: dict[str, tuple[type, ...]] = {
     "pid": (int,), "preloaded": (list,), "failed": (dict,), "threads": (int,),
-    "cuda_initialized": (bool,), "rss_kb": (int,),
+    "cuda_initialized": (bool,), "rss_kb": (int,), "frozen_objects": (int,),
 }
 
 

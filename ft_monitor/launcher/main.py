@@ -55,6 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="fork the workers of every restart from a worker template that has already imported "
                              "torch and --ft-preload's modules (no interpreter start, no imports); attempt 0 and "
                              "anything the template cannot run start as usual (docs/launcher.md, 'Warm restarts')")
+    parser.add_argument("--ft-warm-start", "--ft_warm_start", dest="ft_warm_start", action="store_true",
+                        help="with --ft-warm-restart (implied): attempt 0's workers are forked from the template too, "
+                             "once it has imported: torch and --ft-preload's modules are imported once per node "
+                             "instead of once per worker (docs/launcher.md, 'Warm restarts')")
     parser.add_argument("--ft-preload", "--ft_preload", dest="ft_preload", default=None, metavar="MODULES",
                         help="with --ft-warm-restart: comma-separated modules the template imports besides torch, "
                              "or 'auto': those the first attempt's workers had loaded")
@@ -261,7 +265,8 @@ def launch(args: argparse.Namespace, config: Settings | FaultToleranceConfig, su
 def _warm_starts(args: argparse.Namespace, run_dir: Path) -> Any:
     """The worker template of ``--ft-warm-restart`` (started now, warm by the first restart), or None."""
     preload = getattr(args, "ft_preload", None)
-    if not getattr(args, "ft_warm_restart", False):
+    first_attempt = bool(getattr(args, "ft_warm_start", False))
+    if not getattr(args, "ft_warm_restart", False) and not first_attempt:
         if preload:
             log.warning("ft-launcher: --ft-preload does nothing without --ft-warm-restart")
         return None
@@ -275,10 +280,11 @@ def _warm_starts(args: argparse.Namespace, run_dir: Path) -> Any:
     sys_path = []  # the script's directory: its own modules are importable in the template as in the script
     if isinstance(script, str) and not getattr(args, "module", False) and not getattr(args, "no_python", False):
         sys_path.append(os.path.dirname(os.path.abspath(script)))
-    warm = WarmStarts(directory, names, auto, sys_path=sys_path)
+    warm = WarmStarts(directory, names, auto, sys_path=sys_path, first_attempt=first_attempt)
     warm.start()
     if warm.template is not None:
-        log.info("ft-launcher: warm restarts: a worker template (pid %d) imports %s%s", warm.template.pid,
+        log.info("ft-launcher: warm %s: a worker template (pid %d) imports %s%s",
+                 "starts and restarts" if first_attempt else "restarts", warm.template.pid,
                  ", ".join(names), " and then what the workers load" if auto else "")
     return warm
 

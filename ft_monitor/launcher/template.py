@@ -52,6 +52,7 @@ from __future__ import annotations
 import argparse
 import builtins
 import faulthandler
+import gc
 import importlib
 import importlib.machinery
 import io
@@ -282,6 +283,7 @@ class Server:
     def status(self) -> dict[str, Any]:
         return {"ok": True, "pid": os.getpid(), "preloaded": list(self.preloaded), "failed": dict(self.failed),
                 "threads": len(thread_names()), "cuda_initialized": cuda_initialized(), "rss_kb": rss_kb(),
+                "frozen_objects": gc.get_freeze_count(),
                 "unsafe": dict(self.unsafe)}
 
     # ---- a spawn ---------------------------------------------------------------------
@@ -621,6 +623,11 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, UnicodeDecodeError) as e:
             _say(f"cannot read the preload list {args.preload_file}: {e}; going on without it")
     preloaded, failed, unsafe = preload(names)
+    # What is imported now lives as long as every worker: out of the collector's sight, so that a
+    # worker's collections and its exit do not write to (and so copy) the pages it shares with the
+    # template (a worker with torch exited in 0.63 s after a fork, 0.23 s with this).
+    gc.collect()
+    gc.freeze()
     server = Server(args.socket, parent, preloaded, failed, start_env, template_only, unsafe, inherited_ignored)
     worker = server.serve()
     if worker is None:

@@ -6,7 +6,9 @@ from a per-node template that has already imported torch and the training code's
 kept warm) and decides, for each attempt torch starts, whether its workers are forked or
 started as usual:
 
-* attempt 0 always starts as usual (the template serves restarts only);
+* attempt 0 starts as usual (the template serves restarts only), unless ``--ft-warm-start``
+  asks for its workers to be forked too: it then waits for the template's imports (up to
+  `READY_WAIT`), so that a node imports torch once instead of once per worker;
 * a restart's workers are forked when the template is alive and answers; anything else
   (it died, it refuses: threads, CUDA, an entry point it cannot run) starts them as usual,
   with one line saying why (`fallbacks`);
@@ -47,8 +49,10 @@ class WarmStarts:
     """The template of one node and the decision to fork from it."""
 
     def __init__(self, directory: Path, preload: list[str], auto: bool, env: Mapping[str, str] | None = None,
-                 sys_path: Sequence[str] = ()) -> None:
+                 sys_path: Sequence[str] = (), first_attempt: bool = False) -> None:
         self.directory = directory
+        self.first_attempt = first_attempt
+        """``--ft-warm-start``: attempt 0's workers are forked too."""
         self.preload = preload
         self.auto = auto
         self.env = dict(os.environ if env is None else env)
@@ -188,7 +192,7 @@ class WarmStarts:
         """While torch starts attempt ``attempt``'s workers: fork them from the template when
         it can (the pids forked are appended to the yielded list)."""
         pids: list[int] = []
-        if attempt == 0:
+        if attempt == 0 and not self.first_attempt:
             yield pids
             return
         why = self._ready_now(READY_WAIT)

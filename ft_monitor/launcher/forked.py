@@ -20,6 +20,7 @@ import itertools
 import logging
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -154,10 +155,14 @@ class ForkedProcess:
 class Template:
     """The launcher's handle on its worker template process."""
 
-    def __init__(self, proc: subprocess.Popen[bytes], socket_path: Path, log_path: Path) -> None:
+    def __init__(self, proc: subprocess.Popen[bytes] | ForkedProcess, socket_path: Path, log_path: Path,
+                 owned_dir: Path | None = None) -> None:
+        """``proc``: the template's process (started, or forked from this one: `template_fork`);
+        ``owned_dir``: a folder of the template's own, removed at `close`."""
         self.proc = proc
         self.socket_path = socket_path
         self.log_path = log_path
+        self.owned_dir = owned_dir
 
     @property
     def pid(self) -> int:
@@ -309,3 +314,5 @@ class Template:
                 path.unlink()
             except FileNotFoundError:
                 pass
+        if self.owned_dir is not None:
+            shutil.rmtree(self.owned_dir, ignore_errors=True)

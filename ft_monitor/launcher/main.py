@@ -28,7 +28,7 @@ from ft_client.safefiles import write_json_atomic
 from ft_monitor.config import ConfigError, FaultToleranceConfig, add_config_flags, cli_overrides, load_config
 from ft_monitor.core import timeout_order
 from ft_monitor.core.settings import Settings, SettingsError
-from ft_monitor.launcher import exit_codes, torch_support
+from ft_monitor.launcher import exit_codes, template_fork, torch_support
 from ft_monitor.launcher.store_auth import SECRET_FILE_ENV, SecretError, load_job_secret
 
 log = logging.getLogger("ft_monitor.launcher")
@@ -98,7 +98,8 @@ def status_main(argv: list[str]) -> int:
     return live_view(dirs, args.json, args.watch, args.count, prog="ft-launcher status")
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, early: Any = None) -> int:
+    """ft-launcher; ``early``: `template_fork.Early`, the worker template `entrypoint` forked."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["status"] and not os.path.exists("status"):
         return status_main(argv[1:])
@@ -140,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     # addresses and fails ("connectFullMesh failed ... Connection refused") or hangs.
     # torch's own opt-out gives every attempt a fresh store hosted by its rank 0.
     os.environ.setdefault(SHARED_STORE_OPT_OUT, "1")
-    return launch(args, config, args.ft_summary_json, secret)
+    return launch(args, config, args.ft_summary_json, secret, early)
 
 
 def max_nodes(nnodes: object) -> int | None:
@@ -190,7 +191,7 @@ def _timeouts_in_order(config: Settings, args: argparse.Namespace) -> bool:
 
 
 def launch(args: argparse.Namespace, config: Settings | FaultToleranceConfig, summary_json: str | None = None,
-           job_secret: bytes | None = None) -> int:
+           job_secret: bytes | None = None, early: Any = None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import determine_local_world_size
@@ -220,7 +221,7 @@ def launch(args: argparse.Namespace, config: Settings | FaultToleranceConfig, su
                    ProgressTracker(config.max_no_progress_cycles, config.min_progress_iterations),
                    job_secret=job_secret, local_key=os.urandom(32) if job_secret is None and single else None)
     server.authorize(monitor=monitors.is_monitor, worker=ft.is_worker)
-    ft.warm = _warm_starts(args, run_dir)
+    ft.warm = _warm_starts(args, run_dir, early)
     telemetry = Telemetry(config=config, monitors=monitors, host=socket.gethostname(), nproc=monitors.nproc,
                           max_restarts=args.max_restarts, job_secret=job_secret)
     try:
@@ -262,8 +263,9 @@ def launch(args: argparse.Namespace, config: Settings | FaultToleranceConfig, su
     return code
 
 
-def _warm_starts(args: argparse.Namespace, run_dir: Path) -> Any:
-    """The worker template of ``--ft-warm-restart`` (started now, warm by the first restart), or None."""
+def _warm_starts(args: argparse.Namespace, run_dir: Path, early: Any = None) -> Any:
+    """The worker template of ``--ft-warm-restart`` (forked at the start, `template_fork`, or
+    started now, warm by the first restart), or None."""
     preload = getattr(args, "ft_preload", None)
     first_attempt = bool(getattr(args, "ft_warm_start", False))
     if not getattr(args, "ft_warm_restart", False) and not first_attempt:
@@ -276,15 +278,16 @@ def _warm_starts(args: argparse.Namespace, run_dir: Path) -> Any:
     names, auto = parse_preload(preload)
     directory = run_dir / "template"
     directory.mkdir(mode=0o700)
-    script = getattr(args, "training_script", None)
-    sys_path = []  # the script's directory: its own modules are importable in the template as in the script
-    if isinstance(script, str) and not getattr(args, "module", False) and not getattr(args, "no_python", False):
-        sys_path.append(os.path.dirname(os.path.abspath(script)))
-    warm = WarmStarts(directory, names, auto, sys_path=sys_path, first_attempt=first_attempt)
+    forked = early is not None and early.template is not None
+    if early is not None and early.why_not:
+        log.info("ft-launcher: %s", early.why_not)
+    warm = WarmStarts(directory, names, auto, sys_path=template_fork.script_dirs(args), first_attempt=first_attempt,
+                      template=early.template if forked else None)
     warm.start()
     if warm.template is not None:
-        log.info("ft-launcher: warm %s: a worker template (pid %d) imports %s%s",
+        log.info("ft-launcher: warm %s: a worker template (pid %d%s) imports %s%s",
                  "starts and restarts" if first_attempt else "restarts", warm.template.pid,
+                 ", forked from the launcher with its modules" if forked else "",
                  ", ".join(names), " and then what the workers load" if auto else "")
     return warm
 
@@ -365,7 +368,22 @@ def _write_summary(data: dict[str, Any], path: str) -> None:
 
 
 def entrypoint() -> None:
-    sys.exit(main())
+    """``ft-launcher``: with warm starts or restarts asked for, the worker template is forked
+    from here first (`template_fork`: the child never comes back into `main`)."""
+    argv = sys.argv[1:]
+    early = None
+    if template_fork.requested(argv):
+        with template_fork.no_blas_pool():
+            parser = build_parser()  # imports torch, as the launcher does anyway
+        args = template_fork.parse_quietly(parser, argv)
+        if args is not None:
+            early = template_fork.fork_early(args)
+    try:
+        code = main(argv, early)
+    finally:
+        if early is not None:
+            early.close()  # idempotent: closed by the launcher already, unless it stopped before using it
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -605,16 +605,6 @@ def main(argv: list[str] | None = None) -> int:
     if not _parent_alive(parent):
         _say(f"the launcher (pid {parent}) is gone; exiting")
         return 1
-    inherited_ignored = ignored_signals()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    start_env = dict(os.environ)
-    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # else loading OpenBLAS starts its thread pool
-    # sys.path entries of the template's own, which a worker does not get: -m's cwd, --path, PYTHONPATH
-    template_only = {sys.path[0]} if sys.path else set()
-    template_only |= set(_pythonpath(start_env.get("PYTHONPATH"), os.getcwd()))
-    extra = [os.path.abspath(p) for p in args.path]
-    template_only |= set(extra)
-    sys.path[:0] = extra
     names = [n.strip() for n in args.preload.split(",") if n.strip()]
     if args.preload_file is not None:
         try:
@@ -622,13 +612,31 @@ def main(argv: list[str] | None = None) -> int:
                 names += [n.strip() for n in f.read().splitlines() if n.strip()]
         except (OSError, UnicodeDecodeError) as e:
             _say(f"cannot read the preload list {args.preload_file}: {e}; going on without it")
+    return serve_template(args.socket, parent, names, args.path)
+
+
+def serve_template(socket_path: str, parent: int, names: list[str], paths: list[str]) -> int:
+    """Import ``names`` (``paths`` first on sys.path meanwhile) and serve on ``socket_path`` until
+    SIGTERM; in a forked worker, run its script. In the template's process: started as
+    ``python -m ft_monitor.launcher.template`` (`main`), or forked from the launcher
+    (`ft_monitor.launcher.template_fork`), whose imports it then has already."""
+    inherited_ignored = ignored_signals()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    start_env = dict(os.environ)
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # else loading OpenBLAS starts its thread pool
+    # sys.path entries of the template's own, which a worker does not get: -m's cwd, --path, PYTHONPATH
+    template_only = {sys.path[0]} if sys.path else set()
+    template_only |= set(_pythonpath(start_env.get("PYTHONPATH"), os.getcwd()))
+    extra = [os.path.abspath(p) for p in paths]
+    template_only |= set(extra)
+    sys.path[:0] = extra
     preloaded, failed, unsafe = preload(names)
     # What is imported now lives as long as every worker: out of the collector's sight, so that a
     # worker's collections and its exit do not write to (and so copy) the pages it shares with the
     # template (a worker with torch exited in 0.63 s after a fork, 0.23 s with this).
     gc.collect()
     gc.freeze()
-    server = Server(args.socket, parent, preloaded, failed, start_env, template_only, unsafe, inherited_ignored)
+    server = Server(socket_path, parent, preloaded, failed, start_env, template_only, unsafe, inherited_ignored)
     worker = server.serve()
     if worker is None:
         _say("stopped")

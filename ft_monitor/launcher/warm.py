@@ -49,8 +49,11 @@ class WarmStarts:
     """The template of one node and the decision to fork from it."""
 
     def __init__(self, directory: Path, preload: list[str], auto: bool, env: Mapping[str, str] | None = None,
-                 sys_path: Sequence[str] = (), first_attempt: bool = False) -> None:
+                 sys_path: Sequence[str] = (), first_attempt: bool = False, template: Any = None) -> None:
+        """``template``: one forked from the launcher at its start (`template_fork`), adopted by
+        `start` instead of starting one."""
         self.directory = directory
+        self._adopted = template
         self.first_attempt = first_attempt
         """``--ft-warm-start``: attempt 0's workers are forked too."""
         self.preload = preload
@@ -75,8 +78,11 @@ class WarmStarts:
 
         if not set_child_subreaper():
             self._say("the launcher cannot become its workers' child subreaper (prctl refused)")
+            if self._adopted is not None:
+                self._adopted.close()
             return
-        self.template = self._launch(self.preload)
+        self.template = self._adopted if self._adopted is not None else self._launch(self.preload)
+        self._adopted = None
         self._ready = False
 
     def _launch(self, names: list[str]) -> Any:

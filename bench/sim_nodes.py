@@ -792,7 +792,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench/sim_nodes.py", description=__doc__.split("\n\n")[0])
     size = p.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="M up to 32, 2 incidents")
-    size.add_argument("--smoke", action="store_true", help="M = 2 and 4, 1 incident (tests; figures meaningless)")
+    size.add_argument("--smoke", action="store_true", help="M = 2, 1 incident (tests; figures meaningless)")
     p.add_argument("--nodes", default=None, help="comma-separated M values (default 2,4,...,128)")
     p.add_argument("--incidents", type=int, default=None)
     p.add_argument("--ranks-per-node", type=int, default=8)
@@ -805,7 +805,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     mode = "smoke" if args.smoke else "quick" if args.quick else "full"
     nodes = [int(x) for x in args.nodes.split(",")] if args.nodes else \
-        {"full": [2, 4, 8, 16, 32, 64, 128], "quick": [2, 4, 8, 16, 32], "smoke": [2, 4]}[mode]
+        {"full": [2, 4, 8, 16, 32, 64, 128], "quick": [2, 4, 8, 16, 32], "smoke": [2]}[mode]
     incidents = args.incidents or {"full": 3, "quick": 2, "smoke": 1}[mode]
     idle_s = args.idle if args.idle is not None else {"full": 6.0, "quick": 2.0, "smoke": 1.0}[mode]
     stamp = time.strftime("%Y%m%d-%H%M%S")

@@ -40,6 +40,13 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     return (yield)
 
 
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    """End-to-end tests first (each module's in its order): pytest-xdist hands tests out in this
+    order, and a run whose last tests are minute-long end-to-end ones ends with one busy worker
+    while the others wait; the unit tests, seconds in all, fill in at the end."""
+    items.sort(key=lambda item: item.get_closest_marker("e2e") is None)
+
+
 def keep_evidence(node: pytest.Item, d: Path) -> Path | None:
     """Move a failing test's work folder (daemon and launcher logs, hang reports, stack dumps)
     where it survives the run; where it went, or None when the test passed."""

@@ -40,13 +40,14 @@ class Profiler:
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, Any, Any]:
-        wall0, cpu0 = time.monotonic(), _cpu()
+        wall0, cpu0, start = time.monotonic(), _cpu(), time.time()
         try:
             return (yield)
         finally:
             self.rows.append({"nodeid": item.nodeid, "file": item.nodeid.split("::", 1)[0],
                               "wall": time.monotonic() - wall0, "cpu": _cpu() - cpu0,
-                              "e2e": item.get_closest_marker("e2e") is not None})
+                              "e2e": item.get_closest_marker("e2e") is not None, "start": start,
+                              "worker": os.environ.get("PYTEST_XDIST_WORKER", "main")})
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
@@ -128,6 +129,8 @@ def sample(out: Path, interval: float = 0.05) -> None:
 
     signal.signal(signal.SIGTERM, on_term)
     me = os.getpid()
+    before: dict[tuple[int, int], float] = {}  # the CPU of processes already running at the start: not counted
+    first = True
     while not stop:
         for entry in os.listdir("/proc"):
             if not entry.isdigit() or int(entry) == me:
@@ -137,6 +140,8 @@ def sample(out: Path, interval: float = 0.05) -> None:
                     fields = f.read().rsplit(")", 1)[1].split()
                 key = (int(entry), int(fields[19]))
                 cpu = (int(fields[11]) + int(fields[12])) / tick
+                if first:
+                    before[key] = cpu
                 if key not in seen:
                     with open(f"/proc/{entry}/cmdline", "rb") as f:
                         cmd = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
@@ -145,11 +150,12 @@ def sample(out: Path, interval: float = 0.05) -> None:
                     seen[key] = (seen[key][0], cpu)
             except (OSError, IndexError, ValueError):
                 continue
+        first = False
         time.sleep(interval)
     totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-    for name, cpu in seen.values():
-        totals[name][0] += 1
-        totals[name][1] += cpu
+    for key, (name, cpu) in seen.items():
+        totals[name][0] += key not in before
+        totals[name][1] += cpu - before.get(key, 0.0)
     out.write_text(json.dumps({k: {"processes": v[0], "cpu": v[1]} for k, v in totals.items()}))
 
 

@@ -37,6 +37,8 @@ from ft_monitor.launcher.store_auth import (
     StoreMessageError,
     load_job_secret,
 )
+from tests import zygote
+from tests.launchers import launcher_argv
 from tests.procs import ROOT, Daemon, Rank, pid_alive, raw_client, status, wait_until
 
 ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (another uid, a pid namespace)")
@@ -696,10 +698,9 @@ def test_a_worker_forging_a_hang_notice_neither_gets_it_acknowledged_nor_ends_th
     go = workdir / "go"
     out_path = workdir / "launcher.out"
     with open(out_path, "w") as out:
-        la = subprocess.Popen([sys.executable, "-m", "ft_monitor.launcher.main", "--standalone", "--nproc-per-node",
-                               "1", "--ft-rank-section-timeouts", "step:60", str(ROOT / "tests/workers/rank.py"),
-                               "forge-hang-notice", "--until-file", str(go)],
-                              stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+        la = zygote.popen(launcher_argv("--standalone", "--nproc-per-node", "1", "--ft-rank-section-timeouts", "step:60",
+                                        str(ROOT / "tests/workers/rank.py"), "forge-hang-notice", "--until-file", str(go)),
+                          stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
     try:
         # the worker's next request is handled only after its forged notice (before: that notice
         # was acknowledged and the launcher exited 2 on detected_time "x" at its next tick)
@@ -813,10 +814,9 @@ def test_log_file_and_summary_json_do_not_follow_planted_symlinks(workdir: Path)
     assert out.returncode == 2 and "is a symbolic link; refusing to follow it" in out.stderr, out.stderr
     summary_link = workdir / "summary.json"
     summary_link.symlink_to(victim)
-    out = subprocess.run([sys.executable, "-m", "ft_monitor.launcher.main", "--standalone", "--nproc-per-node", "1",
-                          "--ft-summary-json", str(summary_link), "--ft-rank-section-timeouts", "step:5",
-                          str(ROOT / "tests/workers/rank.py"), "clean"],
-                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    out = zygote.run(launcher_argv("--standalone", "--nproc-per-node", "1", "--ft-summary-json", str(summary_link),
+                                   "--ft-rank-section-timeouts", "step:5", str(ROOT / "tests/workers/rank.py"), "clean"),
+                     capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     assert victim.read_text() == "precious\n"
     assert not summary_link.is_symlink() and json.loads(summary_link.read_text())["exit_code"] == 0

@@ -15,6 +15,7 @@ import pytest
 
 from bench.harness import Figure, summarize
 from bench.run import markdown_table
+from tests import zygote
 from tests.procs import ROOT, slack
 
 FIGURE_KEYS = {"id", "what", "loop", "unit", "n", "median", "p99", "min", "max", "percentiles", "value", "target",
@@ -79,8 +80,8 @@ def test_the_smoke_groups_cover_every_benchmark() -> None:
 def test_smoke_run_writes_the_expected_json(tmp_path: Path, group: str) -> None:
     """One group per test, so that pytest-xdist runs the groups side by side."""
     out = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "run.py"), "--smoke", "--only", group,
-                           "--out", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=110 * slack())
+    proc = zygote.run([sys.executable, str(ROOT / "bench" / "run.py"), "--smoke", "--only", group, "--out", str(out)],
+                      capture_output=True, text=True, cwd=ROOT, timeout=110 * slack())
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("| what | median | p99 | min-max | target | met? |"), proc.stdout
 

@@ -10,7 +10,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +17,9 @@ import pytest
 
 from ft_monitor.launcher import exit_codes
 from ft_monitor.launcher.rollcall_wire import BELL_KEY
+from tests import zygote
+from tests.launchers import JOB_SECRET, Launcher, job_processes, launcher_argv, listening, two_nodes
 from tests.procs import ROOT, free_port, launcher_summary, wait_until
-from tests.test_e2e_launcher import JOB_SECRET, Launcher, _listening, job_processes, two_nodes
 from tests.test_rollcall_attacks import forge
 
 pytestmark = pytest.mark.e2e
@@ -103,7 +103,7 @@ def test_two_launchers_a_counter_added_to_by_another_user_misses_no_node(workdir
     a, b = (Launcher(workdir, "--max-restarts", "1", *FR, train_args=train, name=name, launcher_flags=common,
                      env=JOB_SECRET) for name in ("node0", "node1"))
     try:
-        wait_until(lambda: _listening(port), 60, "the rendezvous store")
+        wait_until(lambda: listening(port), 60, "the rendezvous store")
         forge(port, [["add", f"torch.rendezvous.ft-roll-call-forged.{r}/{key}", 100]
                      for r in range(2) for key in ("ft_launcher/roll_call_count", BELL_KEY)])
         (workdir / "forged").touch()
@@ -119,15 +119,16 @@ def test_two_launchers_a_counter_added_to_by_another_user_misses_no_node(workdir
     assert "roll call 1 from" in (a.output() + b.output())
 
 
-def _launcher(workdir: Path, *args: str, scenario: str) -> tuple[subprocess.Popen[bytes], Path, Path]:
+def _launcher(workdir: Path, *args: str, scenario: str) -> tuple[Any, Path, Path]:
     out = workdir / "out"
     summary = workdir / "summary.json"
-    argv = [sys.executable, "-m", "ft_monitor.launcher.main", "--standalone", "--monitor-interval", "0.05",
-            "--log-dir", str(workdir / "logs"), "--ft-summary-json", str(summary), "--ft-termination-grace-time", "1",
-            *args, str(ROOT / "tests/workers/rank.py"), scenario, "--steps", "2", "--until-file", str(workdir / "go")]
+    argv = launcher_argv("--standalone", "--monitor-interval", "0.05",
+                         "--log-dir", str(workdir / "logs"), "--ft-summary-json", str(summary),
+                         "--ft-termination-grace-time", "1", *args, str(ROOT / "tests/workers/rank.py"), scenario,
+                         "--steps", "2", "--until-file", str(workdir / "go"))
     with open(out, "w") as f:
-        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
-                                env={**os.environ, "FT_TEST_MARKER": workdir.name})
+        proc = zygote.popen(argv, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
+                            env={**os.environ, "FT_TEST_MARKER": workdir.name})
     return proc, out, summary
 
 

@@ -11,8 +11,8 @@ import pytest
 
 from ft_monitor.launcher import exit_codes
 from ft_monitor.launcher.events import read_events
+from tests.launchers import Launcher, two_nodes
 from tests.procs import launcher_summary
-from tests.test_e2e_launcher import Launcher, two_nodes
 
 pytestmark = pytest.mark.e2e
 

@@ -5,112 +5,26 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import pytest
 
 from ft_monitor.launcher import exit_codes
+from tests import zygote
+from tests.launchers import JOB_SECRET, Launcher, launcher_argv, listening, two_nodes
 from tests.procs import ROOT, free_port, launcher_summary, slack, wait_until
 
 pytestmark = pytest.mark.e2e
 
-TRAIN = str(ROOT / "examples" / "train_ddp.py")
-FT_FLAGS = ["--ft-cfg-path", str(ROOT / "examples" / "ft.yaml"), "--ft-termination-grace-time", "2"]
-JOB_SECRET = {"FT_JOB_SECRET": "test-job-secret-" + "0123456789abcdef"}
-"""Multi-node tests sign the launchers' store messages (store_auth) with this."""
-
-
-
-class Launcher:
-    """An ft-launcher process; everything it starts inherits a unique marker in its environment."""
-
-    def __init__(self, workdir: Path, *args: str, train_args: tuple[str, ...] = (), name: str = "launcher",
-                 launcher_flags: tuple[str, ...] = ("--standalone",), env: dict[str, str] | None = None,
-                 relative: bool = False, entry: tuple[str, ...] = (TRAIN,)) -> None:
-        """``relative``: started in ``workdir``, with --log-dir and --ft-summary-json relative to it;
-        ``entry``: what torchrun runs (the training script; a module name after ``-m``)."""
-        self.marker = uuid.uuid4().hex
-        self.out_path = workdir / f"{name}.out"
-        self.summary_path = workdir / f"{name}-summary.json"
-        self.log_dir = workdir / f"{name}-logs"
-        paths = (self.log_dir, self.summary_path)
-        log_dir, summary = (p.relative_to(workdir) if relative else p for p in paths)
-        argv = [sys.executable, "-m", "ft_monitor.launcher.main", *launcher_flags, "--nproc-per-node", "2",
-                "--log-dir", str(log_dir), "--ft-summary-json", str(summary), *FT_FLAGS, *args,
-                *entry, "--ckpt-dir", str(workdir / "ckpt"), *train_args]
-        self._out = open(self.out_path, "w")
-        self.proc = subprocess.Popen(argv, stdout=self._out, stderr=subprocess.STDOUT,
-                                     cwd=workdir if relative else ROOT,
-                                     env={**os.environ, **(env or {}), "FT_TEST_MARKER": self.marker},
-                                     start_new_session=True)
-
-    def wait(self, timeout: float = 240) -> int:
-        try:
-            return self.proc.wait(timeout * slack())
-        finally:
-            self._out.close()
-
-    def output(self) -> str:
-        return self.out_path.read_text()
-
-    def summary(self) -> dict:
-        return json.loads(self.summary_path.read_text())
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
-
-    def succeed(self) -> dict:
-        """Run to the end, which must be a success (its output otherwise); its summary JSON."""
-        try:
-            assert self.wait() == exit_codes.SUCCESS, self.output()
-        finally:
-            self.kill()
-        return self.summary()
-
-
-def two_nodes(workdir: Path, rdzv_id: str, *args: str, train_args: tuple[str, ...]) -> tuple[Launcher, Launcher]:
-    """Two ft-launchers on one c10d rendezvous (one machine playing two nodes), run to the
-    end; both must succeed."""
-    common = ("--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
-              "--rdzv-id", rdzv_id)
-    a, b = (Launcher(workdir, *args, train_args=train_args, name=name, launcher_flags=common, env=JOB_SECRET)
-            for name in ("node0", "node1"))
-    try:
-        assert a.wait() == exit_codes.SUCCESS, a.output()
-        assert b.wait() == exit_codes.SUCCESS, b.output()
-    finally:
-        a.kill()
-        b.kill()
-    return a, b
-
-
-def job_processes(marker: str) -> list[int]:
-    """Live processes carrying the job's marker (the launcher, monitors, workers and their children)."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                environ = f.read()
-            with open(f"/proc/{entry}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if f"FT_TEST_MARKER={marker}".encode() in environ and state != "Z":
-            pids.append(int(entry))
-    return pids
-
-
 def test_hung_rank_is_caught_dumped_and_the_job_resumes_from_its_checkpoint(workdir: Path,
                                                                            progress: tuple[str, ...]) -> None:
-    la = Launcher(workdir, "--max-restarts", "2", *progress, train_args=("--hang", "rank=1,step=12,attempt=0"))
+    # the shared-memory record's run as a user runs it by default (every worker a new interpreter);
+    # the socket's with --ft-warm-start (every attempt's workers forked from the template)
+    warm = bool(progress)
+    la = Launcher(workdir, "--max-restarts", "2", *progress, train_args=("--hang", "rank=1,step=12,attempt=0"),
+                  warm=warm)
     try:
         assert la.wait() == exit_codes.SUCCESS, la.output()
     finally:
@@ -135,6 +49,10 @@ def test_hung_rank_is_caught_dumped_and_the_job_resumes_from_its_checkpoint(work
     assert "RankHang: section 'step' open for" in error["message"]["message"]
     (restart,) = summary["restarts"]
     assert restart["total"] is not None
+    assert [a["started"] for a in summary["attempts"]] == (["forked", "forked"] if warm else ["exec", "exec"])
+    if warm:  # attempt 0 too (--ft-warm-start), each from the launcher's one template
+        assert "attempt 0: 2 worker(s) forked from the worker template" in out, out
+        assert sorted(summary["warm_restarts"]["forked"]) == ["0", "1"] and not summary["warm_restarts"]["fallbacks"]
     lines = launcher_summary(out)  # printed once, aligned
     assert ("error file", hang["error_file"]) in lines and ("exit code", "0") in lines
     assert any(k == "restart" and v.startswith("all ranks running again ") for k, v in lines), lines
@@ -234,7 +152,7 @@ def test_crashed_rank_restarts_the_job(workdir: Path) -> None:
     # torch because rank 1, whose all-reduce failed, died of its own teardown (SIGABRT) before it
     assert restart["message"].startswith("rank 0 (pid") and restart["total"] is not None, restart
     assert "raised RuntimeError: rank 0 crashed at step 7 (on purpose)" in restart["message"], restart
-    assert f"failed      : {restart['message']} in attempt 0; the worker group restarted" in out
+    assert ("failed", f"{restart['message']} in attempt 0; the worker group restarted") in launcher_summary(out)
 
 
 def test_no_progress_stops_restarting_early(workdir: Path) -> None:
@@ -276,11 +194,11 @@ def test_launcher_sigterm_or_sigint_leaves_no_process_of_the_job(workdir: Path, 
     la = Launcher(workdir, "--max-restarts", "3", train_args=("--steps", "100000"))
     try:
         wait_until(lambda: "timeouts in force" in la.output(), 120, "workers to start")
-        assert len(job_processes(la.marker)) >= 5  # launcher, 2 monitors, 2 workers
+        assert len(la.processes()) >= 5  # launcher, 2 monitors, 2 workers
         la.proc.send_signal(sig)
         rc = la.wait(120)
         assert rc == 128 + sig, la.output()
-        left = job_processes(la.marker)
+        left = la.processes()
         assert left == [], f"processes of the job still alive: {left}"
     finally:
         la.kill()
@@ -290,7 +208,7 @@ def test_a_monitor_killed_mid_run_is_restarted(workdir: Path) -> None:
     la = Launcher(workdir, "--max-restarts", "1", train_args=("--steps", "80"))
     try:
         wait_until(lambda: "timeouts in force" in la.output(), 120, "workers to start")
-        monitors = [p for p in job_processes(la.marker)
+        monitors = [p for p in la.processes()
                     if b"monitor0.json" in Path(f"/proc/{p}/cmdline").read_bytes()]
         assert len(monitors) == 1
         os.kill(monitors[0], signal.SIGKILL)
@@ -331,7 +249,7 @@ def test_forged_store_messages_are_ignored_and_the_job_completes(workdir: Path) 
                  launcher_flags=common, env=JOB_SECRET)
     b = Launcher(workdir, "--max-restarts", "2", train_args=train, name="node1", launcher_flags=common, env=JOB_SECRET)
     try:
-        wait_until(lambda: _listening(port), 60, "the rendezvous store")
+        wait_until(lambda: listening(port), 60, "the rendezvous store")
         cmd = [sys.executable, str(ROOT / "tests/workers/store_forger.py"), str(port), "ft-forged", "4"]
         if os.geteuid() == 0:  # another local user, as in the review
             cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *cmd]
@@ -355,30 +273,30 @@ def test_launcher_sigkill_takes_monitors_and_workers_down(workdir: Path) -> None
     la = Launcher(workdir, "--max-restarts", "3", train_args=("--steps", "100000"))
     try:
         wait_until(lambda: "timeouts in force" in la.output(), 120, "workers to start")
-        assert len(job_processes(la.marker)) >= 5
+        assert len(la.processes()) >= 5
         os.kill(la.proc.pid, signal.SIGKILL)  # the launcher alone: no chance to clean up
         la.wait(30)
-        wait_until(lambda: job_processes(la.marker) == [], 30, "monitors and workers to exit")
+        wait_until(lambda: la.processes() == [], 30, "monitors and workers to exit")
     finally:
         la.kill()
-        for pid in job_processes(la.marker):
+        for pid in la.processes():
             os.kill(pid, signal.SIGKILL)
-
-
-def _listening(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 def test_excluded_node_leaves_and_the_other_continues(workdir: Path) -> None:
     port = free_port()
+    # After B leaves, A's next round waits until torch deems B gone (no keep-alive for
+    # keep_alive_interval x keep_alive_max_attempt: 15 s by default), then, with its 1 node (the
+    # minimum), for torch's last call (30 s); B joins round 0 within the same window: it starts at once.
+    wait = max(5, round(5 * slack()))
     common = ("--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-              "--rdzv-id", "ft-exclude")
+              "--rdzv-id", "ft-exclude", "--rdzv-conf",
+              f"last_call_timeout={wait},keep_alive_interval=1,keep_alive_max_attempt={wait}")
     # node A starts first and hosts the rendezvous store (a node hosting it cannot leave)
     a = Launcher(workdir, "--max-restarts", "2", train_args=("--steps", "20"), name="nodeA", launcher_flags=common)
     b = None
     try:
-        wait_until(lambda: _listening(port), 60, "node A's rendezvous store")
+        wait_until(lambda: listening(port), 60, "node A's rendezvous store")
         b = Launcher(workdir, "--max-restarts", "2", train_args=("--steps", "20"), name="nodeB",
                      launcher_flags=common, env={"FT_DEMO_CONTROL": "3:ExcludeThisNode"})
         assert b.wait() == exit_codes.NODE_EXCLUDED, b.output()
@@ -403,12 +321,12 @@ def _proc_counts(pid: int) -> tuple[int, int, int, int]:
 
 def test_twenty_hang_restarts_leak_nothing_in_the_launcher(workdir: Path) -> None:
     # a torch-free rank that hangs in every attempt: 20 fast hang -> restart cycles
-    argv = [sys.executable, "-m", "ft_monitor.launcher.main", "--standalone", "--nproc-per-node", "2",
-            "--max-restarts", "20", "--monitor-interval", "0.05", "--ft-rank-section-timeouts", "step:0.3",
-            "--ft-max-no-progress-cycles", "0", "--ft-termination-grace-time", "1",
-            "--ft-summary-json", str(workdir / "summary.json"), str(ROOT / "tests/workers/rank.py"), "sleep"]
+    argv = launcher_argv("--standalone", "--nproc-per-node", "2", "--max-restarts", "20", "--monitor-interval", "0.05",
+                         "--ft-rank-section-timeouts", "step:0.3", "--ft-max-no-progress-cycles", "0",
+                         "--ft-termination-grace-time", "1", "--ft-summary-json", str(workdir / "summary.json"),
+                         str(ROOT / "tests/workers/rank.py"), "sleep")
     out = open(workdir / "out", "w")
-    proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+    proc = zygote.popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
     samples: dict[frozenset[int], tuple[int, int, int, int]] = {}
     try:
         while proc.poll() is None:  # sample once per attempt, once its workers are running

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import zygote
 from tests.procs import ROOT, WORKERS, Daemon, free_port, slack
 
 pytestmark = pytest.mark.e2e
@@ -39,8 +40,8 @@ class Job:
                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "FT_KEY_DIR": str(workdir / "keys"),
                  **((env or {}).get(r, {}))}
             out = open(self.logs[r], "w")
-            self.procs.append(subprocess.Popen([sys.executable, str(WORKER), scenario, *args], env=e, cwd=ROOT,
-                                               stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
+            self.procs.append(zygote.popen([sys.executable, str(WORKER), scenario, *args], env=e, cwd=ROOT,
+                                           stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
             out.close()
 
     def output(self, rank: int) -> str:
@@ -317,8 +318,8 @@ def test_plain_torchrun_with_a_monitor_per_rank_restarts_in_process(workdir: Pat
     log = workdir / "torchrun.log"
     try:
         with open(log, "w") as out:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            proc = zygote.popen(
+                [sys.executable, str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", "2",
                  "--max-restarts", "0", str(WORKER), "monitored"],
                 env={**os.environ, "FT_TEST_SOCKET_DIR": str(daemons[0].socket.parent)}, cwd=ROOT, stdout=out,
                 stderr=subprocess.STDOUT, start_new_session=True)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import zygote
 from tests.procs import ROOT, WORKERS, slack
 
 pytestmark = pytest.mark.e2e
@@ -53,8 +54,8 @@ def _run_job(workdir: Path, ending: str, *flags: str) -> list[str]:
         env = {**os.environ, "RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(port)}
         with open(log, "w") as out:
-            procs.append(subprocess.Popen([sys.executable, str(WORKER), ending, *flags], env=env, cwd=ROOT,
-                                          stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
+            procs.append(zygote.popen([sys.executable, str(WORKER), ending, *flags], env=env, cwd=ROOT,
+                                      stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
         logs.append(log)
     try:
         for p in procs:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import zygote
 from tests.procs import ROOT, Daemon, cleanup_dir, free_port, short_tmpdir, status
 
 pytestmark = pytest.mark.e2e
@@ -52,8 +53,8 @@ def _run(d: Path, daemons: list[Daemon], run: str, state_in: str | None, *extra:
                 "--step-sleep", str(STEP_SLEEP)]
         if state_in:
             argv += ["--state-in", str(d / f"{state_in}-r{r}.json")]
-        procs.append(subprocess.Popen([*argv, *extra], env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True, start_new_session=True))
+        procs.append(zygote.popen([*argv, *extra], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, start_new_session=True))
     return procs
 
 

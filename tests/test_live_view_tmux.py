@@ -28,8 +28,8 @@ import pytest
 
 from ft_monitor.launcher import exit_codes
 from ft_monitor.views.live_view import HEADER, gather, to_json
+from tests.launchers import Launcher
 from tests.procs import ROOT, WORKERS, cleanup_dir, short_tmpdir, wait_until
-from tests.test_e2e_launcher import Launcher
 from tests.workers.live_names import EVIL
 
 pytestmark = [pytest.mark.e2e,

@@ -368,8 +368,8 @@ def _launcher_counts(pid: int) -> tuple[int, int]:
 @pytest.mark.e2e
 @pytest.mark.timeout(400)
 def test_idle_connections_of_another_user_neither_exhaust_the_launcher_nor_stop_its_restart(workdir: Path) -> None:
+    from tests.launchers import Launcher
     from tests.procs import free_port
-    from tests.test_e2e_launcher import Launcher
 
     port = free_port()
     url = f"http://127.0.0.1:{port}/metrics"

@@ -32,8 +32,8 @@ import pytest
 
 from ft_monitor.launcher.events import RESTART_PHASES
 from tests.browser import Page, chromium, open_page
+from tests.launchers import Launcher, two_nodes
 from tests.procs import ROOT
-from tests.test_e2e_launcher import Launcher, two_nodes
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400),
               pytest.mark.skipif(chromium() is None, reason="no chromium: scripts/setup-env installs Debian's chromium "
@@ -98,7 +98,7 @@ def _evidence_named(summary_files: list[str], targets: set[Path]) -> None:
 
 
 def test_the_demos_process_restart_page(workdir: Path) -> None:
-    la = Launcher(workdir, *DEMO, train_args=("--hang", "rank=1,step=12,attempt=0"))
+    la = Launcher(workdir, *DEMO, train_args=("--hang", "rank=1,step=12,attempt=0"), warm=False)  # the demo's own
     summary = la.succeed()
     (hang,) = summary["hangs"]
     page_file = _report(Path(summary["observability"]["events"]).parent)
@@ -117,7 +117,8 @@ def test_the_demos_process_restart_page(workdir: Path) -> None:
 
 
 def test_the_demos_inprocess_restart_page(workdir: Path) -> None:
-    la = Launcher(workdir, *DEMO, *INPROCESS, train_args=("--inprocess", "--hang", "rank=1,step=12,attempt=0"))
+    la = Launcher(workdir, *DEMO, *INPROCESS, train_args=("--inprocess", "--hang", "rank=1,step=12,attempt=0"),
+                  warm=False)
     summary = la.succeed()
     (row,) = summary["inprocess_restarts"]
     page_file = _report(Path(summary["observability"]["events"]).parent)

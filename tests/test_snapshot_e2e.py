@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from ft_monitor.launcher import exit_codes
+from tests.launchers import JOB_SECRET, Launcher, listening
 from tests.procs import free_port, slack, wait_until
-from tests.test_e2e_launcher import JOB_SECRET, Launcher, _listening
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -134,7 +134,7 @@ def test_a_lost_node_resumes_from_the_copy_its_partner_kept(workdir: Path) -> No
     a = Launcher(workdir, "--max-restarts", "3", train_args=train, name="node0", launcher_flags=common, env=JOB_SECRET)
     b = c = None
     try:
-        wait_until(lambda: _listening(port), 60 * slack(), "node 0's rendezvous store")
+        wait_until(lambda: listening(port), 60 * slack(), "node 0's rendezvous store")
         b = Launcher(workdir, "--max-restarts", "3", train_args=train, name="node1", launcher_flags=common,
                      env=JOB_SECRET)
         # the file checkpoint of step 10 is written: several snapshots were saved and copied

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 
 from ft_monitor.launcher import exit_codes
+from tests import zygote
+from tests.launchers import launcher_argv
 from tests.procs import ROOT, WORKERS, Daemon, slack
 
 pytestmark = pytest.mark.e2e
@@ -70,18 +72,20 @@ def test_launcher_restarts_workers_hung_before_init_each_dumped_where_it_hung(wo
     ``forked``: with --ft-warm-restart, attempts 1 to 3 are forked from the worker template
     (the start-up hook armed in the fork, the deadline timed from the fork)."""
     summary_path = workdir / "summary.json"
-    # In attempt 1 rank 0 must reach init_process_group before its deadline: importing torch
-    # took more than 8 s at a load of 12 on 2 cores, and the deadline then rightly named rank 0.
-    startup = round(8 * slack(), 1)
-    argv = [sys.executable, "-m", "ft_monitor.launcher.main", "--standalone", "--nproc-per-node", "2",
-            "--max-restarts", "3", "--log-dir", str(workdir / "logs"), "--ft-summary-json", str(summary_path),
-            "--ft-startup-timeout", str(startup), "--ft-termination-grace-time", "1",
-            *(["--ft-warm-restart"] if warm else []), WORKER]
+    # In attempts 1 and 2 rank 0 must reach init_process_group before its deadline. Started cold it
+    # imports torch first: that took more than 8 s at a load of 12 on 2 cores (1.1 s on a quiet
+    # machine), and the deadline then rightly named rank 0. Forked, it has torch already. Every
+    # hang here waits out this deadline: the shortest that is safe, scaled by the load.
+    startup = round((2.5 if warm else 5.0) * slack(), 1)
+    argv = launcher_argv("--standalone", "--nproc-per-node", "2", "--max-restarts", "3", "--log-dir",
+                         str(workdir / "logs"), "--ft-summary-json", str(summary_path), "--ft-startup-timeout",
+                         str(startup), "--ft-termination-grace-time", "1", *(["--ft-warm-restart"] if warm else []),
+                         WORKER)
     log = workdir / "launcher.out"
     with open(log, "w") as f:
-        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+        proc = zygote.popen(argv, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
     try:
-        rc = proc.wait(100 * startup / 8)
+        rc = proc.wait(100 * slack())
     finally:
         if proc.poll() is None:  # SIGTERM stops its workers too (they run in sessions of their own)
             proc.send_signal(signal.SIGTERM)

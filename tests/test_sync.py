@@ -6,34 +6,18 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 import warnings
 from pathlib import Path
 
 import pytest
 
 from ft_client.sync import device_type_for_backend, max_across_ranks
+from tests import zygote
 
 REPO = Path(__file__).resolve().parents[1]
 WORLD = 4
 
-RANK_SCRIPT = textwrap.dedent(
-    """
-    import json, sys
-    import torch.distributed as dist
-    from ft_client.sync import max_across_ranks
-
-    rank, world, init = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    try:
-        # each rank has different values; -1.0 (missing) everywhere in the last slot;
-        # the middle slot is real on rank 2 only
-        mine = [float(rank), 10.0 - rank, 5.5 if rank == 2 else -1.0, -1.0, 1e-9 * rank + 1e6]
-        print(json.dumps(max_across_ranks(mine)))
-    finally:
-        dist.destroy_process_group()
-    """
-)
+RANK = str(REPO / "tests" / "workers" / "sync_rank.py")
 
 
 def _env() -> dict[str, str]:
@@ -48,8 +32,8 @@ def _env() -> dict[str, str]:
 def test_four_gloo_ranks_agree_on_elementwise_max(tmp_path: Path) -> None:
     init = f"file://{tmp_path / 'rendezvous'}"
     procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", RANK_SCRIPT, str(rank), str(WORLD), init],
+        zygote.popen(
+            [sys.executable, RANK, str(rank), str(WORLD), init],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

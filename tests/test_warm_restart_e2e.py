@@ -5,15 +5,15 @@ cases it cannot serve start the workers as usual with one line saying why."""
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
 import pytest
 
 from ft_monitor.launcher import exit_codes
+from tests import zygote
+from tests.launchers import Launcher, launcher_argv
 from tests.procs import ROOT, launcher_summary
-from tests.test_e2e_launcher import Launcher
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -23,7 +23,8 @@ def test_restarts_fork_their_workers_from_the_template(workdir: Path) -> None:
     # (its error file names the exception; the other forked worker is stopped with SIGTERM to
     # its process group); attempt 2 (forked): trains to the end from the checkpoint of step 5
     la = Launcher(workdir, "--max-restarts", "3", "--ft-warm-restart", "--ft-preload", "numpy",
-                  train_args=("--die", "rank=1,step=3,attempt=0", "--crash", "rank=0,step=8,attempt=1"))
+                  train_args=("--die", "rank=1,step=3,attempt=0", "--crash", "rank=0,step=8,attempt=1"), warm=False,
+                  cold_launcher=True)  # as a user starts it
     try:
         assert la.wait() == exit_codes.SUCCESS, la.output()
     finally:
@@ -43,12 +44,15 @@ def test_restarts_fork_their_workers_from_the_template(workdir: Path) -> None:
     assert ("warm restarts", "attempt 1 (2 forked), attempt 2 (2 forked)") in launcher_summary(out)
     pids = [set(a["pids"].values()) for a in summary["attempts"]]
     assert not pids[0] & pids[1] and not pids[1] & pids[2]
+    # the template was forked from the launcher once it had imported torch: one import of torch on the node
+    assert re.search(r"a worker template \(pid \d+, forked from the launcher with its modules\) imports torch, numpy",
+                     out), out
 
 
 def test_an_entry_point_the_template_cannot_run_starts_as_usual_with_one_line(workdir: Path) -> None:
     # `-m module`: the template runs scripts only; the restart starts the workers as usual
     la = Launcher(workdir, "--max-restarts", "1", "--ft-warm-restart", "-m",
-                  train_args=("--die", "rank=1,step=3,attempt=0"), entry=("examples.train_ddp",))
+                  train_args=("--die", "rank=1,step=3,attempt=0"), entry=("examples.train_ddp",), warm=False)
     try:
         assert la.wait() == exit_codes.SUCCESS, la.output()
     finally:
@@ -62,7 +66,7 @@ def test_an_entry_point_the_template_cannot_run_starts_as_usual_with_one_line(wo
 
 def test_preload_auto_imports_what_the_workers_loaded(workdir: Path) -> None:
     la = Launcher(workdir, "--max-restarts", "1", "--ft-warm-restart", "--ft-preload", "auto",
-                  train_args=("--die", "rank=1,step=8,attempt=0"))
+                  train_args=("--die", "rank=1,step=8,attempt=0"), warm=False)
     try:
         assert la.wait() == exit_codes.SUCCESS, la.output()
     finally:
@@ -77,10 +81,7 @@ def test_preload_auto_imports_what_the_workers_loaded(workdir: Path) -> None:
 
 
 def test_preload_names_are_checked_at_launch(workdir: Path) -> None:
-    import subprocess
-    import sys
 
-    p = subprocess.run([sys.executable, "-m", "ft_monitor.launcher.main", "--standalone", "--nproc-per-node", "1",
-                        "--ft-warm-restart", "--ft-preload", "torch,not a module", "x.py"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120, env={**os.environ})
+    p = zygote.run(launcher_argv("--standalone", "--nproc-per-node", "1", "--ft-warm-restart", "--ft-preload",
+                                 "torch,not a module", "x.py"), cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == exit_codes.LAUNCHER_ERROR and "'not a module' is not a module name" in p.stderr

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from tests import leaks
 from tests.procs import cleanup_dir, short_tmpdir, slack
 
 KEEP_ENV = "FT_TEST_KEEP_DIR"
@@ -45,6 +46,31 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     order, and a run whose last tests are minute-long end-to-end ones ends with one busy worker
     while the others wait; the unit tests, seconds in all, fill in at the end."""
     items.sort(key=lambda item: item.get_closest_marker("e2e") is None)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def imported_once() -> None:
+    """What torch starts once per process, started before the first test, so that it is the
+    process's and not a leak of whichever test was first to need it (tests/leaks.py): the thread
+    of OpenBLAS's pool (at import), the intra-op thread pool (at the first parallel operation),
+    and libuv's signal pipe (at the first TCPStore server; it stays after the store is gone)."""
+    import torch
+    from torch.distributed import TCPStore
+
+    torch.ones(1 << 20).sum()
+    store = TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
+    del store
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(request: pytest.FixtureRequest, imported_once: None) -> Iterator[None]:
+    """The test leaves no child process, thread or open file behind (tests/leaks.py), pass or
+    fail: torn down after every other fixture of the test, it errors with the list."""
+    before = leaks.Snapshot.take()
+    yield
+    found = leaks.check(before)
+    if found:
+        pytest.fail(f"{request.node.nodeid} leaked: " + "; ".join(found), pytrace=False)
 
 
 def keep_evidence(node: pytest.Item, d: Path) -> Path | None:

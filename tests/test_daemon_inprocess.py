@@ -186,6 +186,10 @@ def run(body: Callable[[MonitorDaemon, ManualClock, FakeOps], Awaitable[None]], 
             while PEERS:
                 PEERS.pop().close()
             await settle()
+            for task in daemon._tasks:  # the fake clock never lets them finish: not waited for in real time
+                task.cancel()
+            await settle()
+            await daemon.shutdown("the test is over")  # its descriptors (the rank's pidfd, the record) closed
 
     asyncio.run(main())
 
@@ -418,7 +422,9 @@ def test_hello_ok_carries_the_config_and_status_reports_the_session(tmp_path: Pa
 def _case(tmp_path: Path) -> HangCase:
     hang = Hang(rank=0, pid=os.getpid(), reason=Reason.SECTION, section="step", timeout=1.0, onset=999.0,
                 detected_at=1000.0, last_heartbeat=None, open_sections=(("step", 1.0),), iteration=None)
-    return HangCase(hang, ProcessHandle(os.getpid()), tmp_path / "r.json", tmp_path / "d.txt")
+    handle = ProcessHandle(os.getpid())
+    handle.close()  # FakeOps acts on its pid alone; no descriptor left open after the test
+    return HangCase(hang, handle, tmp_path / "r.json", tmp_path / "d.txt")
 
 
 def _executor(clock: ManualClock, ops: FakeOps, handoff: Any = None) -> HangExecutor:

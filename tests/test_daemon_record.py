@@ -14,6 +14,7 @@ import mmap
 import os
 import signal
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,12 +38,24 @@ MODES = ["record", "socket"]
 class Progress:
     """One rank: its connection (a `Peer`) and how it reports progress, the mode's way."""
 
+    made: list[Progress] = []
+    """Every rank of the running test, its mapping of the record unmapped after it (`unmap_all`)."""
+
     def __init__(self, d: MonitorDaemon, clock: ManualClock, mode: str) -> None:
         self.d, self.clock, self.mode = d, clock, mode
         self.peer = Peer(d)
         self.writer: RecordWriter | None = None
+        self.mm: mmap.mmap | None = None
         self.slots: dict[str, int] = {}
         self.info: SessionInfo | None = None
+        Progress.made.append(self)
+
+    def unmap(self) -> None:
+        self.writer = None
+        if self.mm is not None:
+            self.mm.close()
+            self.mm = None
+
 
     def hello(self, rank: int = 0) -> SessionInfo:
         """HELLO asking for a record in record mode; HELLO_OK read from the socket (where the
@@ -53,7 +66,7 @@ class Progress:
             data, fds, _, _ = socket.recv_fds(self.peer.mine, 65536, 1)
             ok = next(iter(wire.FrameDecoder().feed(data)))
             assert isinstance(ok, wire.HelloOk) and len(fds) == 1, (ok, fds)
-            mm = mmap.mmap(fds[0], record.SIZE)
+            mm = self.mm = mmap.mmap(fds[0], record.SIZE)
             os.close(fds[0])
             self.writer = RecordWriter(memoryview(mm).cast("q"), mm)
         else:
@@ -93,6 +106,16 @@ QUIET: dict[str, Any] = dict(rank_heartbeat_timeout=None, initial_rank_heartbeat
 
 
 # -- detection, in both modes -----------------------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def unmap_all() -> Iterator[None]:
+    """The records the test's ranks mapped are unmapped after it (a mapping holds a descriptor)."""
+    yield
+    while Progress.made:
+        Progress.made.pop().unmap()
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_a_section_past_its_timeout_is_a_hang_exactly_at_the_deadline(tmp_path: Path, mode: str) -> None:
     async def body(d: MonitorDaemon, clock: ManualClock, ops: FakeOps) -> None:

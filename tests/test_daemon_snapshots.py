@@ -328,7 +328,9 @@ def test_the_clients_snapshots_round_trip_through_the_real_daemon(workdir: Path,
     assert s.save(3, state)
     s.wait()
     s.close()
-    got = Snapshotter(socket_path=str(sock), job="j", rank=0).restore()  # a restarted rank's process
+    restarted = Snapshotter(socket_path=str(sock), job="j", rank=0)  # a restarted rank's process
+    got = restarted.restore()
+    restarted.close()
     assert got is not None and got[0] == 3 and torch.equal(got[1]["w"], state["w"])
     own = status(str(sock))["snapshots"]["own"]
     assert own["buffers"] == 2 and own["step"] == 3
@@ -355,6 +357,7 @@ def test_a_monitor_restart_loses_its_snapshots_and_says_so(workdir: Path) -> Non
         first.stop()
         first.socket.unlink(missing_ok=True)
     second = Daemon(workdir).wait_ready()
+    fresh = s
     try:
         fresh = Snapshotter(socket_path=str(second.socket), job="j", rank=0, log_line=lines.append)
         assert fresh.restore() is None
@@ -363,7 +366,11 @@ def test_a_monitor_restart_loses_its_snapshots_and_says_so(workdir: Path) -> Non
         assert s.save(2, {"w": torch.full((10,), 2.0)})  # the live rank's next save
         s.wait()
         assert "the monitor restarted: the snapshots it held are gone" in lines[-1]
-        got = Snapshotter(socket_path=str(second.socket), job="j", rank=0).restore()
+        restarted = Snapshotter(socket_path=str(second.socket), job="j", rank=0)
+        got = restarted.restore()
+        restarted.close()
         assert got is not None and got[0] == 2 and float(got[1]["w"][0]) == 2.0
     finally:
+        for snapshotter in (s, fresh):
+            snapshotter.close()
         second.stop()

@@ -250,9 +250,13 @@ def test_the_html_report_renders_the_run(hang_run: HangRun) -> None:
 
 
 def test_a_slow_rank_is_flagged_and_an_even_run_is_not(workdir: Path) -> None:
-    slow = Launcher(workdir, "--max-restarts", "0", name="slow",
+    # two jobs side by side, each in its own folder (before: one checkpoint folder for both, and one
+    # job's rename found the other's ckpt.tmp gone)
+    (workdir / "slow").mkdir()
+    (workdir / "even").mkdir()
+    slow = Launcher(workdir / "slow", "--max-restarts", "0", name="slow",
                     train_args=("--slow", "rank=1,ms=50", "--steps", "40"))
-    even = Launcher(workdir, "--max-restarts", "0", name="even", train_args=("--steps", "40"))
+    even = Launcher(workdir / "even", "--max-restarts", "0", name="even", train_args=("--steps", "40"))
     try:
         assert slow.wait() == exit_codes.SUCCESS, slow.output()
         assert even.wait() == exit_codes.SUCCESS, even.output()

@@ -84,7 +84,12 @@ class FakeMonitor:
                 socket.send_fds(conn, [reply], self.pairs[kind])
 
     def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes the accept (closing alone does not, on Linux)
+        except OSError:
+            pass
         self.sock.close()
+        self.thread.join(10)
         for fds in self.pairs.values():
             for fd in fds:
                 os.close(fd)

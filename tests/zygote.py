@@ -114,6 +114,17 @@ def _template() -> Template | None:
         return _zygote
 
 
+def pids() -> frozenset[int]:
+    """This process's zygote, if it runs: kept for the session, not a test's leak."""
+    z = _zygote
+    return frozenset({z.pid}) if z is not None else frozenset()
+
+
+def fds() -> frozenset[int]:
+    """Descriptors this module keeps open between tests: none (each spawn's are closed after it)."""
+    return frozenset()
+
+
 def broken() -> str | None:
     """Why the zygote is not used (None: it is, or has not been asked yet)."""
     return _broken

@@ -112,6 +112,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--soft-timeout", type=float, default=30.0)
     p.add_argument("--max-iterations", type=int, default=25)
+    p.add_argument("--barrier-timeout", type=float, default=15.0,
+                   help="how long the ranks wait for each other at the restart's barrier")
     p.add_argument("--wait-for", default=None, help="a file every rank waits for before iteration 0 trains")
     args = p.parse_args()
     scenario = args.scenario
@@ -130,7 +132,7 @@ def main() -> int:
         if scenario == "health" and rank == 0:
             raise RuntimeError("GPU 0 fell off the bus (test)")
 
-    @Wrapper(soft_timeout=args.soft_timeout, hard_timeout=args.soft_timeout + 30, barrier_timeout=15,
+    @Wrapper(soft_timeout=args.soft_timeout, hard_timeout=args.soft_timeout + 30, barrier_timeout=args.barrier_timeout,
              completion_timeout=30, monitor_thread_interval=0.01, health_check=health,
              max_iterations=args.max_iterations)
     def train(call: CallWrapper) -> float:

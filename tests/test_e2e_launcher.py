@@ -136,8 +136,9 @@ def test_restart_budget_exhausted_reports_the_hung_rank_as_root_cause(workdir: P
 
 
 def test_crashed_rank_restarts_the_job(workdir: Path) -> None:
-    # a crash is torch's usual path: the attempt fails, the group restarts from the checkpoint
-    la = Launcher(workdir, "--max-restarts", "1", train_args=("--crash", "rank=0,step=7,attempt=0"))
+    # a crash is torch's usual path: the attempt fails, the group restarts from the checkpoint;
+    # every worker a new interpreter, as by default
+    la = Launcher(workdir, "--max-restarts", "1", train_args=("--crash", "rank=0,step=7,attempt=0"), warm=False)
     try:
         assert la.wait() == exit_codes.SUCCESS, la.output()
     finally:
@@ -221,7 +222,9 @@ def test_a_monitor_killed_mid_run_is_restarted(workdir: Path) -> None:
 
 
 def test_two_nodes_hang_on_one_restarts_both_and_completes(workdir: Path) -> None:
-    a, b = two_nodes(workdir, "ft-two-nodes", "--max-restarts", "2", train_args=("--hang", "rank=3,step=12,attempt=0"))
+    # node 1's workers new interpreters (as by default), node 0's forked from its template
+    a, b = two_nodes(workdir, "ft-two-nodes", "--max-restarts", "2", train_args=("--hang", "rank=3,step=12,attempt=0"),
+                     warm=(True, False))
     hangs = a.summary()["hangs"] + b.summary()["hangs"]
     # rank 3 hung; a rank on the other node waiting for it in the step's collective may
     # time out too, and is then reported as its victim, not as a second hang

@@ -49,8 +49,8 @@ def baseline(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 def test_a_rank_killed_with_sigkill_resumes_from_the_snapshot_with_the_loss_of_a_run_without_it(
         workdir: Path, baseline: dict[str, str]) -> None:
-    la = Launcher(workdir, "--max-restarts", "2",
-                  train_args=(*SNAP, "--ckpt-every", "10", "--die", "rank=1,step=17,attempt=0"))
+    la = Launcher(workdir, "--max-restarts", "2",  # new interpreters, as by default: a kill -9 of a plain worker
+                  train_args=(*SNAP, "--ckpt-every", "10", "--die", "rank=1,step=17,attempt=0"), warm=False)
     try:
         assert la.wait() == exit_codes.SUCCESS, la.output()
     finally:

@@ -7,13 +7,20 @@ from __future__ import annotations
 
 import ast
 import signal
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
+from ft_monitor.launcher.crossnode import TORCH_NODE_KEYS, NodeMessages
 from ft_monitor.launcher.observed import FtObservedAgent
+from ft_monitor.launcher.rollcall import RollCaller
+from ft_monitor.launcher.sealed import Sealer
 from ft_monitor.launcher.stop_signal import is_stop, reraise_stop
+from ft_monitor.launcher.store_auth import HangRecord, StoreChannel
 from tests.procs import ROOT
 
 MAIN_THREAD = ["crossnode.py", "hangs.py", "observed.py", "rollcall.py", "telemetry.py"]
@@ -63,3 +70,62 @@ def test_the_list_holds_every_module_that_catches_exception_in_the_agent() -> No
     for path in sorted((ROOT / "ft_monitor" / "launcher").glob("*.py")):
         if path.name != "stop_signal.py" and "reraise_stop(" in path.read_text():
             assert path.name in MAIN_THREAD, f"{path.name} re-raises the stop: add it to MAIN_THREAD"
+
+
+class BrokenStore:
+    """A rendezvous store every call of which raises ``error``: a store host gone (ConnectionError),
+    or the launcher's SIGTERM arriving while the call waits (SignalException)."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    def __getattr__(self, name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            raise self.error
+        return call
+
+
+def _group(store: Any) -> Any:
+    handler = SimpleNamespace(get_run_id=lambda: "job-1")
+    return SimpleNamespace(store=store, group_world_size=2, group_rank=0, spec=SimpleNamespace(rdzv_handler=handler))
+
+
+STOP = SignalException("Process 1 got signal: 15", sigval=signal.SIGTERM)
+SECRET = b"s" * 32
+
+
+def _cross_node_steps(messages: NodeMessages, wg: Any) -> list[Callable[[], object]]:
+    channel = StoreChannel(SECRET, "job-1")
+    return [
+        lambda: messages.exchange_hang_records(wg, channel, HangRecord(1, 1.0, "section 'step' open", "a")),
+        lambda: messages.leave_round(wg.store, 0),
+        lambda: messages.publish_shutdown(wg, "done", 0),
+        lambda: messages.shared_shutdown(wg),
+    ]
+
+
+def test_a_store_gone_is_best_effort_in_every_cross_node_step(caplog: pytest.LogCaptureFixture) -> None:
+    wg = _group(BrokenStore(ConnectionError("store host gone")))
+    messages = NodeMessages(SECRET)
+    hang, left, _, seen = (step() for step in _cross_node_steps(messages, wg))
+    assert hang == {} and left > len(TORCH_NODE_KEYS) and seen is None  # the keys it tried to delete
+    assert "could not compare hangs with other nodes: store host gone" in caplog.text
+    assert "could not publish the shutdown to other nodes: store host gone" in caplog.text
+
+
+@pytest.mark.parametrize("step", range(4), ids=["exchange", "leave_round", "publish_shutdown", "shared_shutdown"])
+def test_the_launchers_stop_inside_a_cross_node_step_stops_the_launcher(step: int) -> None:
+    wg = _group(BrokenStore(STOP))
+    with pytest.raises(SignalException):
+        _cross_node_steps(NodeMessages(SECRET), wg)[step]()
+
+
+def test_the_launchers_stop_while_looking_for_a_roll_call_stops_the_launcher() -> None:
+    def caller() -> RollCaller:
+        return RollCaller(lambda lr: Path("/nonexistent"), "a", 3.0, False, sealer=Sealer(SECRET))
+
+    channel = StoreChannel(SECRET, "job-1")
+    assert not caller().answer_pending([], store=BrokenStore(ConnectionError("gone")), channel=channel, group_rank=1,
+                                       group_world_size=2)
+    with pytest.raises(SignalException):
+        caller().answer_pending([], store=BrokenStore(STOP), channel=channel, group_rank=1, group_world_size=2)

@@ -233,7 +233,10 @@ class Sim:
         interrupt.on_reported_fault(culprit, events.Fault(f"rank {culprit.rank}: simulated hang", culprit.rank,
                                                           self.iteration, "monitor"))
         fault = culprit.fault
-        assert fault is not None
+        if fault is None:
+            raise RuntimeError(f"rank {culprit.rank} did not take the reported fault: its iteration {culprit.iteration}, "
+                               f"the simulation's {self.iteration}, outcome in the store "
+                               f"{culprit.store.outcome(self.iteration)!r}")
         self.iteration += 1
         self.wait_ready()
         calls1, bytes1 = self.tallies()

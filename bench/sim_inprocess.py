@@ -234,8 +234,8 @@ class Sim:
                                                           self.iteration, "monitor"))
         fault = culprit.fault
         if fault is None:
-            raise RuntimeError(f"rank {culprit.rank} did not take the reported fault: its iteration {culprit.iteration}, "
-                               f"the simulation's {self.iteration}, outcome in the store "
+            raise RuntimeError(f"rank {culprit.rank} did not take the reported fault: its iteration "
+                               f"{culprit.iteration}, the simulation's {self.iteration}, outcome in the store "
                                f"{culprit.store.outcome(self.iteration)!r}")
         self.iteration += 1
         self.wait_ready()

@@ -62,9 +62,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def tables(folder: Path, top: int = 40) -> str:
-    rows: list[dict[str, Any]] = []
-    for p in sorted(folder.glob("*.json")):
-        rows.extend(json.loads(p.read_text()))
+    rows = _rows(folder)
     per_file: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
     for r in rows:
         f = per_file[r["file"]]
@@ -85,6 +83,68 @@ def tables(folder: Path, top: int = 40) -> str:
     return "\n".join(out)
 
 
+def _rows(folder: Path) -> list[dict[str, Any]]:
+    return [r for p in sorted(folder.glob("*.json")) for r in json.loads(p.read_text())]
+
+
+def _kinds(sampled: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """A sampler's totals with every launcher in one row (older samples named a launcher run
+    as ``python .../bin/ft-launcher`` by its path)."""
+    out: dict[str, dict[str, Any]] = {}
+    for k, v in sampled.items():
+        name = "launcher" if k.endswith(("/ft-launcher", "/ft_launcher")) else k
+        row = out.setdefault(name, {"processes": 0, "cpu": 0.0})
+        row["processes"] += v["processes"]
+        row["cpu"] += v["cpu"]
+    return out
+
+
+def compare(before: Path, after: Path, top: int = 40, files: int = 20) -> str:
+    """Before and after side by side: per file (the ``files`` heaviest in CPU before), the ``top``
+    slowest tests of each run, and, where both folders hold a sampler's ``cpu.json``, CPU by
+    process kind."""
+    b, a = _rows(before), _rows(after)
+
+    def per_file(rows: list[dict[str, Any]]) -> dict[str, list[float]]:
+        out: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
+        for r in rows:
+            f = out[r["file"].rsplit("/", 1)[-1]]
+            f[0] += 1
+            f[1] += r["wall"]
+            f[2] += r["cpu"]
+        return out
+
+    fb, fa = per_file(b), per_file(a)
+    out = ["| file | tests | wall s before | wall s after | CPU s before | CPU s after |",
+           "|---|---:|---:|---:|---:|---:|"]
+    for name in sorted(fb, key=lambda n: -fb[n][2])[:files]:
+        x, y = fb[name], fa.get(name, [0.0, 0.0, 0.0])
+        out.append(f"| {name} | {x[0]:.0f} -> {y[0]:.0f} | {x[1]:.0f} | {y[1]:.0f} | {x[2]:.0f} | {y[2]:.0f} |")
+
+    def total(rows: list[dict[str, Any]], key: str) -> float:
+        return float(sum(r[key] for r in rows))
+
+    out.append(f"| **all {len(fb)} -> {len(fa)} files** | {len(b)} -> {len(a)} | {total(b, 'wall'):.0f} | "
+               f"{total(a, 'wall'):.0f} | {total(b, 'cpu'):.0f} | {total(a, 'cpu'):.0f} |")
+    for label, rows in (("before", b), ("after", a)):
+        out += ["", f"The {top} slowest tests {label}:", "", "| test | wall s | CPU s |", "|---|---:|---:|"]
+        for r in sorted(rows, key=lambda r: -r["wall"])[:top]:
+            out.append(f"| {r['nodeid'].removeprefix('tests/')} | {r['wall']:.1f} | {r['cpu']:.1f} |")
+    sb, sa = before / "cpu.json.sample", after / "cpu.json.sample"
+    if sb.exists() and sa.exists():
+        kb, ka = _kinds(json.loads(sb.read_text())), _kinds(json.loads(sa.read_text()))
+        out += ["", "| process (by command line) | processes before | CPU s before | processes after | CPU s after |",
+                "|---|---:|---:|---:|---:|"]
+        zero = {"processes": 0, "cpu": 0.0}
+        for k in sorted(set(kb) | set(ka), key=lambda k: -max(kb.get(k, zero)["cpu"], ka.get(k, zero)["cpu"])):
+            p, q = kb.get(k, zero), ka.get(k, zero)
+            if max(p["cpu"], q["cpu"]) >= 5:
+                out.append(f"| {k} | {p['processes']} | {p['cpu']:.0f} | {q['processes']} | {q['cpu']:.0f} |")
+        out.append(f"| **all** | {sum(v['processes'] for v in kb.values())} | {sum(v['cpu'] for v in kb.values()):.0f} | "
+                   f"{sum(v['processes'] for v in ka.values())} | {sum(v['cpu'] for v in ka.values()):.0f} |")
+    return "\n".join(out)
+
+
 def kind(cmdline: list[str]) -> str:
     """What a process is, from its command line: the categories of the CPU table."""
     if not cmdline:
@@ -94,7 +154,8 @@ def kind(cmdline: list[str]) -> str:
     if not exe.startswith("python") and exe not in ("ft-launcher", "ft_launcher", "ft-monitor"):
         return exe
     first = args[1] if args[:1] == ["-m"] and len(args) > 1 else args[0] if args else ""
-    if exe in ("ft-launcher", "ft_launcher") or first == "ft_monitor.launcher.main":
+    if exe in ("ft-launcher", "ft_launcher") or first == "ft_monitor.launcher.main" \
+            or first.endswith(("/ft-launcher", "/ft_launcher")):
         return "launcher"
     if exe == "ft-monitor" or first == "ft_monitor.cli":
         return "monitor"
@@ -143,8 +204,8 @@ def sample(out: Path, interval: float = 0.05) -> None:
                 if first:
                     before[key] = cpu
                 if key not in seen:
-                    with open(f"/proc/{entry}/cmdline", "rb") as f:
-                        cmd = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+                    with open(f"/proc/{entry}/cmdline", "rb") as raw:
+                        cmd = [a.decode(errors="replace") for a in raw.read().split(b"\0") if a]
                     seen[key] = (kind(cmd), cpu)
                 else:
                     seen[key] = (seen[key][0], cpu)
@@ -162,5 +223,7 @@ def sample(out: Path, interval: float = 0.05) -> None:
 if __name__ == "__main__":
     if sys.argv[1] == "sample":
         sample(Path(sys.argv[2]))
+    elif sys.argv[1] == "compare":
+        print(compare(Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]) if len(sys.argv) > 4 else 40))
     else:
         print(tables(Path(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 40))

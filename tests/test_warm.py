@@ -55,3 +55,28 @@ def test_a_template_made_again_that_dies_leaves_the_first_one_serving(d: Path) -
         assert w._ready_now(5) is None and w.template is first and w._pending is None
     finally:
         w.close()
+
+
+def test_a_restart_never_waits_for_a_template_still_importing(d: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # the review's case: --ft-preload auto made its template again 3 s before a hang, and the restart waited
+    # for its imports (worker start 13.9 s where a cold start takes 4-6 s), without a word
+    (d / "slow_module.py").write_text("import time\ntime.sleep(300)\n")
+    w = WarmStarts(d, ["json"], True, sys_path=[str(d)])
+    try:
+        w.template = w._launch(["json", "slow_module"])  # the first template itself still importing
+        with w.forking(1) as pids:  # a restart: started as usual, at once, with one line saying why
+            pass
+        assert pids == [] and len(w.fallbacks) == 1, w.fallbacks
+        assert "is still importing; a restart does not wait for it; starting the workers as usual" in w.fallbacks[0]
+        w.template.close()
+        w.template = w._launch(w.preload)
+        assert w._ready_now(60) is None
+        first = w.template
+        (d / "modules-0.json").write_text(json.dumps(["json", "slow_module"]))
+        w.poll()  # made again with the workers' modules: importing for 300 s
+        assert w._pending is not None
+        with caplog.at_level("WARNING", logger="ft_monitor.launcher"):
+            assert w._ready_now(0.0) is None and w.template is first  # the restart forks from the ready one
+        assert f"is still importing; this restart forks from the ready one (pid {first.pid}, json)" in caplog.text
+    finally:
+        w.close()

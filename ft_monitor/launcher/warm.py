@@ -9,12 +9,14 @@ started as usual:
 * attempt 0 starts as usual (the template serves restarts only), unless ``--ft-warm-start``
   asks for its workers to be forked too: it then waits for the template's imports (up to
   `READY_WAIT`), so that a node imports torch once instead of once per worker;
-* a restart's workers are forked when the template is alive and answers; anything else
-  (it died, it refuses: threads, CUDA, an entry point it cannot run) starts them as usual,
-  with one line saying why (`fallbacks`);
+* a restart's workers are forked when the template is alive and has finished its imports;
+  anything else (it is still importing, it died, it refuses: threads, CUDA, an entry point
+  it cannot run) starts them as usual, with one line saying why (`fallbacks`): a restart
+  never waits for imports, so it is never slower than a cold one;
 * with ``--ft-preload auto``, the template is made again, once, with the top-level modules
   the first attempt's workers had loaded (each writes them to a file named by
-  `MODULES_FILE_ENV` when it starts monitoring: read from the workers, not guessed).
+  `MODULES_FILE_ENV` when it starts monitoring: read from the workers, not guessed); until
+  that one is ready, restarts fork from the first one, and one line says so.
 
 The fork goes through torch's own start: during `forking`, torch's `get_subprocess_handler`
 makes `ForkedHandler`s, whose `_popen` asks the template instead of `subprocess.Popen`;
@@ -42,7 +44,10 @@ log = logging.getLogger("ft_monitor.launcher")
 MODULES_FILE_ENV = loaded_modules.MODULES_FILE_ENV
 """Where a worker writes the top-level modules it has loaded (``--ft-preload auto``)."""
 READY_WAIT = 60.0
-"""Seconds a restart waits for a template that is still importing before it starts cold."""
+"""Seconds attempt 0 waits, under ``--ft-warm-start``, for a template that is still importing
+(its workers would each import as much when started as usual). A restart never waits: it
+forks from a template that is ready, or starts its workers as usual (a cold start is never
+slower than waiting for imports to finish)."""
 
 
 class WarmStarts:
@@ -140,9 +145,10 @@ class WarmStarts:
                 self._retired.append(new)
                 log.warning("ft-launcher: warm restart: the template made again with the workers' modules "
                             "exited; the first one goes on serving: %s", e)
-            elif wait > 0:
-                log.warning("ft-launcher: warm restart: the template made again with the workers' modules is not "
-                            "ready after %.0f s; this restart forks from the first one", wait)
+            elif self.template is not None and self._ready:
+                log.warning("ft-launcher: warm restart: the template made again with the workers' modules (pid %d) "
+                            "is still importing; this restart forks from the ready one (pid %d, %s)", new.pid,
+                            self.template.pid, ", ".join(self.preload) or "no module")
             return
         old, self.template, self._pending = self.template, new, None
         self._mark_ready(new)
@@ -175,6 +181,8 @@ class WarmStarts:
         try:
             t.wait_ready(wait)
         except TemplateError as e:
+            if wait <= 0:
+                return f"the worker template (pid {t.pid}) is still importing; a restart does not wait for it"
             return f"the worker template is not ready: {e}"
         self._mark_ready(t)
         return None
@@ -201,7 +209,7 @@ class WarmStarts:
         if attempt == 0 and not self.first_attempt:
             yield pids
             return
-        why = self._ready_now(READY_WAIT)
+        why = self._ready_now(READY_WAIT if attempt == 0 else 0.0)
         if why is not None:
             self._say(why)
             yield pids

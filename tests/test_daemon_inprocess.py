@@ -328,6 +328,7 @@ def test_goodbye_frees_the_ranks_process_handle_at_once(tmp_path: Path) -> None:
         p.send(wire.Goodbye())
         assert d.rank is None and d.no_rank.is_set()
         assert rank.process.fd is None, "pidfd still open after a clean goodbye"
+        assert d.status().last_gone is None  # a clean goodbye is not a process gone
         assert isinstance(p.hello_rank(), wire.Error)  # that connection is an observer now
 
     run(body, tmp_path)
@@ -364,8 +365,12 @@ def test_a_rank_gone_without_goodbye_is_reported_then_freed_not_judged(tmp_path:
         assert rank is not None
         p.close()
         assert rank.process.fd is not None  # the exit report still needs it
+        gone_at = clock.now()
         clock.advance(10)
         assert d.hangs == [] and ops.sent == []
+        # when it went, for the launcher's crash verdict (crash.py: the root is the rank that went first)
+        assert d.status().last_gone is not None and d.status().last_gone.at == gone_at
+        assert d.status().last_gone.pid == rank.session.pid and d.status().last_exit is None
         for _ in range(3):  # the report waits (bounded, real time) for the process to exit: it is us
             await asyncio.sleep(0.6)
         assert rank.process.fd is None

@@ -149,11 +149,72 @@ def test_crashed_rank_restarts_the_job(workdir: Path) -> None:
     # before: the restart was in events.jsonl only, not in the summary or summary.json
     (restart,) = la.summary()["restarts"]
     assert (restart["cause"], restart["rank"], restart["attempt"]) == ("failure", 0, 0), restart
-    # rank 0 raised first (its monitor heard it exit first), whether it then exited with 1 or was stopped by
-    # torch because rank 1, whose all-reduce failed, died of its own teardown (SIGABRT) before it
-    assert restart["message"].startswith("rank 0 (pid") and restart["total"] is not None, restart
-    assert "raised RuntimeError: rank 0 crashed at step 7 (on purpose)" in restart["message"], restart
-    assert ("failed", f"{restart['message']} in attempt 0; the worker group restarted") in launcher_summary(out)
+    # rank 0 raised its own error first; rank 1, whose all-reduce then failed, is its victim (it raised a gloo
+    # error, or was stopped by torch) or, where it died of its own teardown (SIGABRT) after rank 0 raised,
+    # listed after it
+    assert restart["how"].startswith("rank 0 (pid") and restart["total"] is not None, restart
+    assert "raised RuntimeError: rank 0 crashed at step 7 (on purpose)" in restart["how"], restart
+    assert restart["victims"] + restart["others"] == [1], restart
+    assert ("failed", f"{restart['how']} in attempt 0, the root of the failure; the worker group restarted") \
+        in launcher_summary(out)
+
+
+def test_a_rank_killed_with_sigkill_is_named_in_every_output_and_its_peer_as_its_victim(workdir: Path) -> None:
+    # the review's case: rank 1 SIGKILLs itself (as the OOM killer would); rank 0's all-reduce fails, it raises
+    # first and its monitor hears it; every output named rank 0. Now: rank 1, decided once (crash.py)
+    from ft_monitor.views.report_html import headline
+    from ft_monitor.views.report_input import load
+    from ft_monitor.views.report_model import build
+
+    prom = workdir / "ft.prom"
+    la = Launcher(workdir, "--max-restarts", "1", "--ft-metrics-textfile", str(prom),
+                  train_args=("--die", "rank=1,step=7,attempt=0"))
+    summary = la.succeed()
+    out = la.output()
+    pid = summary["attempts"][0]["pids"]["1"]
+    killed = f"rank 1 (pid {pid}) was killed by SIGKILL"
+    (restart,) = summary["restarts"]
+    assert (restart["cause"], restart["rank"], restart["attempt"], restart["how"], restart["victims"],
+            restart["root_seen"]) == ("failure", 1, 0, killed, [0], True), restart
+    assert f"ft-launcher: attempt 0 failed: {killed}; failed because of it: rank 0 (pid" in out
+    assert "all ranks running again" in out and "after rank 1's failure was detected" in out
+    rows = launcher_summary(out)
+    assert ("failed", f"{killed} in attempt 0, the root of the failure; the worker group restarted") in rows
+    assert any(k == "because of it" and v.startswith("rank 0 (pid") for k, v in rows), rows
+    (run,) = la.log_dir.iterdir()
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    (end,) = [e for e in events if e["kind"] == "attempt_end" and e["attempt"] == 0]
+    assert (end["root"], end["victims"], end["how"]) == (1, [0], killed), end
+    assert [e["rank"] for e in events if e["kind"] == "restart"] == [1]
+    # torch's failure table and a parent launcher's error.json take the root's error file, which it never wrote
+    error = json.loads((run / "attempt_0" / "1" / "error.json").read_text())["message"]["message"]
+    assert error == f"RankCrash: {killed}; rank(s) 0 failed because of it", error
+    assert 'ft_failed_ranks_total{rank="1",role="root"} 1.0' in prom.read_text()
+    assert 'ft_failed_ranks_total{rank="0",role="victim"} 1.0' in prom.read_text()
+    data = load([run])
+    (incident,) = build(data.events).incidents
+    assert (incident.kind, incident.rank, incident.pid) == ("failure", 1, pid), incident
+    assert incident.what.startswith("was killed by SIGKILL; failed because of it: rank 0 (pid"), incident.what
+    assert headline(build(data.events)).startswith("Rank 1 was killed by SIGKILL"), headline(build(data.events))
+
+
+def test_two_launchers_a_rank_killed_with_sigkill_is_named_on_both_nodes(workdir: Path) -> None:
+    # the review's case: the killed rank's own node named it, the other node's summary had no restart row
+    # at all, though its ranks were restarted too (by torch's membership change, or after their own
+    # collectives failed). Now the other node takes the root from the killed rank's node's crash record
+    a, b = two_nodes(workdir, "crash-two", "--max-restarts", "1", train_args=("--die", "rank=1,step=7,attempt=0"))
+    if "1" not in a.summary()["attempts"][0]["pids"]:  # the rendezvous gave rank 1 to the other launcher
+        a, b = b, a
+    pid = a.summary()["attempts"][0]["pids"]["1"]
+    killed = f"rank 1 (pid {pid}) was killed by SIGKILL"
+    (mine,) = a.summary()["restarts"]
+    assert (mine["cause"], mine["rank"], mine["how"], mine["root_host"]) == ("failure", 1, killed, None), mine
+    (theirs,) = b.summary()["restarts"]
+    assert (theirs["cause"], theirs["rank"], theirs["attempt"]) == ("failure", 1, 0), theirs
+    assert theirs["how"].startswith(f"{killed} on ") and theirs["how"].endswith(" (another node)"), theirs
+    assert set(theirs["victims"]) <= {2, 3}, theirs
+    assert f"{killed} on " in b.output() and "rank 0 (pid" not in theirs["how"]
+    assert any(k == "failed" and v.startswith(f"{killed} on ") for k, v in launcher_summary(b.output()))
 
 
 def test_no_progress_stops_restarting_early(workdir: Path) -> None:

@@ -165,7 +165,7 @@ def test_status_from_a_real_timeouts_map() -> None:
     assert "  section 'step': 10s (learned)" in text
 
 
-def test_the_last_exit_travels_in_status_and_anything_else_there_is_none() -> None:
+def test_the_last_exit_and_last_gone_travel_in_status_and_anything_else_there_is_none() -> None:
     from ft_client.timeouts import Timeouts
     from ft_monitor.core.status import ExitSummary, MonitorStatus, build_status
 
@@ -173,9 +173,15 @@ def test_the_last_exit_travels_in_status_and_anything_else_there_is_none() -> No
     st = build_status(now=200.0, monitor_pid=1, socket="/s", started_at=100.0, sessions=1, timeouts=Timeouts(),
                       iteration_high=None, session=None, hangs=[], last_exit=exit_)
     assert MonitorStatus.from_wire(st.to_wire()).last_exit == exit_
+    gone = ExitSummary(4243, "connection closed in phase active", 124.0)
+    st = build_status(now=200.0, monitor_pid=1, socket="/s", started_at=100.0, sessions=1, timeouts=Timeouts(),
+                      iteration_high=None, session=None, hangs=[], last_exit=exit_, last_gone=gone)
+    assert MonitorStatus.from_wire(st.to_wire()).last_gone == gone
+    assert MonitorStatus.from_wire({k: v for k, v in st.to_wire().items() if k != "last_gone"}).last_gone is None
     for bad in ("x", {"pid": True, "reason": "r", "at": 1.0}, {"pid": 1, "reason": 7, "at": 1.0},
                 {"pid": 1, "reason": "r", "at": "soon"}, None):
         assert MonitorStatus.from_wire({**st.to_wire(), "last_exit": bad}).last_exit is None
+        assert MonitorStatus.from_wire({**st.to_wire(), "last_gone": bad}).last_gone is None
 
 
 def test_snapshot_memory_is_one_line_and_absent_from_an_older_monitor() -> None:

@@ -31,6 +31,7 @@ from ft_client.signed import Signer, StoreMessageError, derive_key
 from ft_monitor.launcher.decide import triage_hang
 from ft_monitor.launcher.main import max_nodes
 from ft_monitor.launcher.store_auth import (
+    CrashRecord,
     HangRecord,
     RollCallAnswer,
     RollCallRequest,
@@ -41,7 +42,7 @@ from ft_monitor.launcher.store_auth import (
 from tests.test_launcher_decide import KEY, NOW, WORKERS, decide, notice, signed
 
 SECRET = b"s" * 32
-LAUNCHER_KINDS = (ShutdownRequest, HangRecord, StepTimes, RollCallRequest, RollCallAnswer)
+LAUNCHER_KINDS = (ShutdownRequest, HangRecord, StepTimes, RollCallRequest, RollCallAnswer, CrashRecord)
 NON_ASCII_MAC = json.dumps({"mac": "\u00e9"}).encode()
 DEEP = b"[" * (16 * 1024)
 """The review's two values: TypeError from hmac.compare_digest(str, str), RecursionError in json.loads."""

@@ -217,6 +217,10 @@ class MonitorStatus:
     last_exit: ExitSummary | None = None
     """The latest session's process said it was exiting, and why (None otherwise): the launcher
     orders the workers that failed together by it (the rank that raised first)."""
+    last_gone: ExitSummary | None = None
+    """The latest session's process went (its connection closed) without a GOODBYE: its pid,
+    how (``reason``) and when (None otherwise): the root of a crash is the rank whose process
+    went first among those that never raised (ft_monitor/launcher/crash.py)."""
     snapshots: SnapshotsStatus | None = None
     """The snapshot memory the monitor holds (None from an older monitor)."""
 
@@ -237,6 +241,7 @@ class MonitorStatus:
             "section_stats": self.section_stats.to_wire(),
             "last_iteration": self.last_iteration,
             "last_exit": None if self.last_exit is None else self.last_exit.to_wire(),
+            "last_gone": None if self.last_gone is None else self.last_gone.to_wire(),
             "snapshots": None if self.snapshots is None else self.snapshots.to_wire(),
         }
         r = self.rank
@@ -303,6 +308,7 @@ class MonitorStatus:
                 section_stats=SectionStats.from_wire(st.get("section_stats")),
                 last_iteration=st.get("last_iteration"),
                 last_exit=ExitSummary.from_wire(st.get("last_exit")),
+                last_gone=ExitSummary.from_wire(st.get("last_gone")),
                 snapshots=SnapshotsStatus.from_wire(st.get("snapshots")),
             )
         except SectionStatsError as e:
@@ -316,7 +322,7 @@ def build_status(*, now: float, monitor_pid: int, socket: str, started_at: float
                  hangs: Iterable[HangSummary], last_restart: InprocessRestart | None = None,
                  section_stats: SectionStats | None = None, progress: str | None = None,
                  last_iteration: int | None = None, last_exit: ExitSummary | None = None,
-                 snapshots: SnapshotsStatus | None = None) -> MonitorStatus:
+                 last_gone: ExitSummary | None = None, snapshots: SnapshotsStatus | None = None) -> MonitorStatus:
     """The status at ``now`` (pure); ``progress``: how the connected rank reports it."""
     hangs = list(hangs)
     rank = None
@@ -342,7 +348,7 @@ def build_status(*, now: float, monitor_pid: int, socket: str, started_at: float
         hangs_detected=len(hangs), iteration_high=iteration_high, timeouts=timeouts.to_wire(), rank=rank,
         last_hang=hangs[-1] if hangs else None, last_restart=last_restart,
         section_stats=section_stats or SectionStats(),
-        last_iteration=last_iteration, last_exit=last_exit, snapshots=snapshots,
+        last_iteration=last_iteration, last_exit=last_exit, last_gone=last_gone, snapshots=snapshots,
     )
 
 

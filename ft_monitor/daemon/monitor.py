@@ -102,10 +102,13 @@ class MonitorDaemon:
         self.iteration_high: int | None = None
         """The highest training iteration any session reported or ended at (progress across restarts)."""
         self.last_iteration: int | None = None
-        self.last_exit: ExitSummary | None = None
-        """The latest session's EXITING (handlers.py), for STATUS."""
         """The rank's iteration when its latest session ended (`policy.iteration_now` then):
         what STATUS says of a rank that is gone, so the launcher's last word is not a poll's."""
+        self.last_exit: ExitSummary | None = None
+        """The latest session's EXITING (handlers.py), for STATUS."""
+        self.last_gone: ExitSummary | None = None
+        """When the latest session's process went without a GOODBYE (its connection closed, or
+        its process exited with the connection held elsewhere), for STATUS."""
         self.section_stats = SectionStats()
         """How long the rank's sections took, over all sessions (STATUS: step times for the launcher)."""
         self.started_at = self.clock.now()
@@ -290,6 +293,8 @@ class MonitorDaemon:
         self.deadline.cancel()
         s = rank.session
         phase = s.phase
+        if phase is not Phase.CLOSING:
+            self.last_gone = ExitSummary(s.pid, f"connection closed in phase {phase.value}", self.clock.now())
         s.end()
         self._session_ended_at(iteration_now(s))
         if s.errors > handlers.MAX_LOGGED_SESSION_ERRORS:
@@ -495,5 +500,5 @@ class MonitorDaemon:
             iteration_high=self.iteration_high, session=self.rank.session if self.rank else None,
             hangs=self.hangs, last_restart=self.last_restart, section_stats=self.section_stats,
             progress=progress, last_iteration=self.last_iteration, last_exit=self.last_exit,
-            snapshots=self.snapshot_memory.status(),
+            last_gone=self.last_gone, snapshots=self.snapshot_memory.status(),
         )

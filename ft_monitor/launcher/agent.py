@@ -59,8 +59,10 @@ from ft_monitor.core.notices import HangNotice
 from ft_monitor.core.server_log import printable
 from ft_monitor.launcher import exit_codes
 from ft_monitor.launcher.control import EventKind, LauncherEvent
+from ft_monitor.launcher.crash import CrashVerdict, crash_error_data, decide_crash, on_another_node
 from ft_monitor.launcher.crossnode import (
     ATTRIBUTION_WINDOW,
+    CRASH_WAIT,
     HANG_KEY,
     SHUTDOWN_ACKS_KEY,
     SHUTDOWN_KEY,
@@ -71,11 +73,12 @@ from ft_monitor.launcher.decide import AttemptVerdict, decide_attempt_end, itera
 from ft_monitor.launcher.hangs import HangHandling, emit
 from ft_monitor.launcher.inprocess_watch import HANG_REASONS, INPROCESS_POLL_INTERVAL, InprocessWatch, log_back
 from ft_monitor.launcher.rdzv_delay import no_first_run_delay
-from ft_monitor.launcher.restarts import RestartTiming, all_stepping, failure_restart
+from ft_monitor.launcher.restarts import RestartTiming, all_stepping, failed_ranks, failure_restart
 from ft_monitor.launcher.rollcall import RollCaller
 from ft_monitor.launcher.rootcause import write_error_file
 from ft_monitor.launcher.runtime import FtRuntime
 from ft_monitor.launcher.sealed import Sealer
+from ft_monitor.launcher.store_auth import CrashRecord
 from ft_monitor.launcher.worker_env import FR_BUFFER_ENV, TorchVersionError, store_address
 from ft_monitor.launcher.worker_env import started_with_ft_env as _worker_env
 
@@ -117,6 +120,8 @@ class FtLocalElasticAgent(HangHandling, _lea.LocalElasticAgent):
         self._pinned_at = 0.0
         self._pending_first_step: RestartTiming | None = None
         self._pending_error: tuple[str, dict[str, Any]] | None = None
+        self.crash: CrashVerdict | None = None
+        """The latest failed attempt's verdict (crash.py), for the telemetry."""
         self.nodes = NodeMessages(ft.job_secret)
         self.inprocess = InprocessWatch(ft.inprocess, ft.monitors)
         self._rounds = 0
@@ -140,6 +145,7 @@ class FtLocalElasticAgent(HangHandling, _lea.LocalElasticAgent):
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         self.ft.monitors.check()
+        self.crash = None
         self.ft.inprocess_store = store_address(worker_group.store)
         warm = self.ft.warm.forking(self._attempt()) if self.ft.warm is not None else contextlib.nullcontext([])
         t0 = time.monotonic()
@@ -189,7 +195,7 @@ class FtLocalElasticAgent(HangHandling, _lea.LocalElasticAgent):
         self._answer_roll_calls(worker_group)
         watched: RunResult = super()._monitor_workers(worker_group)
         if watched.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
-            self._attempt_ended(dict(watched.failures))
+            watched = self._attempt_ended(watched)
         return watched
 
     def _on_event(self, wg: WorkerGroup, event: LauncherEvent) -> RunResult | None:
@@ -242,15 +248,74 @@ class FtLocalElasticAgent(HangHandling, _lea.LocalElasticAgent):
     def _attempt(self) -> int:
         return self._worker_group.spec.max_restarts - self._remaining_restarts
 
-    def _attempt_ended(self, failures: dict[int, ProcessFailure] | None = None) -> None:
-        """An attempt failed (torch saw a worker exit): stop restarting if restarts make no progress;
-        a restart that goes on is timed and listed like a hang's (`RestartTiming`, cause failure)."""
+    def _attempt_ended(self, result: RunResult) -> RunResult:
+        """An attempt failed (torch saw a worker exit): the root of the crash is decided once
+        (crash.py) and named first to torch (its failure table, a parent's error.json) and in
+        every output; restarting stops if restarts make no progress; a restart that goes on is
+        timed and listed like a hang's (`RestartTiming`, cause failure)."""
         attempt = self._attempt()
         statuses = self.ft.monitors.statuses()
+        failures = dict(result.failures)
+        self.crash = decide_crash(failed_ranks(failures, statuses)) if failures else None
         self._end_attempt(decide_attempt_end(iteration_high(statuses), self.ft.tracker.state,
                                              self.ft.tracker.policy, self._remaining_restarts))
-        if self._remaining_restarts > 0 and failures:
-            self.ft.restarts.append(failure_restart(failures, statuses, attempt))
+        if self.crash is None:
+            return result
+        self.crash = self._across_nodes(self.crash)
+        log.error("ft-launcher: attempt %d failed: %s", attempt, printable(self.crash.message))
+        self.ft.last_failure = f"attempt {attempt} failed: {self.crash.message}"
+        if self._remaining_restarts > 0:
+            self.ft.restarts.append(failure_restart(self.crash, attempt))
+        if self.crash.root not in failures:  # on another node: torch's failures here are all victims
+            return result
+        return RunResult(state=result.state, failures=self._root_first(failures, self.crash),
+                         return_values=result.return_values)
+
+    def _across_nodes(self, verdict: CrashVerdict) -> CrashVerdict:
+        """With several nodes: a root seen here is published for the others (crossnode.py); where
+        every rank that failed here lost a peer, the root is looked for in another node's record
+        (waited for a little: that node may decide after this one)."""
+        wg = self._worker_group
+        if wg.group_world_size is None or wg.group_world_size <= 1:
+            return verdict
+        round_ = rendezvous_round(wg.spec.rdzv_handler, self._rounds - 1)
+        if verdict.root_seen:
+            self.nodes.publish_crash(wg, CrashRecord(verdict.root, verdict.how, socket.gethostname()), round_)
+            return verdict
+        remote = self.nodes.crash_elsewhere(wg, round_, wait=CRASH_WAIT)
+        return verdict if remote is None else on_another_node(remote.rank, remote.how, remote.host, verdict)
+
+    def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        """torch restarts the workers of a healthy node when another node waits to join (a
+        membership change): where that node's ranks failed, its crash record names the root,
+        and this node's restart is listed as that failure's (a summary row, one line)."""
+        pending = self.ft.restarts and self.ft.restarts[-1].stop_began is None
+        if not pending and worker_group.group_world_size and worker_group.group_world_size > 1:
+            round_ = rendezvous_round(worker_group.spec.rdzv_handler, self._rounds - 1)
+            remote = self.nodes.crash_elsewhere(worker_group, round_)
+            if remote is not None:
+                verdict = on_another_node(remote.rank, remote.how, remote.host, None)
+                log.error("ft-launcher: attempt %d: %s; this node's workers restart with the others",
+                          self._attempt(), printable(verdict.message))
+                self.ft.restarts.append(failure_restart(verdict, self._attempt()))
+        super()._restart_workers(worker_group)
+
+    def _root_first(self, failures: dict[int, ProcessFailure], verdict: CrashVerdict) -> dict[int, ProcessFailure]:
+        """``failures`` with the root first and no later than any other (torch's "first observed
+        failure" is the earliest timestamp, the first on a tie); a root that wrote no error file
+        (killed, or exited without an exception) gets one saying so."""
+        root = failures[verdict.root]
+        first = min(int(f.timestamp) for f in failures.values())
+        path = self._error_files().get(root.local_rank)  # torch's failure says "<N/A>" where none was written
+        if verdict.root_seen and path is not None and not os.path.isfile(path):
+            try:
+                write_error_file(path, crash_error_data(verdict, first))
+                root = ProcessFailure(local_rank=root.local_rank, pid=root.pid, exitcode=root.exitcode, error_file=path)
+            except (OSError, ValueError) as e:
+                log.warning("ft-launcher: cannot write the error file of rank %d, the root of the failure: %s",
+                            verdict.root, e)
+        root.timestamp = min(int(root.timestamp), first)
+        return {verdict.root: root, **{r: f for r, f in failures.items() if r != verdict.root}}
 
     def _end_attempt(self, verdict: AttemptVerdict) -> None:
         self.ft.tracker.state = verdict.progress

@@ -20,6 +20,7 @@ from ft_monitor.launcher.step_exchange import STEP_TIMES_INDEX_KEY, STEP_TIMES_K
 from ft_monitor.launcher.stop_signal import reraise_stop
 from ft_monitor.launcher.store_auth import (
     SECRET_ENV,
+    CrashRecord,
     HangRecord,
     ShutdownRequest,
     StoreChannel,
@@ -29,6 +30,10 @@ from ft_monitor.launcher.store_board import Board
 
 log = logging.getLogger("ft_monitor.launcher")
 
+CRASH_KEY = "ft_launcher/crash/{}"
+"""A node's crash record of the round, by its group rank (crash.py; read by the other nodes)."""
+CRASH_INDEX_KEY = "ft_launcher/crash_index"
+CRASH_COUNT_KEY = "ft_launcher/crash_count"
 SHUTDOWN_KEY = "ft_launcher/shutdown"
 SHUTDOWN_ACKS_KEY = "ft_launcher/shutdown_acks"
 HANG_KEY = "ft_launcher/hang/{}"
@@ -37,10 +42,18 @@ HANG_COUNT_KEY = "ft_launcher/hang_count"
 HANG_POLL = 0.05
 """Seconds between looks at the hang board within the attribution window."""
 STORE_POLL_INTERVAL = 1.0
+CRASH_WAIT = 2.0
+"""Seconds a node whose failed ranks all lost a peer waits for the crash record of the node
+where the root was (that node sees its rank die and decides at about the same time)."""
 ATTRIBUTION_WINDOW = 0.5
 """Seconds a launcher waits, on several nodes, for the other nodes' hang reports of the
 same rendezvous round: ranks waiting in a collective for a hung rank on another node
 time out too, and only the earliest onset is the hung rank."""
+
+
+def crash_board(nodes: int) -> Board:
+    """Where the nodes' crash records of a round are listed (store_board.py)."""
+    return Board(CRASH_INDEX_KEY, CRASH_COUNT_KEY, CRASH_KEY.format, nodes)
 
 
 def hang_board(nodes: int) -> Board:
@@ -127,7 +140,7 @@ class NodeMessages:
         """After the next round of a rendezvous whose rounds have their own store prefix
         (torch's c10d/dynamic one: agent.rounds_apart) completed, so that every node has left the
         previous round and nobody reads its keys again: delete this node's keys of the previous round, its hang
-        record, step times, roll call request and the answers it ``written``; node 0 also the
+        and crash records, step times, roll call request and the answers it ``written``; node 0 also the
         round's shared boards (hang index and counter, the askers' index and the bell, the
         step times' index). Torch's
         own keys of the round go too (the rank assignment's per node, and the master address
@@ -135,10 +148,12 @@ class NodeMessages:
         per node in the store for the rest of the job. The number of store operations."""
         if store is None or group_rank is None:
             return 0
-        keys = [HANG_KEY.format(group_rank), STEP_TIMES_KEY.format(group_rank), request_key(group_rank), *written,
+        keys = [HANG_KEY.format(group_rank), CRASH_KEY.format(group_rank), STEP_TIMES_KEY.format(group_rank),
+                request_key(group_rank), *written,
                 *(k.format(group_rank) for k in TORCH_NODE_KEYS)]
         if group_rank == 0:
-            keys += [HANG_INDEX_KEY, HANG_COUNT_KEY, ASKERS_KEY, BELL_KEY, STEP_TIMES_INDEX_KEY, *TORCH_ROUND_KEYS]
+            keys += [HANG_INDEX_KEY, HANG_COUNT_KEY, CRASH_INDEX_KEY, CRASH_COUNT_KEY, ASKERS_KEY, BELL_KEY,
+                     STEP_TIMES_INDEX_KEY, *TORCH_ROUND_KEYS]
         try:
             for key in keys:
                 store.delete_key(key)
@@ -146,6 +161,46 @@ class NodeMessages:
             reraise_stop(e)
             log.debug("ft-launcher: could not delete the previous round's keys: %s", e)
         return len(keys)
+
+    def publish_crash(self, wg: WorkerGroup, record: CrashRecord, round_: int) -> None:
+        """Tell the other nodes which rank here was the root of this round's failure."""
+        store = wg.store
+        channel = self.channel(wg)
+        if store is None or channel is None or wg.group_world_size <= 1:
+            return
+        key = CRASH_KEY.format(wg.group_rank)
+        try:
+            value = channel.encode(key, record, {"round": round_})
+            crash_board(wg.group_world_size).publish(store, wg.group_rank, value)
+        except Exception as e:  # noqa: BLE001 - the other nodes then name their own first victim
+            reraise_stop(e)
+            log.warning("ft-launcher: could not tell the other nodes the root of the failure: %s", e)
+
+    def crash_elsewhere(self, wg: WorkerGroup, round_: int, wait: float = 0.0) -> CrashRecord | None:
+        """Another node's crash record of round ``round_``, waiting up to ``wait`` s for one
+        (the lowest group rank's where several are there); None when there is none, or no
+        secret. A value that does not check out (forged, another round's) is ignored, logged."""
+        store = wg.store
+        channel = self.channel(wg)
+        if store is None or channel is None or wg.group_world_size <= 1:
+            return None
+        board = crash_board(wg.group_world_size)
+        others = [g for g in range(wg.group_world_size) if g != wg.group_rank]
+        end = time.monotonic() + wait
+        try:
+            while True:
+                for g, raw in sorted(board.look(store, others, force=True).items()):
+                    key = CRASH_KEY.format(g)
+                    try:
+                        return channel.decode(key, raw, CrashRecord, {"round": round_})
+                    except StoreMessageError as e:
+                        self._warn_bad_store_value(key, raw, CrashRecord.KIND, e)
+                if time.monotonic() >= end:
+                    return None
+                time.sleep(HANG_POLL)
+        except Exception as e:  # noqa: BLE001 - the store host may be gone
+            reraise_stop(e)
+            return None
 
     def publish_shutdown(self, wg: WorkerGroup, reason: str, rank: int | None) -> None:
         """Tell the other nodes to stop (a workload shutdown), and wait (bounded) until they saw it."""

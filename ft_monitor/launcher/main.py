@@ -241,6 +241,8 @@ def launch(args: argparse.Namespace, config: Settings | FaultToleranceConfig, su
     except ChildFailedError as e:
         _report_root_cause(e)
         code = ft.outcome if ft.outcome is not None else exit_codes.WORKERS_FAILED
+        if not ft.outcome_message and ft.last_failure:
+            ft.outcome_message = f"{ft.last_failure}; no restart was left"
     except SignalException as e:
         log.warning("ft-launcher: stopped by %s", e.sigval.name)
         code = 128 + int(e.sigval)
@@ -348,12 +350,10 @@ def summary_data(ft: Any, code: int, observed: dict[str, Any] | None = None) -> 
 
 
 def _print_summary(ft: Any, data: dict[str, Any]) -> None:
-    """The closing summary on stderr, once: aligned ``key : value`` lines (summary_text.py)."""
+    """The closing summary on stderr, once, after every run, a clean one too: aligned
+    ``key : value`` lines (summary_text.py)."""
     from ft_monitor.launcher import summary_text
 
-    if not (ft.hangs or ft.restarts or ft.monitors.restarts or ft.inprocess_restarts or ft.diagnoses) \
-            and ft.outcome is None:
-        return
     text = summary_text.format_rows(summary_text.rows(data, summary_text.read_evidence()))
     print("\n" + text, file=sys.stderr)
 

@@ -59,6 +59,8 @@ class Snapshot:
     """(reason, section or "") -> hangs."""
     restarts: Mapping[str, int] = field(default_factory=dict)
     """kind ("process", "inprocess") -> restarts."""
+    failures: Mapping[tuple[str, str], int] = field(default_factory=dict)
+    """(rank, role: "root" or "victim") -> failed attempts the rank failed in, in that role."""
     restart_phases: Mapping[tuple[str, str], tuple[float, ...]] = field(default_factory=dict)
     """(restart kind, phase) -> seconds, one per restart whose phase is known."""
     incident_lost: tuple[float, ...] = ()
@@ -132,6 +134,12 @@ def collect(snap: Snapshot) -> Iterator[Metric]:
     for (reason, section), n in sorted(snap.hangs.items()):
         hangs.add_metric([reason, section], n)
     yield hangs
+    failed = CounterMetricFamily("ft_failed_ranks", "Ranks of this node whose process failed (a crash, not a "
+                                 "hang), by role: root (it failed on its own: killed, exited, raised) or victim "
+                                 "(it failed because a peer or the store was gone).", labels=["rank", "role"])
+    for (rank, role), n in sorted(snap.failures.items()):
+        failed.add_metric([rank, role], n)
+    yield failed
     restarts = CounterMetricFamily("ft_restarts", "Restarts of the local ranks: kind=\"process\" (the worker group "
                                    "stopped and started again) or \"inprocess\" (same processes).", labels=["kind"])
     for kind in ("process", "inprocess"):

@@ -70,8 +70,9 @@ class FtObservedAgent(FtLocalElasticAgent):
             self._attempt_open = False
             last = self.ft.restarts[-1] if self.ft.restarts else None
             crash = last if last is not None and last.cause == "failure" and last.stop_began is None else None
+            verdict = getattr(self, "crash", None) if result.state is not WorkerState.SUCCEEDED else None
             self._tell(self.telemetry.attempt_ended, result.state.value, dict(result.failures),
-                       self._remaining_restarts, crash)
+                       self._remaining_restarts, crash, verdict)
         return result
 
     def _carry_out(self, decision: HangDecision) -> RunResult:

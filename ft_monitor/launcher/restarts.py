@@ -1,12 +1,12 @@
 """The launcher's restart bookkeeping: `RestartTiming`, one process restart of the worker
 group and where its time went (the summary's row, the timing line once every rank steps
-again), and the row of a restart that follows a failed attempt (which rank failed first,
-and how each ended)."""
+again), and the row of a restart that follows a failed attempt (the root of the crash,
+crash.py, from what torch and the monitors said of each failed rank)."""
 
 from __future__ import annotations
 
 import logging
-import signal
+import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -15,7 +15,7 @@ from typing import Any
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from ft_monitor.core.status import MonitorStatus
-from ft_monitor.launcher.exit_codes import how
+from ft_monitor.launcher.crash import CrashVerdict, FailedRank
 
 log = logging.getLogger("ft_monitor.launcher")
 
@@ -38,11 +38,15 @@ class RestartTiming:
     attempt: int = 0
     """The attempt that failed."""
     message: str = ""
+    crash: CrashVerdict | None = None
+    """A failure's verdict: the root and the ranks that failed because of it (crash.py)."""
 
     def row(self) -> dict[str, Any]:
-        """The summary's row: cause, rank, attempt, message and the phases (`breakdown`)."""
+        """The summary's row: cause, rank, attempt, message and the phases (`breakdown`); a
+        failure's also whether its root was seen here and its victims."""
+        extra = {} if self.crash is None else self.crash.row()
         return {"cause": self.cause, "rank": self.rank, "attempt": self.attempt, "message": self.message,
-                **self.breakdown()}
+                **extra, **self.breakdown()}
 
     def breakdown(self) -> dict[str, float | None]:
         def d(a: float | None, b: float | None) -> float | None:
@@ -59,25 +63,40 @@ class RestartTiming:
         }
 
 
-def failure_restart(failures: Mapping[int, ProcessFailure], statuses: Mapping[int, MonitorStatus | None],
-                    attempt: int) -> RestartTiming:
-    """The restart that follows a failed attempt, naming the rank that failed first."""
-    # torch reports every failed worker at once, the ones it stopped itself (SIGTERM) among them,
-    # and a rank whose peer raised may die of its own teardown (SIGABRT) before the one that
-    # raised has exited. First: the ranks whose monitors heard them exit (EXITING), earliest
-    # first; then one killed by a signal other than SIGTERM, one that exited, the earliest
-    # error file, the rank
-    exits = {r: e for r, f in failures.items() for st in [statuses.get(f.local_rank)]
-             if st is not None for e in [st.last_exit] if e is not None and e.pid == f.pid}
-    order = sorted(failures, key=lambda r: (r not in exits, exits[r].at if r in exits else 0.0,
-                                            failures[r].exitcode == -signal.SIGTERM,
-                                            failures[r].exitcode >= 0, failures[r].timestamp, r))
-    what = [f"rank {r} (pid {failures[r].pid}) "
-            + (f"raised {exits[r].reason[:200]} and " if r in exits else "") + how(failures[r].exitcode)
-            for r in order]
-    message = what[0] + (f" (then {', '.join(what[1:])})" if len(what) > 1 else "")
+def failed_ranks(failures: Mapping[int, ProcessFailure],
+                 statuses: Mapping[int, MonitorStatus | None]) -> list[FailedRank]:
+    """What torch and each failed rank's monitor said of it, for `crash.decide_crash`: what it
+    raised (its EXITING, else its error file's message) and when it raised or went."""
+    out = []
+    for r, f in failures.items():
+        st = statuses.get(f.local_rank)
+        exit_ = st.last_exit if st is not None and st.last_exit is not None and st.last_exit.pid == f.pid else None
+        gone = st.last_gone if st is not None and st.last_gone is not None and st.last_gone.pid == f.pid else None
+        error = exit_.reason if exit_ is not None else _error_file_message(f)
+        out.append(FailedRank(r, f.pid, f.exitcode, error, None if exit_ is None else exit_.at,
+                              None if gone is None else gone.at, float(f.timestamp or 0)))
+    return out
+
+
+def _error_file_message(f: ProcessFailure) -> str | None:
+    """The first line of the error file the worker wrote (torch's @record: ``{"message":
+    {"message": ..., "extraInfo": ...}}``, or an older plain ``{"message": ...}``), if it wrote
+    one; torch makes a message up for a worker that did not ("Signal 9 (SIGKILL) received by ...")."""
+    if not isinstance(f.error_file, str) or not os.path.isfile(f.error_file):
+        return None
+    data = getattr(f, "error_file_data", None)
+    message = data.get("message") if isinstance(data, Mapping) else None
+    if isinstance(message, Mapping):
+        message = message.get("message")
+    text = str(message or "").strip()
+    return text.splitlines()[0][:500] if text else None
+
+
+def failure_restart(verdict: CrashVerdict, attempt: int) -> RestartTiming:
+    """The restart that follows a failed attempt, naming the root of the crash (crash.py)."""
     now = time.time()
-    return RestartTiming(order[0], now, now, cause="failure", attempt=attempt, message=message)
+    return RestartTiming(verdict.root, now, now, cause="failure", attempt=attempt, message=verdict.message,
+                         crash=verdict)
 
 
 def all_stepping(timing: RestartTiming, statuses: Mapping[int, MonitorStatus | None]) -> bool:

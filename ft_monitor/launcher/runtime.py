@@ -35,6 +35,9 @@ class FtRuntime:
     outcome_message: str = ""
     hangs: list[dict[str, Any]] = field(default_factory=list)
     restarts: list[RestartTiming] = field(default_factory=list)
+    last_failure: str = ""
+    """The latest failed attempt's verdict (crash.py), the line the summary ends a job with when
+    no restart was left for it."""
     inprocess: InprocessLedger = field(default_factory=InprocessLedger)
     """Restarts the ranks went through in their own processes (not charged to --max-restarts)."""
 

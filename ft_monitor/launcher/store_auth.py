@@ -34,7 +34,7 @@ from ft_client.jobkey import (
 from ft_client.signed import FORMAT_VERSION, MAX_MESSAGE_BYTES, Signer, StoreMessageError
 from ft_client.signed import rank_field as _rank
 
-__all__ = ["FORMAT_VERSION", "MAX_MESSAGE_BYTES", "MAX_SECRET_BYTES", "MIN_SECRET_BYTES", "SECRET_ENV",
+__all__ = ["CrashRecord", "FORMAT_VERSION", "MAX_MESSAGE_BYTES", "MAX_SECRET_BYTES", "MIN_SECRET_BYTES", "SECRET_ENV",
            "SECRET_FILE_ENV", "HangRecord", "Message", "RollCallAnswer", "RollCallRequest", "SecretError",
            "ShutdownRequest", "StepTimes", "StoreChannel", "StoreMessageError", "load_job_secret"]
 
@@ -86,6 +86,25 @@ class HangRecord:
         if isinstance(onset, bool) or not isinstance(onset, (int, float)) or not math.isfinite(onset) or onset < 0:
             raise StoreMessageError("field onset_time must be a finite number of seconds >= 0")
         return cls(_rank(body, "rank"), float(onset), _text(body, "message"), _text(body, "host"))  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, slots=True)
+class CrashRecord:
+    """The root of one node's failed attempt (crash.py), for the nodes whose ranks failed
+    only because of it, or were restarted with it; signed bound to its rendezvous round."""
+
+    rank: int
+    how: str
+    host: str
+
+    KIND = "crash"
+
+    def body(self) -> dict[str, Any]:
+        return {"rank": self.rank, "how": self.how, "host": self.host}
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> CrashRecord:
+        return cls(_rank(body, "rank"), _text(body, "how"), _text(body, "host"))  # type: ignore[arg-type]
 
 
 MAX_STEP_TIME_RANKS = 1024
@@ -192,7 +211,7 @@ class RollCallAnswer:
                    sealed, _rank(body, "round"), _rank(body, "asker"))  # type: ignore[arg-type]
 
 
-Message = ShutdownRequest | HangRecord | StepTimes | RollCallRequest | RollCallAnswer
+Message = ShutdownRequest | HangRecord | StepTimes | RollCallRequest | RollCallAnswer | CrashRecord
 
 
 class StoreChannel:
@@ -223,11 +242,16 @@ class StoreChannel:
                bind: Mapping[str, Any] | None = None) -> RollCallAnswer: ...
 
     @overload
+    def decode(self, key: str, raw: bytes, kind: type[CrashRecord],
+               bind: Mapping[str, Any] | None = None) -> CrashRecord: ...
+
+    @overload
     def decode(self, key: str, raw: bytes, kind: type[ShutdownRequest] | type[HangRecord],
                bind: Mapping[str, Any] | None = None) -> ShutdownRequest | HangRecord: ...
 
     def decode(self, key: str, raw: bytes, kind: type[ShutdownRequest] | type[HangRecord] | type[StepTimes]
-               | type[RollCallRequest] | type[RollCallAnswer], bind: Mapping[str, Any] | None = None) -> Message:
+               | type[RollCallRequest] | type[RollCallAnswer] | type[CrashRecord],
+               bind: Mapping[str, Any] | None = None) -> Message:
         """The message stored at ``key``; raises StoreMessageError (and nothing else, whatever
         ``raw`` holds) unless it is authentic, of the expected kind, written for this key, run
         and ``bind``, and well-formed."""

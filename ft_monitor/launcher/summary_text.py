@@ -127,8 +127,25 @@ def _hang_rows(hang: Mapping[str, Any], restart: Mapping[str, Any] | None, evide
 
 
 def _failure_rows(restart: Mapping[str, Any]) -> list[Row]:
-    out: list[Row] = [("failed", f"{printable(restart.get('message') or restart.get('cause'))} in attempt "
-                                 f"{restart.get('attempt')}; the worker group restarted")]
+    """A failure's rows: its root (crash.py), then the ranks that failed because of it; a row of
+    an older summary, without the verdict's fields, says its message."""
+    if not restart.get("how"):
+        out: list[Row] = [("failed", f"{printable(restart.get('message') or restart.get('cause'))} in attempt "
+                                     f"{restart.get('attempt')}; the worker group restarted")]
+    elif restart.get("root_host"):
+        out = [("failed", f"{printable(restart['how'])} in attempt {restart.get('attempt')}, the root of the failure; "
+                          "the worker group here restarted with it")]
+    elif restart.get("root_seen", True):
+        out = [("failed", f"{printable(restart['how'])} in attempt {restart.get('attempt')}, the root of the failure; "
+                          "the worker group restarted")]
+    else:
+        out = [("failed", f"in attempt {restart.get('attempt')}, every failed rank here lost a peer (the rank "
+                          "that failed first was not seen here); the worker group restarted"),
+               ("first here", printable(restart["how"]))]
+    if restart.get("others_how"):
+        out.append(("then", printable(restart["others_how"])))
+    if restart.get("victims_how"):
+        out.append(("because of it", printable(restart["victims_how"])))
     if restart.get("total") is not None:
         out.append(("restart", f"all ranks running again {_secs(restart['total'])} after it was seen "
                                f"({phases_text(restart, PROCESS_PHASES)})"))

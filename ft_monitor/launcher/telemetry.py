@@ -107,6 +107,8 @@ class Telemetry:
         self.incidents: list[Incident] = []
         self.pending: _PendingRestart | None = None
         self._failure_timing: Any = None
+        self.failed_ranks: dict[tuple[str, str], int] = {}
+        """(rank, role: root or victim) -> failed attempts, as the crash verdicts said (crash.py)."""
         self._hang_this_attempt = False
         self.flagged: set[int] = set()
         self.verdicts: dict[int, SlowVerdict] = {}
@@ -257,10 +259,11 @@ class Telemetry:
                          began=began, ended=now, duration_s=max(0.0, now - began))
 
     def attempt_ended(self, state: str, failures: Mapping[int, Any], restarts_left: int,
-                      timing: Any = None) -> None:
+                      timing: Any = None, crash: Any = None) -> None:
         """torch's verdict on the attempt (SUCCEEDED, FAILED, UNHEALTHY); ``failures`` global rank -> failure.
         ``timing``: the agent's `RestartTiming` of the restart that follows a failure (it fills it in);
-        without one the telemetry times that restart itself."""
+        without one the telemetry times that restart itself. ``crash``: the agent's
+        `crash.CrashVerdict` on the failure (the root, the victims), which the event carries."""
         from ft_monitor.launcher.agent import RestartTiming
 
         now = self.clock()
@@ -270,13 +273,18 @@ class Telemetry:
         statuses = self._poll(now)
         self._progress(now, forced=True)
         high = max((m.iteration for m in self.ranks.values() if m.iteration is not None), default=None)
+        verdict = {} if crash is None else {"root": crash.root, **crash.row()}
         self.events.emit("attempt_end", now, attempt=self.attempt, state=state, iteration=high,
                          failures=[{"rank": r, "exitcode": getattr(f, "exitcode", None),
                                     "message": str(getattr(f, "message", "") or "")[:500]}
-                                   for r, f in sorted(failures.items())])
+                                   for r, f in sorted(failures.items())], **verdict)
+        if crash is not None:
+            for rank, role in [(crash.root, "root" if crash.root_seen else "victim"),
+                               *((r, "root") for r in crash.others), *((r, "victim") for r in crash.victims)]:
+                self.failed_ranks[(str(rank), role)] = self.failed_ranks.get((str(rank), role), 0) + 1
         if state != "SUCCEEDED" and not self._hang_this_attempt and restarts_left > 0:
             if timing is None:
-                first = min(failures) if failures else -1
+                first = crash.root if crash is not None else min(failures) if failures else -1
                 timing = self._failure_timing = RestartTiming(first, now, now, cause="failure", attempt=self.attempt)
             self.pending = _PendingRestart(timing, "failure", self.attempt + 1)
         self._stats(now, statuses)
@@ -514,6 +522,7 @@ class Telemetry:
                                   snapshot_held=mem.snapshot_held, snapshot_limit=mem.snapshot_limit))
         self.snapshot = Snapshot(
             start=self.start, ranks=tuple(views), hangs=dict(self.hang_counts), restarts=dict(self.restart_counts),
+            failures=dict(self.failed_ranks),
             restart_phases={k: tuple(v) for k, v in self.phases.items()},
             incident_lost=tuple(i.lost_s for i in self.incidents if i.lost_s is not None),
             goodput=self._goodput(now))

@@ -15,6 +15,7 @@ the verdict line its ``verdict.line``; hang and restart counts are the launchers
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -327,6 +328,12 @@ def _incidents(events: Sequence[Event], diagnoses: Mapping[str, DiagnosisDoc], s
             continue
         failed_attempts.add(attempt)
         restart = restart_for(None, "process", attempt + 1, cause=None)
+        verdict = _crash_verdict(e)
+        if verdict is not None:  # the launcher's decision (crash.py): the root, and who failed because of it
+            root, root_pid, root_what = verdict
+            out.append(Incident(kind="failure", attempt=attempt, rank=root, host=str(e["host"]), pid=root_pid,
+                                what=root_what, detected=float(e["time"]), restart=restart))
+            continue
         f_rank = restart.rank if restart is not None else None
         failures = [f for x in ends if int(x["attempt"]) == attempt for f in x["failures"] if isinstance(f, dict)]
         first = next((f for f in failures if f.get("rank") == f_rank), failures[0] if failures else None)
@@ -346,6 +353,26 @@ def _incidents(events: Sequence[Event], diagnoses: Mapping[str, DiagnosisDoc], s
     out.sort(key=lambda i: (i.attempt, i.onset or i.detected or 0.0))
     restarts.sort(key=lambda r: r.start)
     return out, restarts
+
+
+_ROOT_PREFIX = re.compile(r"rank (\d+) \(pid (\d+)\) ")
+
+
+def _crash_verdict(e: Event) -> tuple[int, int | None, str] | None:
+    """An attempt_end's crash verdict (its root, and how it and the ranks that failed because of
+    it ended): rank, pid and the words after "Rank N"; None for an event without one."""
+    root, how_ = _int(e.get("root")), e.get("how")
+    if root is None or not isinstance(how_, str) or not how_:
+        return None
+    m = _ROOT_PREFIX.match(how_)
+    what = how_[m.end():] if m else how_
+    pid = int(m.group(2)) if m else None
+    victims = e.get("victims_how")
+    if isinstance(victims, str) and victims:
+        what += f"; failed because of it: {victims[:300]}"
+    if e.get("root_seen") is False:
+        what += " (every rank that failed on this node lost a peer; the rank that failed first was not seen here)"
+    return root, pid, what
 
 
 def _lanes(events: Sequence[Event], incidents: Sequence[Incident],

@@ -1,0 +1,184 @@
+"""The root of a crash, decided once: which failed rank failed first on its own, and which
+failed only because of it.
+
+torch reports every worker that failed in an attempt at once. A rank killed from outside (the
+OOM killer, ``kill -9``, a segfault in an extension) never raises; its peers' collectives then
+fail ("Connection reset by peer", NCCL's remote-exit error) and they raise, often before torch
+sees the killed one gone. So the first rank that raised is not the root. The rule:
+
+- a **victim** failed because of another rank: its error is a communication failure caused by a
+  peer's death or by the store going away (`peer_failure`), or it was stopped with SIGTERM;
+- of the others, the **root** is the one whose fault came first: when it raised (its monitor's
+  EXITING), or when its process went (its monitor's connection closed) for a rank that never
+  raised; a rank whose time is not known comes after those whose time is; among those, a death
+  by signal before an exit without an exception before an exception before a SIGABRT (which
+  a rank often dies of in its own teardown once a peer is gone);
+- only when every failed rank is a victim is the earliest victim named, and then the message
+  says that its peer's fault was not seen here (`CrashVerdict.root_seen`).
+
+Pure: it takes what torch and the monitors said and returns the verdict that the restart line,
+the summary, summary.json, error.json, the events and the report page all take.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from ft_client.errors import FtError
+from ft_monitor.launcher.exit_codes import how
+
+PEER_FAILURES = (
+    "connection reset by peer",
+    "connection closed by peer",
+    "broken pipe",
+    "connection refused",
+    "connectfullmesh failed",
+    "remote process exited",
+    "ncclremoteerror",
+    "network error",
+    "communicator was aborted",
+    "watchdog caught collective operation timeout",
+    "timed out waiting",
+    "distnetworkerror",
+    "diststoreerror",
+    "failed to recv",
+    "socket timeout",
+    "process group was aborted",
+)
+"""Lowercase parts of the errors a rank gets when a peer (or the store) is gone: gloo's pair
+errors, NCCL's remote-exit and watchdog errors, torch's store errors."""
+
+class CrashError(FtError, ValueError):
+    """`decide_crash` asked about no failed rank at all (a caller's bug)."""
+
+
+VICTIM, SIGNAL, EXIT, RAISED = "victim", "signal", "exit", "raised"
+_PRIORITY = {SIGNAL: 0, EXIT: 1, RAISED: 2, VICTIM: 4}
+_ABORT_PRIORITY = 3
+"""Where neither time is known, SIGABRT comes after an exception: a rank whose peer died often
+aborts in its own teardown (a communication thread's std::terminate, NCCL's watchdog)."""
+
+
+def peer_failure(error: str) -> bool:
+    """Whether ``error`` (an exception's text) is a communication failure caused by a peer."""
+    text = error.lower()
+    return any(p in text for p in PEER_FAILURES)
+
+
+@dataclass(frozen=True, slots=True)
+class FailedRank:
+    """One failed worker, as torch and its monitor saw it."""
+
+    rank: int
+    pid: int
+    exitcode: int
+    error: str | None = None
+    """What it raised (its EXITING reason or its error file's message); None: it raised nothing."""
+    raised_at: float | None = None
+    """When it said it was exiting with ``error`` (the host's monotonic clock)."""
+    gone_at: float | None = None
+    """When its monitor saw its process go (the same clock)."""
+    timestamp: float = 0.0
+    """torch's: its error file's, else when torch saw it failed."""
+
+    @property
+    def kind(self) -> str:
+        """victim, signal (killed by a signal other than SIGTERM), exit (exited without an
+        exception) or raised."""
+        if self.error is not None and peer_failure(self.error):
+            return VICTIM
+        if self.exitcode == -signal.SIGTERM:
+            return VICTIM
+        if self.error is not None:
+            return RAISED
+        return SIGNAL if self.exitcode < 0 else EXIT
+
+    @property
+    def at(self) -> float | None:
+        """When its fault happened: when it raised, else when it went."""
+        return self.raised_at if self.error is not None and self.raised_at is not None else self.gone_at
+
+    def describe(self) -> str:
+        raised = f"raised {self.error[:200]} and " if self.error else ""
+        return f"rank {self.rank} (pid {self.pid}) {raised}{how(self.exitcode)}"
+
+
+@dataclass(frozen=True, slots=True)
+class CrashVerdict:
+    root: int
+    """The rank named: the root, or, where every failed rank is a victim, the earliest of them."""
+    root_seen: bool
+    """False: every failed rank here failed because of a peer (the root is elsewhere or unseen)."""
+    how: str
+    """How the rank named ended (`FailedRank.describe`)."""
+    victims: tuple[int, ...]
+    """The ranks that failed because of another, earliest first."""
+    others: tuple[int, ...]
+    """Other ranks that failed on their own after the root, earliest first."""
+    others_how: str
+    """How the others ended, earliest first ("" when none)."""
+    victims_how: str
+    """How the victims ended, earliest first ("" when none)."""
+    message: str
+    """The one line every output takes."""
+    host: str | None = None
+    """The root's host when it was on another node (that node's crash record), else None."""
+
+    def row(self) -> dict[str, object]:
+        """The fields a failure's summary row, its event and its report entry take."""
+        return {"root_seen": self.root_seen, "how": self.how, "victims": list(self.victims),
+                "others": list(self.others), "others_how": self.others_how, "victims_how": self.victims_how,
+                "root_host": self.host}
+
+
+def decide_crash(failed: Iterable[FailedRank]) -> CrashVerdict:
+    ranks = list(failed)
+    if not ranks:
+        raise CrashError("decide_crash needs at least one failed rank")
+
+    def key(f: FailedRank) -> tuple[object, ...]:
+        at = f.at
+        priority = _ABORT_PRIORITY if f.kind == SIGNAL and f.exitcode == -signal.SIGABRT else _PRIORITY[f.kind]
+        return (f.kind == VICTIM, at is None, at or 0.0, priority, f.timestamp, f.rank)
+
+    order = sorted(ranks, key=key)
+    root = order[0]
+    seen = root.kind != VICTIM
+    victims = tuple(f.rank for f in order if f.kind == VICTIM and f is not root)
+    others = tuple(f.rank for f in order[1:] if f.kind != VICTIM)
+    by_rank = {f.rank: f for f in ranks}
+    others_how = ", ".join(by_rank[r].describe() for r in others)
+    victims_how = ", ".join(by_rank[r].describe() for r in victims)
+    message = root.describe()
+    if not seen:
+        message += " (every failed rank here lost a peer; the rank that failed first was not seen here)"
+    if others:
+        message += f"; then {others_how}"
+    if victims:
+        message += f"; failed because of it: {victims_how}"
+    return CrashVerdict(root.rank, seen, root.describe(), victims, others, others_how, victims_how, message)
+
+
+def on_another_node(rank: int, how_: str, host: str, here: CrashVerdict | None) -> CrashVerdict:
+    """The verdict when the root was on another node (its crash record: ``rank``, ``how_``,
+    ``host``): every rank that failed here (``here``'s ranks, if any did) failed because of it."""
+    victims = () if here is None else tuple(dict.fromkeys((here.root, *here.others, *here.victims)))
+    victims_how = "" if here is None else ", ".join(x for x in (here.how, here.others_how, here.victims_how) if x)
+    root = f"{how_} on {host} (another node)"
+    message = root + (f"; failed because of it: {victims_how}" if victims_how else "")
+    return CrashVerdict(rank, True, root, victims, (), "", victims_how, message, host)
+
+
+def crash_error_data(verdict: CrashVerdict, timestamp: int) -> dict[str, object]:
+    """The error.json (torchelastic's ErrorHandler format) for a root that wrote none (it was
+    killed, or exited without an exception): torch's failure table and a parent launcher then
+    name it, with ``timestamp`` no later than any other failure's."""
+    headline = f"RankCrash: {verdict.how}"
+    if verdict.victims:
+        headline += f"; rank(s) {', '.join(map(str, verdict.victims))} failed because of it"
+    callstack = (headline + "\n" + verdict.message + "\n(no stack: the process did not raise; a signal it did "
+                 "not get from ft-launcher or torch (the OOM killer, kill -9, a fault in native code) or an exit "
+                 "without an exception ended it)")
+    return {"message": {"message": headline, "extraInfo": {"py_callstack": callstack, "timestamp": str(timestamp)}}}

@@ -16,6 +16,7 @@ process that validates, see cli.py).
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import os
 import signal
@@ -231,9 +232,9 @@ def merge_layers(
                 if unknown == "warn":
                     dropped.append(f"{shown(key)} (from {source})")
                     continue
-                raise ConfigError(
-                    f"{source}: unknown field {shown(key)} = {shown(value)} (known fields: {', '.join(FIELDS)})"
-                )
+                close = difflib.get_close_matches(key, FIELDS, n=1, cutoff=0.75)
+                hint = f" (did you mean {close[0]!r}?)" if close else f" (known fields: {', '.join(FIELDS)})"
+                raise ConfigError(f"{source}: unknown field {shown(key)} = {shown(value)}{hint}")
             merged[key] = value
             origin[key] = _origin_label(source, key)
     if ignored:

@@ -277,9 +277,10 @@ def add_config_flags(parser: argparse.ArgumentParser, *, with_cfg_path: bool = F
         hidden = name in IGNORED_NVRX_FIELDS
         group.add_argument(*sorted(flags), dest=f"ft_{name}", default=argparse.SUPPRESS, metavar="VALUE",
                            help=argparse.SUPPRESS if hidden else f"sets {name}")
-        if param_aliases:
-            group.add_argument(f"--ft-param-{name.replace('_', '-')}", f"--ft_param_{name}", dest=f"ft_{name}",
-                               default=argparse.SUPPRESS, metavar="VALUE", help=argparse.SUPPRESS)
+        if param_aliases:  # --ft-param-rank_heartbeat_timeout too: the spelling of many existing launch scripts
+            aliases = {f"--ft-param-{name.replace('_', '-')}", f"--ft_param_{name}", f"--ft-param-{name}"}
+            group.add_argument(*sorted(aliases), dest=f"ft_{name}", default=argparse.SUPPRESS, metavar="VALUE",
+                               help=argparse.SUPPRESS)
 
 
 def cli_overrides(args: argparse.Namespace) -> dict[str, Any]:

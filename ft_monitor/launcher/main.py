@@ -28,7 +28,7 @@ from ft_client.safefiles import write_json_atomic
 from ft_monitor.config import ConfigError, FaultToleranceConfig, add_config_flags, cli_overrides, load_config
 from ft_monitor.core import timeout_order
 from ft_monitor.core.settings import Settings, SettingsError
-from ft_monitor.launcher import exit_codes, template_fork, torch_support
+from ft_monitor.launcher import early_check, exit_codes, template_fork, torch_support
 from ft_monitor.launcher.store_auth import SECRET_FILE_ENV, SecretError, load_job_secret
 
 log = logging.getLogger("ft_monitor.launcher")
@@ -43,6 +43,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.prog = "ft-launcher"
     parser.description = ("torchrun with a hang monitor beside every rank: hung or crashed ranks are detected, "
                           "dumped and the job restarted. Every torchrun flag keeps its meaning.")
+    add_launcher_flags(parser)
+    return parser
+
+
+def add_launcher_flags(parser: argparse.ArgumentParser) -> None:
+    """ft-launcher's own flags (the --ft-* settings and the launcher's), on torchrun's parser
+    or, for the check before torch is imported (early_check.py), on a bare one."""
     add_config_flags(parser, with_cfg_path=True, param_aliases=True)  # --ft-param-*: the reference's old spelling
     parser.add_argument("--ft-summary-json", default=None, metavar="FILE",
                         help="write what happened (hangs, restart timings, exit code) to FILE as JSON")
@@ -62,7 +69,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ft-preload", "--ft_preload", dest="ft_preload", default=None, metavar="MODULES",
                         help="with --ft-warm-restart: comma-separated modules the template imports besides torch, "
                              "or 'auto': those the first attempt's workers had loaded")
-    return parser
 
 
 @contextlib.contextmanager
@@ -104,6 +110,10 @@ def main(argv: list[str] | None = None, early: Any = None) -> int:
     if argv[:1] == ["status"] and not os.path.exists("status"):
         return status_main(argv[1:])
     logging.basicConfig(level=logging.INFO, format="[ft-launcher] %(asctime)s %(levelname)s %(message)s")
+    refused = early_check.problem(argv, os.environ)  # before torch is imported: one line within a second
+    if refused is not None:
+        print(f"ft-launcher: {refused}", file=sys.stderr)
+        return exit_codes.LAUNCHER_ERROR
     unsupported = torch_support.problem()  # before anything of torch's is used: never fail mid-run
     if unsupported is not None:
         print(f"ft-launcher: {unsupported}", file=sys.stderr)
@@ -372,6 +382,8 @@ def entrypoint() -> None:
     from here first (`template_fork`: the child never comes back into `main`)."""
     argv = sys.argv[1:]
     early = None
+    if argv[:1] != ["status"] and early_check.problem(argv, os.environ) is not None:
+        sys.exit(main(argv))  # says why, before anything imports torch
     if template_fork.requested(argv):
         with template_fork.no_blas_pool():
             parser = build_parser()  # imports torch, as the launcher does anyway

@@ -31,9 +31,9 @@ class _Log:
     a bare interpreter about 3 ms, and the client logs only when something is wrong."""
 
     def __getattr__(self, name: str) -> Any:
-        import logging
+        from ft_client import logs
 
-        return getattr(logging.getLogger("ft_client"), name)
+        return getattr(logs.logger("ft_client"), name)
 
 
 log = cast("logging.Logger", _Log())

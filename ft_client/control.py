@@ -11,14 +11,13 @@ FR_DUMP is answered by writing the trace (flight_recorder.py). Nothing here impo
 
 from __future__ import annotations
 
-import logging
 import threading
 
-from ft_client import flight_recorder, wire
+from ft_client import flight_recorder, logs, wire
 from ft_client.inprocess import events
 from ft_client.transport import Transport, TransportError, connect
 
-log = logging.getLogger("ft_client")
+log = logs.logger("ft_client")
 
 
 class ControlLink:

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import atexit
 import faulthandler
-import logging
 import math
 import os
 import sys
@@ -50,11 +49,13 @@ import threading
 import time
 from collections.abc import Mapping
 
+from ft_client import logs
+
 TIMEOUT_ENV = "FT_EXIT_TEARDOWN_TIMEOUT"
 """Seconds the exit teardown may take before the process ends with status 1; 0 or off: no teardown."""
 DEFAULT_TIMEOUT = 10.0
 
-log = logging.getLogger("ft_client.exit_teardown")
+log = logs.logger("ft_client.exit_teardown")
 
 _lock = threading.Lock()
 _installed = False

@@ -20,7 +20,6 @@ from __future__ import annotations
 import errno
 import hashlib
 import ipaddress
-import logging
 import os
 import secrets
 import stat
@@ -29,11 +28,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from ft_client import logs
 from ft_client.errors import FtError
 from ft_client.safefiles import UnsafeFileError, read_bounded
 from ft_client.signed import derive_key
 
-log = logging.getLogger("ft_client.jobkey")
+log = logs.logger("ft_client.jobkey")
 
 SECRET_ENV = "FT_JOB_SECRET"
 SECRET_FILE_ENV = "FT_JOB_SECRET_FILE"

@@ -32,7 +32,6 @@ Nothing another process wrote is unpickled: the layout is msgpack (`snapshot_for
 from __future__ import annotations
 
 import datetime
-import logging
 import mmap
 import os
 import select
@@ -43,7 +42,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ft_client import env, wire
+from ft_client import env, logs, wire
 from ft_client import snapshot_format as fmt
 from ft_client.errors import MemorySnapshotError
 from ft_client.record_open import map_sealed
@@ -52,7 +51,7 @@ from ft_client.snapshot_format import HEADER_SIZE, Header, SnapshotFormatError, 
 if TYPE_CHECKING:
     import torch
 
-log = logging.getLogger("ft_client.snapshot")
+log = logs.logger("ft_client.snapshot")
 
 CONNECT_TIMEOUT = 10.0
 """Seconds to reach the monitor and get its reply."""

@@ -26,12 +26,13 @@ and ``destroy_process_group()``. Past a store wait the worker threads are idle.
 
 from __future__ import annotations
 
-import logging
 import os
 import socket
 from typing import Any, Protocol
 
-log = logging.getLogger("ft_client.inprocess")
+from ft_client import logs
+
+log = logs.logger("ft_client.inprocess")
 
 _graveyard: list[Any] = []
 """Process groups kept alive until `bury` (after a store wait)."""

@@ -7,7 +7,6 @@ one iteration (its store, `ping()`, `atomic()`)."""
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import threading
 import time
@@ -15,12 +14,13 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
+from ft_client import logs
 from ft_client.inprocess import abort as aborting
 from ft_client.inprocess import events, timeline
 from ft_client.inprocess.errors import InProcessError, RestartInterrupt
 from ft_client.inprocess.store import FaultRecord, RestartStore
 
-log = logging.getLogger("ft_client.inprocess")
+log = logs.logger("ft_client.inprocess")
 
 
 class ClosedStore:

@@ -6,19 +6,19 @@ iteration read their settings from it."""
 
 from __future__ import annotations
 
-import logging
 import signal
 from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+from ft_client import logs
 from ft_client.inprocess import abort as aborting
 from ft_client.inprocess.errors import InProcessError
 
 if TYPE_CHECKING:
     from ft_client.inprocess.call import CallWrapper
 
-log = logging.getLogger("ft_client.inprocess")
+log = logs.logger("ft_client.inprocess")
 
 Seconds = float | timedelta
 

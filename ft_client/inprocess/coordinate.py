@@ -6,13 +6,12 @@ outside every collective), and the meeting on the way out of the Wrapper."""
 from __future__ import annotations
 
 import itertools
-import logging
 import os
 import time
 import traceback
 from dataclasses import replace
 
-from ft_client import jobkey
+from ft_client import jobkey, logs
 from ft_client.collectives import waits_for_peers
 from ft_client.inprocess import abort as aborting
 from ft_client.inprocess.call import Run
@@ -21,7 +20,7 @@ from ft_client.inprocess.errors import BarrierTimeoutError, InProcessError
 from ft_client.inprocess.store import FaultRecord, RestartStore, base_store, namespace, run_id
 from ft_client.signed import Signer
 
-log = logging.getLogger("ft_client.inprocess")
+log = logs.logger("ft_client.inprocess")
 
 HANG_SOURCES = ("monitor", "timeout")
 """Faults that are a verdict on a rank's progress (its monitor's, or its own ping timeout)."""

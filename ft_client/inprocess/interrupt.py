@@ -8,7 +8,6 @@ reports (ABORT, through `events`)."""
 from __future__ import annotations
 
 import faulthandler
-import logging
 import os
 import signal
 import sys
@@ -16,6 +15,7 @@ import threading
 import time
 from typing import Any
 
+from ft_client import logs
 from ft_client.inprocess import abort as aborting
 from ft_client.inprocess import events
 from ft_client.inprocess.call import CallWrapper, Run
@@ -23,7 +23,7 @@ from ft_client.inprocess.config import WrapperConfig
 from ft_client.inprocess.errors import RestartInterrupt
 from ft_client.inprocess.store import FaultRecord, RestartStore
 
-log = logging.getLogger("ft_client.inprocess")
+log = logs.logger("ft_client.inprocess")
 
 WATCH_CHUNK = 3600.0
 """Seconds a watcher's store wait lasts before it is renewed (each renewal logs a line in torch)."""

@@ -7,9 +7,9 @@ next iteration with its `events.Restart` record."""
 from __future__ import annotations
 
 import gc
-import logging
 import time
 
+from ft_client import logs
 from ft_client.inprocess import abort as aborting
 from ft_client.inprocess import coordinate, events, timeline
 from ft_client.inprocess.call import CallWrapper, Run
@@ -18,7 +18,7 @@ from ft_client.inprocess.errors import HealthCheckError, RestartLimitError
 from ft_client.inprocess.interrupt import handle_fault
 from ft_client.inprocess.store import FaultRecord
 
-log = logging.getLogger("ft_client.inprocess")
+log = logs.logger("ft_client.inprocess")
 
 
 def after_fault(cfg: WrapperConfig, run: Run, call: CallWrapper) -> None:

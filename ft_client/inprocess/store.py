@@ -40,7 +40,6 @@ EADDRINUSE, costing a process restart.
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import threading
@@ -50,12 +49,12 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
 
-from ft_client import env
+from ft_client import env, logs
 from ft_client.errors import FtError
 from ft_client.signed import Signer, StoreMessageError
 from ft_client.signed import rank_field as _rank_field
 
-log = logging.getLogger("ft_client.inprocess")
+log = logs.logger("ft_client.inprocess")
 
 KEY_ROOT = "ft_inprocess"
 STORE_PORT_OFFSET = 1

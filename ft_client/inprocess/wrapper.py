@@ -40,7 +40,6 @@ from __future__ import annotations
 import functools
 import gc
 import inspect
-import logging
 import os
 import signal
 import sys
@@ -49,7 +48,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from ft_client import exit_teardown
+from ft_client import exit_teardown, logs
 from ft_client.inprocess import abort as aborting
 from ft_client.inprocess import coordinate, events, interrupt, recovery
 from ft_client.inprocess.call import CallWrapper, Run
@@ -73,7 +72,7 @@ __all__ = [
     "UNSUPPORTED", "IGNORED", "Seconds",
 ]
 
-log = logging.getLogger("ft_client.inprocess")
+log = logs.logger("ft_client.inprocess")
 
 F = TypeVar("F", bound=Callable[..., Any])
 _Run = Run  # its name here before the split; tests import it from here

@@ -144,6 +144,10 @@ def main(argv: list[str] | None = None, early: Any = None) -> int:
         print(f"ft-launcher: {e}", file=sys.stderr)
         return exit_codes.LAUNCHER_ERROR
     logging.getLogger("ft_monitor").setLevel(config.log_level)
+    if config.startup_timeout is None:
+        log.info("ft-launcher: start-up is not timed (startup_timeout off): a worker that hangs before it connects "
+                 "to its monitor (imports, data setup, init_process_group before the client starts) waits for "
+                 "torch's own timeouts; --ft-startup-timeout 600 times it (docs/hang-handling.md)")
     if not _timeouts_in_order(config, args):
         return exit_codes.LAUNCHER_ERROR
     # torch >= 2.4 shares the agent's rendezvous TCPStore with the workers, with no

@@ -41,7 +41,10 @@ class _Section:
         self._client.start_section(self._name)
 
     def __exit__(self, *exc: object) -> None:
-        self._client.end_section(self._name)
+        if exc[0] is None:
+            self._client.end_section(self._name)
+        else:  # left by an exception: closed (not timed any more), but not a completed step
+            self._client._end_section_unfinished(self._name)
 
     def __call__(self, fn: F) -> F:
         @functools.wraps(fn)
@@ -249,6 +252,28 @@ class ClientProgress(ClientState):
             return None
         word = self._slots[name] = record.slot_word(slot)
         return word
+
+    def _end_section_unfinished(self, name: str) -> None:
+        """A section an exception left (``with client.section("step")`` that raised): closed as
+        by end_section, so that it is not timed any more, but a ``step`` left this way is not a
+        completed iteration: the count (in the rank, its progress record, and its monitor, which
+        counts the closes it sees on the socket and is told the count) stays where it was. Off
+        the hot path: end_section is unchanged."""
+        before = self._iteration
+        self.end_section(name)
+        if name != STEP_SECTION or self._iteration != before + 1:
+            return
+        lock = self._lock
+        lock.acquire()
+        try:
+            self._iteration = before
+            rec = self._record
+            if rec is not None:
+                rec.words[_ITERATION] = before
+            elif self._transport is not None:  # the monitor counted the close: the count it should keep
+                self._event(self._transport, wire.encode(wire.Iteration(before)))
+        finally:
+            lock.release()
 
     def section(self, name: str) -> _Section:
         """``with client.section("step"): ...`` or ``@client.section("step")``."""

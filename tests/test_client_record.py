@@ -170,3 +170,27 @@ def test_a_forked_child_does_not_inherit_the_mapping(sock: Path, daemons: list[T
     os.close(r)
     os.waitpid(pid, 0)
     c.shutdown_workload_monitoring()
+
+
+@pytest.mark.parametrize("record", [True, False], ids=["record", "socket"])
+def test_a_step_left_by_an_exception_is_closed_but_not_counted(sock: Path, daemons: list[ThreadDaemon],
+                                                               record: bool) -> None:
+    # the review's case: a step that ended in an exception was counted as completed (the summary's and the
+    # launcher's iteration one too high, a resumed run's progress judged on a step that never finished)
+    daemons.append(d := ThreadDaemon(sock, progress_record=record, **{**QUIET, "rank_section_timeouts": {"step": 600.0}}))
+    c = RankMonitorClient(str(sock))
+    c.init_workload_monitoring()
+    try:
+        with c.section("step"):
+            pass
+        with pytest.raises(ValueError), c.section("step"):
+            raise ValueError("bad batch")
+        assert c.iteration == 1 and (not record or stored(c).iteration == 1)
+        assert "step" not in c._open  # closed: no longer timed
+        with c.section("step"):
+            pass
+        assert c.iteration == 2 and (not record or stored(c).iteration == 2)
+        wait_until(lambda: d.status()["iteration_base"] + d.status()["steps_closed"] == 2, 10,
+                   "the monitor's count (policy.iteration_now): two completed steps")
+    finally:
+        c.shutdown_workload_monitoring()

@@ -194,9 +194,12 @@ class Session:
             self.out_of_section_since = now
 
     def set_iteration(self, iteration: int) -> None:
+        """An ITERATION report. The first sets where the session's count starts; one below the
+        monitor's own count re-bases it: the rank's word wins (a step left by an exception is
+        closed but not completed: the client then reports the count it kept)."""
         self.events += 1
         self.iteration = iteration
-        if self.iteration_base is None:
+        if self.iteration_base is None or iteration < self.iteration_base + self.steps_closed:
             self.iteration_base = iteration - self.steps_closed
 
     def set_timeouts(self, timeouts: Timeouts, now: float) -> None:

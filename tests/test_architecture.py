@@ -26,6 +26,7 @@ ENTRY_POINTS = {
     # the command lines and the public façade: they may import any room
     "ft_monitor", "ft_monitor.cli", "ft_monitor.config", "ft_monitor.config_text",
     "ft_monitor.rank_monitor_server", "ft_monitor.testing", "ft_monitor.launcher.main",
+    "ft_monitor.launcher.early_check",  # the launcher's flags, checked before torch: the command line's
 }
 CLIENT_VOCABULARY = {
     # what the pure core may take from ft_client: words shared by both sides, no connection

@@ -94,7 +94,7 @@ def test_smoke_run_writes_the_expected_json(tmp_path: Path, group: str) -> None:
         assert set(f) == FIGURE_KEYS, f
         assert f["met"] in (True, False, None)
     ids = {f["id"] for f in figures}
-    assert EXPECTED_IDS[group] <= ids, EXPECTED_IDS[group] - ids
+    assert EXPECTED_IDS[group] <= ids, (EXPECTED_IDS[group] - ids, proc.stderr[-3000:])  # a sweep says why
     by_id = {f["id"]: f for f in figures}
     if group == "client_cost":
         for progress in ("record", "socket"):

@@ -191,10 +191,18 @@ def test_yaml_unreadable(tmp_path: Path) -> None:
 
 
 def test_yaml_unknown_key_names_the_key(tmp_path: Path) -> None:
+    # one typo away from a field: the field; else every known one
     path = write_yaml(tmp_path, "fault_tolerance:\n  rank_heartbeet_timeout: 5\n")
     with pytest.raises(
         ConfigError,
-        match=rf"^config file {re.escape(str(path))}: unknown field 'rank_heartbeet_timeout' = 5 \(known fields: "
+        match=rf"^config file {re.escape(str(path))}: unknown field 'rank_heartbeet_timeout' = 5 \(did you mean "
+              r"'rank_heartbeat_timeout'\?\)$",
+    ):
+        load_config(path, NO_ENV)
+    path = write_yaml(tmp_path, "fault_tolerance:\n  max_retries: 5\n")
+    with pytest.raises(
+        ConfigError,
+        match=rf"^config file {re.escape(str(path))}: unknown field 'max_retries' = 5 \(known fields: "
               r"initial_rank_heartbeat_timeout, .*\)$",
     ):
         load_config(path, NO_ENV)

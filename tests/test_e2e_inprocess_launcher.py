@@ -94,6 +94,21 @@ def test_an_inprocess_hang_reported_first_by_a_waiting_rank_names_the_rank_outsi
     assert [i["rank"] for i in summary["observability"]["incidents"]] == [1]
     for rank in (0, 1):
         assert f"[rank {rank}] attempt 0 iteration 1: finished 30 steps" in out
+    # and every output as right as when the hung rank's own monitor fires first (issue 42): the summary showed
+    # "pid None", the page "the job was not restarted" and "No stack was taken", the incident no recovery
+    assert row["pid"] == pids[1] and row["reported_by"]["rank"] == 0, row
+    rows = launcher_summary(out)
+    assert ("fault", f"rank 1 (pid {pids[1]}) in attempt 0: {row['message']}") in rows, rows
+    assert any(k == "reported by" and v.startswith("rank 0's monitor, whose rank waited for it") for k, v in rows)
+    from ft_monitor.views.report_html import headline
+    from ft_monitor.views.report_input import load
+    from ft_monitor.views.report_model import build
+
+    data = load([Path(summary["observability"]["events"]).parent])
+    (incident,) = build(data.events, data.diagnoses, data.stacks).incidents
+    assert incident.restart is not None and incident.restart.mode == "inprocess" and incident.lost_s, incident
+    assert incident.waiting == (0,) and [t.rank for t in incident.waiting_stacks] == [0], incident
+    assert "the ranks restarted the training function in their own processes" in headline(build(data.events))
 
 
 @pytest.mark.parametrize("mode", ["gil", "swallow"])

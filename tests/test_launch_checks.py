@@ -95,7 +95,7 @@ def launcher(monkeypatch: pytest.MonkeyPatch, clean_logging: None) -> list[Any]:
 
 
 def _launch(*flags: str) -> list[str]:
-    return ["--standalone", "--nproc-per-node", "1", *flags, "train.py"]
+    return ["--standalone", "--nproc-per-node", "1", *flags, str(ROOT / "examples" / "train_ddp.py")]  # a script that exists: main checks it
 
 
 def test_launcher_warns_once_per_inversion_and_launches(launcher: list[Any], caplog: pytest.LogCaptureFixture) -> None:

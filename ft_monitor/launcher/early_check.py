@@ -1,9 +1,10 @@
-"""What ft-launcher can refuse before it imports torch (seconds on a busy machine): an unknown
---ft-* flag (with the nearest known one), a config that does not validate (the YAML file,
-FT_<FIELD> and the --ft-* flags, as the launch will read them), and a training script that
-does not exist. One line and exit 2, within a fraction of a second; anything this check cannot
-tell (torchrun's own flags, a ``--no-python`` command) is left to the full parse, which runs
-after torch is imported as before.
+"""ft-launcher's own flags (`add_launcher_flags`), and what it can refuse with them before it
+imports torch (seconds on a busy machine): an unknown --ft-* flag (with the nearest known one)
+and a config that does not validate (the YAML file, FT_<FIELD> and the --ft-* flags, as the
+launch will read them). One line and exit 2, within a fraction of a second; anything this check
+cannot tell (torchrun's own flags, a ``--no-python`` command) is left to the full parse, which
+runs after torch is imported as before. `missing_script` is checked last, after every other
+check of the launch (main.py).
 
 The launcher's part of the command line is what comes before the training script: the first
 argument ending in ``.py``, or the module after ``-m``/``--module``. Without either (a
@@ -19,6 +20,9 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from ft_client.errors import FtError
+from ft_monitor.config_text import add_config_flags
+
 MODULE_FLAGS = ("-m", "--module")
 _SILENT = logging.getLogger("ft_monitor.launcher.early_check")
 _SILENT.addHandler(logging.NullHandler())
@@ -26,7 +30,9 @@ _SILENT.propagate = False  # what the config's warnings say is said once, by the
 HELP_FLAGS = ("-h", "--help")
 
 
-class _Refused(Exception):
+class _Refused(FtError, ValueError):
+    """The bare parser's refusal (caught here: said in one line)."""
+
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message
@@ -37,6 +43,30 @@ class _Quiet(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         raise _Refused(message)
+
+
+def add_launcher_flags(parser: argparse.ArgumentParser) -> None:
+    """ft-launcher's own flags (the --ft-* settings and the launcher's), on torchrun's parser
+    or, for the check before torch is imported (early_check.py), on a bare one."""
+    add_config_flags(parser, with_cfg_path=True, param_aliases=True)  # --ft-param-*: the reference's old spelling
+    parser.add_argument("--ft-summary-json", default=None, metavar="FILE",
+                        help="write what happened (hangs, restart timings, exit code) to FILE as JSON")
+    parser.add_argument("--ft-job-secret-file", "--ft_job_secret_file", dest="ft_job_secret_file", default=None,
+                        metavar="FILE",
+                        help="the job's secret (same on every node, readable only by you; or set $FT_JOB_SECRET): "
+                             "signs the launchers' messages in the rendezvous store. Without it, hang attribution "
+                             "and shutdown across nodes are off")
+    parser.add_argument("--ft-warm-restart", "--ft_warm_restart", dest="ft_warm_restart", action="store_true",
+                        help="fork the workers of every restart from a worker template that has already imported "
+                             "torch and --ft-preload's modules (no interpreter start, no imports); attempt 0 and "
+                             "anything the template cannot run start as usual (docs/launcher.md, 'Warm restarts')")
+    parser.add_argument("--ft-warm-start", "--ft_warm_start", dest="ft_warm_start", action="store_true",
+                        help="with --ft-warm-restart (implied): attempt 0's workers are forked from the template too, "
+                             "once it has imported: torch and --ft-preload's modules are imported once per node "
+                             "instead of once per worker (docs/launcher.md, 'Warm restarts')")
+    parser.add_argument("--ft-preload", "--ft_preload", dest="ft_preload", default=None, metavar="MODULES",
+                        help="with --ft-warm-restart: comma-separated modules the template imports besides torch, "
+                             "or 'auto': those the first attempt's workers had loaded")
 
 
 def launcher_part(argv: Sequence[str]) -> tuple[list[str], str | None] | None:
@@ -52,16 +82,27 @@ def launcher_part(argv: Sequence[str]) -> tuple[list[str], str | None] | None:
     return None
 
 
-def problem(argv: Sequence[str], environ: Mapping[str, str], cwd: str | None = None) -> str | None:
+def missing_script(argv: Sequence[str], cwd: str | None = None) -> str | None:
+    """Why the training script cannot run, where it is a file that does not exist; else None."""
+    found = launcher_part(argv)
+    script = found[1] if found is not None else None
+    if script is None:
+        return None
+    path = Path(cwd or os.getcwd(), script)
+    if path.is_file():
+        return None
+    return f"the training script {script} does not exist (in {path.parent})"
+
+
+def problem(argv: Sequence[str], environ: Mapping[str, str]) -> str | None:
     """Why the launch will be refused, found without torch; None when nothing is (yet)."""
     from ft_monitor.config import ConfigError, cli_overrides, load_config
     from ft_monitor.core.settings import Settings, SettingsError
-    from ft_monitor.launcher.main import add_launcher_flags
 
     found = launcher_part(argv)
     if found is None:
         return None
-    ours, script = found
+    ours, _ = found
     if any(a in HELP_FLAGS for a in ours):
         return None
     parser = _Quiet(prog="ft-launcher", add_help=False)
@@ -81,8 +122,4 @@ def problem(argv: Sequence[str], environ: Mapping[str, str], cwd: str | None = N
         Settings.from_config(load_config(args.ft_cfg_path, environ, cli_overrides(args), log=_SILENT))
     except (ConfigError, SettingsError) as e:
         return str(e)
-    if script is not None:
-        path = Path(cwd or os.getcwd(), script)
-        if not path.is_file():
-            return f"the training script {script} does not exist (in {path.parent})"
     return None

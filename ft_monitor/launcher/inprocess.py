@@ -44,12 +44,15 @@ class Row:
     fault_rank: int | None = None
     """The rank at fault as the ranks' re-entry says (the first fault recorded in the
     job's store: job-wide, so it may be a rank of another node)."""
+    reported_by: dict[str, Any] | None = None
+    """The rank whose monitor reported first when that was not the rank at fault (it waited for
+    it): rank, pid, message and its hang report, kept as the incident's evidence."""
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": "inprocess", "attempt": self.attempt, "iteration": self.iteration, "rank": self.rank,
                 "pid": self.pid, "reason": self.reason, "message": self.message,
                 "detected_time": self.detected_time, "report": self.report, "phases": self.phases,
-                "ranks_back": sorted(self.ranks)}
+                "ranks_back": sorted(self.ranks), "reported_by": self.reported_by}
 
 
 @dataclass
@@ -79,8 +82,10 @@ class InprocessLedger:
         return row
 
     def on_statuses(self, restarts: Mapping[int, InprocessRestart | None], nproc: int,
-                    attempt: int) -> list[Row]:
-        """Take each local rank's last re-entry; return the rows completed by it."""
+                    attempt: int, pids: Mapping[int, int] | None = None) -> list[Row]:
+        """Take each local rank's last re-entry; return the rows completed by it. ``pids``:
+        global rank -> pid of this node's ranks (the rank at fault's, when a waiting rank's
+        monitor reported first)."""
         done = []
         for local_rank, r in restarts.items():
             if r is None:
@@ -93,11 +98,15 @@ class InprocessLedger:
                 row.fault_rank = r.fault_rank
                 if row.rank is not None and row.rank != r.fault_rank:
                     # the notice was of a rank that waited for the one at fault, which may be on
-                    # another node: the job-wide fault record names it
+                    # another node: the job-wide fault record names it; the reporter is kept
+                    row.reported_by = {"rank": row.rank, "pid": row.pid, "message": row.message,
+                                       "report": row.report}
                     row.rank, row.pid, row.report, row.detected_time, row.message = None, None, None, None, None
             if row.message is None:  # no hang notice of the rank at fault: an exception, a ping timeout, a
                 # peer's exit, or a hang on another node
                 row.rank, row.reason, row.message = r.fault_rank, r.source, r.reason
+                if row.pid is None and row.rank is not None:
+                    row.pid = (pids or {}).get(row.rank)
             if row.detected_time is None and timeline.FAULT in r.times:
                 row.detected_time = r.times[timeline.FAULT]
             if len(row.ranks) >= nproc:

@@ -54,7 +54,8 @@ class InprocessWatch:
         self._checked = now
         statuses = self.monitors.statuses()
         back = {lr: st.last_restart if st is not None else None for lr, st in statuses.items()}
-        return [row.to_json() for row in self.ledger.on_statuses(back, len(statuses), attempt)]
+        pids = {st.rank.rank: st.rank.pid for st in statuses.values() if st is not None and st.rank is not None}
+        return [row.to_json() for row in self.ledger.on_statuses(back, len(statuses), attempt, pids)]
 
 
 def log_back(row: dict[str, Any]) -> None:

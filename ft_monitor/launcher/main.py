@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ft_client.safefiles import write_json_atomic
-from ft_monitor.config import ConfigError, FaultToleranceConfig, add_config_flags, cli_overrides, load_config
+from ft_monitor.config import ConfigError, FaultToleranceConfig, cli_overrides, load_config
 from ft_monitor.core import timeout_order
 from ft_monitor.core.settings import Settings, SettingsError
 from ft_monitor.launcher import early_check, exit_codes, template_fork, torch_support
@@ -43,32 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.prog = "ft-launcher"
     parser.description = ("torchrun with a hang monitor beside every rank: hung or crashed ranks are detected, "
                           "dumped and the job restarted. Every torchrun flag keeps its meaning.")
-    add_launcher_flags(parser)
+    early_check.add_launcher_flags(parser)
     return parser
-
-
-def add_launcher_flags(parser: argparse.ArgumentParser) -> None:
-    """ft-launcher's own flags (the --ft-* settings and the launcher's), on torchrun's parser
-    or, for the check before torch is imported (early_check.py), on a bare one."""
-    add_config_flags(parser, with_cfg_path=True, param_aliases=True)  # --ft-param-*: the reference's old spelling
-    parser.add_argument("--ft-summary-json", default=None, metavar="FILE",
-                        help="write what happened (hangs, restart timings, exit code) to FILE as JSON")
-    parser.add_argument("--ft-job-secret-file", "--ft_job_secret_file", dest="ft_job_secret_file", default=None,
-                        metavar="FILE",
-                        help="the job's secret (same on every node, readable only by you; or set $FT_JOB_SECRET): "
-                             "signs the launchers' messages in the rendezvous store. Without it, hang attribution "
-                             "and shutdown across nodes are off")
-    parser.add_argument("--ft-warm-restart", "--ft_warm_restart", dest="ft_warm_restart", action="store_true",
-                        help="fork the workers of every restart from a worker template that has already imported "
-                             "torch and --ft-preload's modules (no interpreter start, no imports); attempt 0 and "
-                             "anything the template cannot run start as usual (docs/launcher.md, 'Warm restarts')")
-    parser.add_argument("--ft-warm-start", "--ft_warm_start", dest="ft_warm_start", action="store_true",
-                        help="with --ft-warm-restart (implied): attempt 0's workers are forked from the template too, "
-                             "once it has imported: torch and --ft-preload's modules are imported once per node "
-                             "instead of once per worker (docs/launcher.md, 'Warm restarts')")
-    parser.add_argument("--ft-preload", "--ft_preload", dest="ft_preload", default=None, metavar="MODULES",
-                        help="with --ft-warm-restart: comma-separated modules the template imports besides torch, "
-                             "or 'auto': those the first attempt's workers had loaded")
 
 
 @contextlib.contextmanager
@@ -149,6 +125,10 @@ def main(argv: list[str] | None = None, early: Any = None) -> int:
                  "to its monitor (imports, data setup, init_process_group before the client starts) waits for "
                  "torch's own timeouts; --ft-startup-timeout 600 times it (docs/hang-handling.md)")
     if not _timeouts_in_order(config, args):
+        return exit_codes.LAUNCHER_ERROR
+    missing = early_check.missing_script(argv)  # one line, not torch's 32 and exit 1
+    if missing is not None:
+        print(f"ft-launcher: {missing}", file=sys.stderr)
         return exit_codes.LAUNCHER_ERROR
     # torch >= 2.4 shares the agent's rendezvous TCPStore with the workers, with no
     # per-attempt key prefix: after a restart, gloo reads the previous attempt's peer

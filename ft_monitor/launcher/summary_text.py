@@ -168,6 +168,12 @@ def _inprocess_rows(row: Mapping[str, Any], evidence: Evidence) -> list[Row]:
     out.append(("restart", restart))
     if report:
         out.append(("hang report", printable(report)))
+    reporter = row.get("reported_by")
+    if isinstance(reporter, Mapping):  # a waiting rank's monitor fired first: its evidence is the incident's
+        out.append(("reported by", f"rank {reporter.get('rank')}'s monitor, whose rank waited for it: "
+                                   f"{printable(str(reporter.get('message') or ''))}"))
+        if reporter.get("report"):
+            out.append(("its report", printable(str(reporter["report"]))))
     return out
 
 

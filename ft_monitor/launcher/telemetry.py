@@ -231,17 +231,21 @@ class Telemetry:
         notice = self._inprocess_hangs.pop(key, None)
         culprit = row.get("rank")
         if notice is not None:
+            reported_by = None
             if culprit is not None and culprit != notice.get("rank"):  # the rank reported first waited for it
+                reported_by = {"rank": notice.get("rank"), "pid": notice.get("pid"), "message": notice.get("message"),
+                               "report": notice.get("report"), "stack_dump": notice.get("stack_dump")}
                 notice = {**notice, "rank": culprit, "pid": row.get("pid") or 0, "message": row.get("message") or "",
-                          "local_rank": None, "report": None, "stack_dump": None}
-            self.events.emit("hang", now, **_hang_fields(notice, "inprocess"))
+                          "local_rank": None, "report": None, "stack_dump": None, "error_file": None}
+            self.events.emit("hang", now, **_hang_fields(notice, "inprocess"),
+                             **({"reported_by": reported_by} if reported_by else {}))
         if index is not None and culprit is not None:
             self.incidents[index] = replace(self.incidents[index], rank=int(culprit))
         if index is not None and phases.get("total") is not None and row.get("detected_time") is not None:
             inc = replace(self.incidents[index], running_again=float(row["detected_time"]) + float(phases["total"]))
             self.incidents[index] = inc
             lost = inc.lost_s
-        cause = "hang" if row.get("report") else str(row.get("reason") or "fault")
+        cause = "hang" if row.get("report") or notice is not None else str(row.get("reason") or "fault")
         self.events.emit("restart", now, mode="inprocess", cause=cause, attempt=int(row.get("attempt") or 0),
                          rank=row.get("rank"), phases=phases, lost_s=lost if lost is not None else phases.get("total"),
                          redone_iterations=None)

@@ -50,6 +50,11 @@ forks from a template that is ready, or starts its workers as usual (a cold star
 slower than waiting for imports to finish)."""
 
 
+ANSWER_WAIT = 5.0
+"""Seconds a restart waits for a template that has finished its imports (its socket is there)
+to answer: on a busy machine an answer can take more than a moment."""
+
+
 class WarmStarts:
     """The template of one node and the decision to fork from it."""
 
@@ -178,6 +183,8 @@ class WarmStarts:
             return None
         if not t.alive():
             return f"the worker template (pid {t.pid}) has exited"
+        if wait <= 0 and t.socket_path.exists():  # its imports are done (it listens after them): let a busy
+            wait = ANSWER_WAIT                    # machine's template answer
         try:
             t.wait_ready(wait)
         except TemplateError as e:

@@ -169,10 +169,12 @@ def load(paths: Sequence[str | os.PathLike[str]]) -> ReportInput:
     for run in runs:
         data.files.extend(_scan(run))
     for e in merged:
-        for key in ("report", "stack_dump", "error_file", "path"):
-            if key == "path" and e["kind"] != "diagnosis":
-                continue
-            value = e.get(key)
+        reporter = reporter_of(e)
+        named = [e.get(k) for k in ("report", "stack_dump", "error_file")] + [reporter.get("report"),
+                                                                             reporter.get("stack_dump")]
+        if e["kind"] == "diagnosis":
+            named.append(e.get("path"))
+        for value in named:
             if isinstance(value, str) and value and value not in data.located:
                 where = _locate(value, runs)
                 if where is not None:
@@ -194,7 +196,20 @@ def load(paths: Sequence[str | os.PathLike[str]]) -> ReportInput:
             top = _stack_file(data.located[dump], int(e["rank"]), str(e["host"]), int(e["pid"]))
             if top is not None:
                 data.stacks[dump] = top
+        reporter = reporter_of(e)
+        dump = reporter.get("stack_dump")
+        if isinstance(dump, str) and dump in data.located and isinstance(reporter.get("rank"), int):
+            top = _stack_file(data.located[dump], int(reporter["rank"]), str(e["host"]),
+                              int(reporter["pid"]) if isinstance(reporter.get("pid"), int) else 0)
+            if top is not None:
+                data.stacks[dump] = top
     return data
+
+
+def reporter_of(e: Mapping[str, Any]) -> dict[str, Any]:
+    """A hang event's ``reported_by`` (the waiting rank whose monitor fired first), or {}."""
+    r = e.get("reported_by") if e.get("kind") == "hang" else None
+    return dict(r) if isinstance(r, dict) else {}
 
 
 def _same_job(runs: list[RunFolder]) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 
 from ft_monitor.launcher.events import RESTART_PHASES
 from ft_monitor.launcher.exit_codes import how
-from ft_monitor.views.report_input import DiagnosisDoc, StackTop
+from ft_monitor.views.report_input import DiagnosisDoc, StackTop, reporter_of
 
 Event = Mapping[str, Any]
 MAX_LANES = 128
@@ -296,6 +296,17 @@ def _incidents(events: Sequence[Event], diagnoses: Mapping[str, DiagnosisDoc], s
         if culprit_stack is None and hang_ev is not None and hang_ev.get("stack_dump"):
             culprit_stack = stacks.get(str(hang_ev["stack_dump"]))
         waiting = doc.waiting if doc is not None else ()
+        waiting_stacks = tuple(doc.stacks[r] for r in waiting if r in doc.stacks) if doc is not None else ()
+        reporter = reporter_of(hang_ev) if hang_ev is not None else {}
+        reporter_rank = _int(reporter.get("rank"))
+        if reporter_rank is not None:  # a waiting rank's monitor fired first: its evidence is this incident's
+            who = f"rank {reporter_rank}, which waited for it and reported first"
+            files += tuple((f"{label} ({who})", str(reporter[k])) for label, k in
+                           (("stack dump", "stack_dump"), ("hang report", "report")) if reporter.get(k))
+            top = stacks.get(str(reporter.get("stack_dump")))
+            if doc is None:
+                waiting = (reporter_rank,)
+                waiting_stacks = (top,) if top is not None else ()
         out.append(Incident(
             kind="hang", attempt=attempt, rank=rank, host=host, pid=pid, what=what, node=node,
             section=base.get("section") if hang_ev is not None else None,
@@ -305,8 +316,7 @@ def _incidents(events: Sequence[Event], diagnoses: Mapping[str, DiagnosisDoc], s
                 str(d_event["verdict"]) if d_event is not None else None),
             diagnosis=doc, diagnosis_path=str(d_event["path"]) if d_event is not None else None,
             restart=restart, waited_on_other_nodes=tuple(sorted({int(v["rank"]) for v in others})), files=files,
-            culprit_stack=culprit_stack, waiting=waiting,
-            waiting_stacks=tuple(doc.stacks[r] for r in waiting if r in doc.stacks) if doc is not None else ()))
+            culprit_stack=culprit_stack, waiting=waiting, waiting_stacks=waiting_stacks))
     hung = {(i.attempt, i.rank) for i in out}
     for d in diag_events:  # a roll call with no hang event: on_hang dump, the job ran on
         if (int(d["attempt"]), int(d["rank"])) in hung:

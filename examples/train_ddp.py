@@ -99,6 +99,9 @@ def main() -> None:
     p.add_argument("--wait-for", default=None, metavar="FILE",
                    help="every rank waits (up to 100 s) until FILE exists before it trains: a test puts "
                         "something in place (a forged store value) before anything can read it")
+    p.add_argument("--wait-at", type=int, default=None, metavar="STEP",
+                   help="with --wait-for: wait after STEP of attempt 0 instead, heartbeating: a test lets "
+                        "something happen beside a running job (a template finish its imports) first")
     p.add_argument("--linger-until", default=None, metavar="FILE",
                    help="after the last step every rank keeps heartbeating (up to 100 s) until FILE exists: "
                         "a test reads the live view of ranks that are still running")
@@ -166,7 +169,7 @@ def train(args: argparse.Namespace, client: RankMonitorClient, memory: dict[int,
     slow = {k: int(v) for k, v in (item.split("=", 1) for item in args.slow.split(","))} if args.slow else None
     ckpt_path = Path(args.ckpt_dir) / "ckpt.pt"
     where = f"attempt {attempt}" + (f" iteration {iteration}" if call is not None else "")
-    if args.wait_for and attempt == 0 and iteration == 0:
+    if args.wait_for and args.wait_at is None and attempt == 0 and iteration == 0:
         end = time.monotonic() + 100
         while not os.path.exists(args.wait_for):
             if time.monotonic() > end:
@@ -222,6 +225,11 @@ def train(args: argparse.Namespace, client: RankMonitorClient, memory: dict[int,
         client.send_heartbeat()
         if args.snapshot_every and (step + 1) % args.snapshot_every == 0:
             snapshot.save(step + 1, {"model": model.module, "opt": opt, "step": step + 1, "ft": client.state_dict()})
+        if args.wait_for and args.wait_at == step and attempt == 0 and iteration == 0:
+            end = time.monotonic() + 100
+            while not os.path.exists(args.wait_for) and time.monotonic() < end:
+                client.send_heartbeat()
+                time.sleep(0.05)
         if hang_now(step) and args.hang_where == "between":
             print(f"[rank {rank}] {where}: hanging after step {step}, outside every section (on purpose)", flush=True)
             write_metrics_to_stuck_filesystem(args.hang_mode)

@@ -92,6 +92,28 @@ def test_two_launchers_one_diagnosis_holds_every_ranks_stack(workdir: Path) -> N
     assert "roll call 1 from" in (a.output() + b.output())  # the other node answered through the store
 
 
+def test_two_launchers_a_heartbeat_hang_has_one_culprit_on_every_node(workdir: Path) -> None:
+    """Issue 42 item 3: with a heartbeat timeout every rank misses its deadline, and a rank
+    waiting in a collective may have stopped first: the stuck rank's own node printed "rank 1 on
+    vm hung first; rank 0 here was waiting for it" (the first-hang exchange), while the node that
+    took the roll call printed the right verdict; each node's rows named its own rank. Now the
+    nodes that answered take the roll call's verdict as theirs."""
+    a, b = two_nodes(workdir, "ft-heartbeat", "--max-restarts", "1", *FR, "--ft-rank-heartbeat-timeout", "3",
+                     train_args=("--hang", "rank=0,step=12,attempt=0", "--hang-where", "between"))
+    if "0" not in a.summary()["attempts"][0]["pids"]:
+        a, b = b, a  # a: the stuck rank's node
+    (diagnosis,) = a.summary()["diagnoses"] + b.summary()["diagnoses"]  # one roll call
+    assert diagnosis["rank"] == 0, diagnosis
+    for node in (a, b):
+        summary = node.summary()
+        assert {h["rank"] for h in summary["hangs"]} == {0}, summary["hangs"]  # one culprit, on every node
+        assert [r["rank"] for r in summary["restarts"]] == [0], summary["restarts"]
+        assert "after rank 0's hang was detected" in node.output()
+    pid = a.summary()["attempts"][0]["pids"]["0"]
+    assert f"ft-launcher: rank 0 (local rank 0, pid {pid}) hung:" in a.output()
+    assert "hung first" not in "\n".join(line for line in a.output().splitlines() if line.startswith("[ft-launcher]"))
+
+
 def test_two_launchers_a_counter_added_to_by_another_user_misses_no_node(workdir: Path) -> None:
     """Issue 24 item 4: another user's `add` of 100 to ft_launcher/roll_call_count (the counter
     the incident came from) made the other node poll the wrong incident: its ranks were missing

@@ -358,7 +358,8 @@ def test_a_culprit_on_another_node_makes_this_rank_its_victim() -> None:
     n = heartbeat_notice_of_rank0()
     d = with_diagnosis(decide(n), n, "stack", findings(3, host="node1"), WORKERS, ERROR_FILES)
     assert d.worker == WORKERS[0] and d.victim_of is not None and d.victim_of.rank == 3
-    assert d.summary["victim_of"] == 3 and d.summary["rank"] == 0
+    # the row names the culprit, as every node's row of the incident does; this rank waited for it
+    assert d.summary["victim_of"] == 3 and d.summary["rank"] == 3 and d.summary["waiting"]["rank"] == 0
     (line,) = d.logs
     assert line.text().startswith("ft-launcher: rank 3 on node1 hung first") and "rank 0 here" in line.text()
     assert d.error_data["message"]["message"].startswith("RankHang: rank 3 on node1 hung first")

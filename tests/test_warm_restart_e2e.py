@@ -13,7 +13,7 @@ import pytest
 from ft_monitor.launcher import exit_codes
 from tests import zygote
 from tests.launchers import Launcher, launcher_argv
-from tests.procs import ROOT, launcher_summary
+from tests.procs import ROOT, launcher_summary, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -65,9 +65,16 @@ def test_an_entry_point_the_template_cannot_run_starts_as_usual_with_one_line(wo
 
 
 def test_preload_auto_imports_what_the_workers_loaded(workdir: Path) -> None:
+    # the ranks train once the template made again is ready: a restart before that forks from the first
+    # one, not waiting for imports (test_warm.py), and this test is about what the new one imports
+    go = workdir / "go"
     la = Launcher(workdir, "--max-restarts", "1", "--ft-warm-restart", "--ft-preload", "auto",
-                  train_args=("--die", "rank=1,step=8,attempt=0"), warm=False)
+                  train_args=("--die", "rank=1,step=8,attempt=0", "--wait-for", str(go), "--wait-at", "5"),
+                  warm=False)
     try:
+        wait_until(lambda: "modules (pid" in la.output() and "is ready; restarts fork from it" in la.output(), 90,
+                   "the template made again with the workers' modules")
+        go.touch()
         assert la.wait() == exit_codes.SUCCESS, la.output()
     finally:
         la.kill()

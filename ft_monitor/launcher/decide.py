@@ -214,6 +214,8 @@ def decide_hang(notice: HangNotice, worker: WorkerRef, mine: HangRecord, *, now:
         logs = (_waited_line(victim_of, worker),)
     summary = {**notice.to_wire(), "error_file": error_file, "local_rank": worker.local_rank, "attempt": attempt,
                "victim_of": None if victim_of is None else victim_of.rank}
+    if victim_of is not None:
+        summary = victim_row(summary, victim_of.rank, worker)
     return HangDecision(
         worker=worker, root_cause=first, victim_of=victim_of, error_file=error_file,
         error_data=hang_error_data(notice, stack, victim_of), exitcode=HANG_EXIT_CODE, summary=summary,
@@ -221,6 +223,15 @@ def decide_hang(notice: HangNotice, worker: WorkerRef, mine: HangRecord, *, now:
         attempt=decide_attempt_end(high, progress, policy, remaining_restarts),
         ignored_records=ignored, logs=logs,
     )
+
+
+def victim_row(summary: dict[str, Any], culprit: int, worker: WorkerRef) -> dict[str, Any]:
+    """The summary's row of a hang whose culprit is on another node: it names the culprit
+    (``rank``, ``victim_of``), as every node's row of the incident does; this node's rank that
+    waited for it is ``waiting`` (its rank, local rank and pid; the row's stack dump, report
+    and error file are its)."""
+    waiting = {"rank": summary.get("rank", worker.global_rank), "local_rank": worker.local_rank, "pid": worker.pid}
+    return {**summary, "rank": culprit, "local_rank": None, "pid": None, "victim_of": culprit, "waiting": waiting}
 
 
 def _waited_line(first: HangRecord, worker: WorkerRef) -> LogLine:
@@ -275,7 +286,7 @@ def with_diagnosis(decision: HangDecision, notice: HangNotice, stack: str | None
     if local is None:  # behind, on another node: this rank waited for it
         first = HangRecord(culprit, notice.onset_time, found.verdict, found.host or "another node")
         return replace(decision, victim_of=first, root_cause=first, logs=(_waited_line(first, decision.worker),),
-                       summary={**base, "victim_of": culprit},
+                       summary=victim_row({**base, "victim_of": culprit}, culprit, decision.worker),
                        error_data=hang_error_data(notice, stack, first, diagnosis=found.path, verdict=found.verdict))
     message = f"{found.verdict} ({reported})"
     error_file = (error_files or {}).get(local.local_rank, decision.error_file)

@@ -11,6 +11,7 @@ import logging
 import socket
 import tempfile
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,7 +40,7 @@ from ft_monitor.launcher.rollcall import Rank, RollCaller, diagnosis_path, write
 from ft_monitor.launcher.rootcause import read_stack, write_error_file
 from ft_monitor.launcher.runtime import FtRuntime
 from ft_monitor.launcher.stop_signal import reraise_stop
-from ft_monitor.launcher.store_auth import StoreChannel
+from ft_monitor.launcher.store_auth import RollCallVerdict, StoreChannel
 
 log = logging.getLogger("ft_monitor.launcher")
 
@@ -77,13 +78,18 @@ class HangHandling:
         channel = self.nodes.channel(wg)
         peer_values = self.nodes.exchange_hang_records(wg, channel, triage.record)
         worker = triage.worker
+        record = triage.record
         stack = read_stack(notice.stack_dump) if notice.stack_dump_captured else None
-        decision = decide_hang(
-            notice, worker, triage.record, now=now, peer_values=peer_values, channel=channel, stack=stack,
-            error_file=self._error_file_of(worker.local_rank, worker.pid), attempt=self._attempt(),
-            high=iteration_high(self.ft.monitors.statuses()), progress=self.ft.tracker.state,
-            policy=self.ft.tracker.policy, remaining_restarts=self._remaining_restarts)
-        return self._carry_out(self._diagnose(wg, channel, notice, decision, stack))
+        high = iteration_high(self.ft.monitors.statuses())
+
+        def decide(peers: Mapping[str, bytes]) -> HangDecision:
+            return decide_hang(
+                notice, worker, record, now=now, peer_values=peers, channel=channel, stack=stack,
+                error_file=self._error_file_of(worker.local_rank, worker.pid), attempt=self._attempt(),
+                high=high, progress=self.ft.tracker.state, policy=self.ft.tracker.policy,
+                remaining_restarts=self._remaining_restarts)
+
+        return self._carry_out(self._diagnose(wg, channel, notice, decide(peer_values), stack, lambda: decide({})))
 
     # -- the roll call (rollcall.py) -------------------------------------------
     def _workers(self, wg: WorkerGroup) -> list[WorkerRef]:
@@ -93,24 +99,43 @@ class HangHandling:
         return [Rank(w.global_rank, w.local_rank, w.id) for w in wg.workers if w.id is not None]
 
     def _diagnose(self, wg: WorkerGroup, channel: StoreChannel | None, notice: HangNotice,
-                  decision: HangDecision, stack: str | None) -> HangDecision:
+                  decision: HangDecision, stack: str | None,
+                  alone: Callable[[], HangDecision] | None = None) -> HangDecision:
         """Before the group is stopped: the roll call, when this node owns the verdict; else
-        this node's answer to the owner's (its ranks are about to be stopped). Bounded by
-        roll_call_timeout; a failure never stops the kill."""
+        this node's answer to the owner's (its ranks are about to be stopped), and then the
+        owner's verdict, which this node takes as its own (``alone``: this node's decision
+        without the other nodes' hang records, which the verdict then corrects): one incident,
+        one culprit, on every node. Bounded by roll_call_timeout; a failure never stops the kill."""
         try:
             if decision.victim_of is not None:
-                if self.rollcall.answered_recently():
-                    return decision
-                self.rollcall.answer_pending(self._ranks(wg), store=wg.store, channel=channel,
-                                             group_rank=wg.group_rank or 0, group_world_size=wg.group_world_size or 1,
-                                             wait=self.ft.config.roll_call_timeout + ATTRIBUTION_WINDOW)
-                return decision
+                if not self.rollcall.answered_recently():
+                    self.rollcall.answer_pending(
+                        self._ranks(wg), store=wg.store, channel=channel, group_rank=wg.group_rank or 0,
+                        group_world_size=wg.group_world_size or 1,
+                        wait=self.ft.config.roll_call_timeout + ATTRIBUTION_WINDOW)
+                return self._owners_verdict(wg, channel, notice, decision, stack, alone)
             found = self._roll_call(wg, channel, notice, decision.worker.local_rank)
         except Exception as e:  # noqa: BLE001 - diagnosis is best effort; the group is stopped regardless
             reraise_stop(e)
             log.exception("ft-launcher: the roll call failed; stopping the group without a diagnosis")
             return decision
         return with_diagnosis(decision, notice, stack, found, self._workers(wg), self._error_files())
+
+    def _owners_verdict(self, wg: WorkerGroup, channel: StoreChannel | None, notice: HangNotice,
+                        decision: HangDecision, stack: str | None,
+                        alone: Callable[[], HangDecision] | None) -> HangDecision:
+        """The verdict of the roll call this node answered, as this node's decision: the first
+        hang by onset is only a guess (with a heartbeat timeout every rank misses its deadline,
+        and the one waiting in a collective may have stopped first)."""
+        verdict = self.rollcall.verdict_answered(wg.store, channel, self.ft.config.roll_call_timeout + 2.0)
+        if verdict is None or verdict.culprit is None or alone is None:
+            return decision
+        mine = self.rollcall.last_evidence.get(verdict.culprit)
+        found = RollCallFindings(f"{verdict.diagnosis} (on {verdict.host})", verdict.line, verdict.culprit,
+                                 verdict.host, verdict.pid, mine.stack if mine is not None else None,
+                                 mine.files.get("stack_dump") if mine is not None else None)
+        log.warning("ft-launcher: the roll call's verdict, from the node that took it: %s", printable(verdict.line))
+        return with_diagnosis(alone(), notice, stack, found, self._workers(wg), self._error_files())
 
     def _roll_call(self, wg: WorkerGroup, channel: StoreChannel | None, notice: HangNotice,
                    local_rank: int) -> RollCallFindings:
@@ -131,6 +156,9 @@ class HangHandling:
                     path, rc.incident, rc.duration_s, answered, len(diagnosis.evidence) + len(diagnosis.missing_ranks),
                     "on" if rc.flight_recorder else "off")
         found = RollCallFindings.of(diagnosis, str(path))
+        if multi:  # the nodes that answered take this verdict as theirs (`_owners_verdict`)
+            self.rollcall.publish_verdict(wg.store, channel, wg.group_rank or 0, RollCallVerdict(
+                rc.incident, found.culprit, found.host or socket.gethostname(), found.pid, v.line, str(path)))
         culprit = found.culprit is not None
         row = {"attempt": self._attempt(), "rank": found.culprit if culprit else notice.rank,
                "reported_by": notice.rank, "pid": found.pid if culprit and found.pid else notice.pid,
@@ -197,8 +225,8 @@ class HangHandling:
                                  error_file=decision.error_file)
         self.ft.hangs.append(decision.summary)
         self._pending_error = (decision.error_file, decision.error_data)
-        self.ft.restarts.append(RestartTiming(worker.global_rank, decision.detected, decision.received,
-                                              attempt=self._attempt()))
+        self.ft.restarts.append(RestartTiming(decision.root_cause.rank, decision.detected, decision.received,
+                                              attempt=self._attempt()))  # the culprit, on whichever node
         self._end_attempt(decision.attempt)
         return RunResult(state=WorkerState.FAILED, failures={worker.global_rank: failure})
 

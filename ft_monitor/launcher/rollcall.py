@@ -53,6 +53,7 @@ from ft_monitor.launcher.diagnosis import (
 )
 from ft_monitor.launcher.rollcall_wire import (
     SCAN_INTERVAL,
+    VERDICT_KEY,
     answer_key,
     answers_board,
     encode_answer,
@@ -63,7 +64,7 @@ from ft_monitor.launcher.rollcall_wire import (
 )
 from ft_monitor.launcher.sealed import Sealer
 from ft_monitor.launcher.stop_signal import reraise_stop
-from ft_monitor.launcher.store_auth import RollCallRequest, StoreChannel, StoreMessageError
+from ft_monitor.launcher.store_auth import RollCallRequest, RollCallVerdict, StoreChannel, StoreMessageError
 from ft_monitor.launcher.store_board import Board, existing, read_all
 from ft_monitor.processes import procinfo
 
@@ -191,7 +192,11 @@ class RollCaller:
     """Wall clock of the last roll call this node started or answered (on_hang: dump groups
     later notices with it, and ignores the other nodes' hang records from before it)."""
     written: list[str] = field(default_factory=list)
-    """The answers this node stored in this round (their keys: deleted when the round ends)."""
+    """The answers and verdicts this node stored in this round (their keys: deleted when the round ends)."""
+    last_answer: tuple[int, int] | None = None
+    """(asking node, incident) of the roll call this node last answered (this round)."""
+    last_evidence: dict[int, RankEvidence] = field(default_factory=dict)
+    """Global rank -> what this node's ranks gave for the roll call it last answered."""
     _polled: float = field(default=-1e18)
     _scanned: float = field(default=-1e18)
     _requests: Board | None = None
@@ -322,10 +327,51 @@ class RollCaller:
         self.answered = {}
         self.answered_at = None
         self.incidents = 0
+        self.last_answer = None
+        self.last_evidence = {}
         self._seen = {}
         self._requests = None
         self._scanned = -1e18
         self.written = []
+
+    def publish_verdict(self, store: Any, channel: StoreChannel | None, group_rank: int,
+                        verdict: RollCallVerdict) -> None:
+        """The verdict of this node's roll call, for the nodes that answered it: every node then
+        names the same culprit (hangs.py)."""
+        if store is None or channel is None:
+            return
+        key = VERDICT_KEY.format(group_rank, verdict.incident)
+        try:
+            store.set(key, channel.encode(key, verdict, {"round": self.round}))
+            self.written.append(key)
+        except Exception as e:  # noqa: BLE001 - the other nodes then keep their own decision
+            reraise_stop(e)
+            log.warning("ft-launcher: could not tell the other nodes the roll call's verdict: %s", e)
+
+    def verdict_answered(self, store: Any, channel: StoreChannel | None, wait: float) -> RollCallVerdict | None:
+        """The verdict of the roll call this node last answered, waiting up to ``wait`` s for the
+        asking node to publish it; None when there is none in time, or it does not check out."""
+        if store is None or channel is None or self.last_answer is None:
+            return None
+        asker, incident = self.last_answer
+        key = VERDICT_KEY.format(asker, incident)
+        end = self.clock() + wait
+        try:
+            while not store.check([key]):
+                if self.clock() >= end:
+                    return None
+                time.sleep(POLL_INTERVAL)
+            raw = store.get(key)
+        except Exception as e:  # noqa: BLE001 - the store host may be gone
+            reraise_stop(e)
+            return None
+        try:
+            verdict = channel.decode(key, raw, RollCallVerdict, {"round": self.round})
+        except StoreMessageError as e:
+            log.warning("ft-launcher: ignored a roll call verdict in the rendezvous store at %s: %s", key,
+                        printable(str(e)))
+            return None
+        return verdict if verdict.incident == incident else None
 
     def answer_pending(self, ranks: list[Rank], *, store: Any, channel: StoreChannel | None, group_rank: int,
                        group_world_size: int, wait: float = 0.0) -> bool:
@@ -389,12 +435,14 @@ class RollCaller:
                 group_rank: int, group_world_size: int) -> None:
         assert self.sealer is not None
         self.answered[request.group_rank] = request.incident
+        self.last_answer = (request.group_rank, request.incident)
         self.answered_at = self.clock()
         self.last_started = time.time()
         budget = max(0.2, request.budget_s - 2 * POLL_INTERVAL - MARGIN)
         log.warning("ft-launcher: roll call %d from %s (rank %d hung): dumping this node's %d rank(s)",
                     request.incident, printable(request.host), request.hung_rank, len(ranks))
         evidence = self.local(ranks, request.incident, budget)
+        self.last_evidence = {e.rank: e for e in evidence}
         try:
             key, value = encode_answer(channel, self.sealer, request, self.host, group_rank, evidence)
             self.written.append(key)

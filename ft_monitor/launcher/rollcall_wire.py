@@ -50,6 +50,8 @@ BELL_KEY = "ft_launcher/roll_call/bell"
 ASKERS_KEY = "ft_launcher/roll_call/askers"
 ANSWERED_KEY = "ft_launcher/roll_call/answered/{}/{}"
 ANSWERED_COUNT_KEY = "ft_launcher/roll_call/answered_count/{}/{}"
+VERDICT_KEY = "ft_launcher/roll_call/verdict/{}/{}"
+"""The asking node's verdict of its incident, for the nodes that answered (asker, incident)."""
 SCAN_INTERVAL = 1.0
 """Seconds between full reads of the other nodes' request keys, whatever the bell says."""
 MAX_EVIDENCE_BYTES = 8 * 1024 * 1024

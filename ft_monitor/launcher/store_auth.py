@@ -34,9 +34,10 @@ from ft_client.jobkey import (
 from ft_client.signed import FORMAT_VERSION, MAX_MESSAGE_BYTES, Signer, StoreMessageError
 from ft_client.signed import rank_field as _rank
 
-__all__ = ["CrashRecord", "FORMAT_VERSION", "MAX_MESSAGE_BYTES", "MAX_SECRET_BYTES", "MIN_SECRET_BYTES", "SECRET_ENV",
-           "SECRET_FILE_ENV", "HangRecord", "Message", "RollCallAnswer", "RollCallRequest", "SecretError",
-           "ShutdownRequest", "StepTimes", "StoreChannel", "StoreMessageError", "load_job_secret"]
+__all__ = ["CrashRecord", "FORMAT_VERSION", "MAX_MESSAGE_BYTES", "MAX_SECRET_BYTES", "MIN_SECRET_BYTES",
+           "SECRET_ENV", "SECRET_FILE_ENV", "HangRecord", "Message", "RollCallAnswer", "RollCallRequest",
+           "RollCallVerdict", "SecretError", "ShutdownRequest", "StepTimes", "StoreChannel", "StoreMessageError",
+           "load_job_secret"]
 
 MAX_TEXT = 4096
 
@@ -86,6 +87,37 @@ class HangRecord:
         if isinstance(onset, bool) or not isinstance(onset, (int, float)) or not math.isfinite(onset) or onset < 0:
             raise StoreMessageError("field onset_time must be a finite number of seconds >= 0")
         return cls(_rank(body, "rank"), float(onset), _text(body, "message"), _text(body, "host"))  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, slots=True)
+class RollCallVerdict:
+    """The verdict of a roll call, published by the node that took it for the nodes that
+    answered (rollcall.py): one incident, one culprit, on every node. Stored at
+    ``ft_launcher/roll_call/verdict/<asker>/<incident>``, signed bound to the round."""
+
+    incident: int
+    culprit: int | None
+    """The rank the evidence puts behind the others; None when the verdict rests on the
+    monitor's word alone (then each node keeps its own decision)."""
+    host: str
+    """The culprit's host (the asker's when unknown)."""
+    pid: int | None
+    line: str
+    """The verdict line."""
+    diagnosis: str
+    """Where the asking node wrote diagnosis.json (on its host)."""
+
+    KIND = "roll_call_verdict"
+
+    def body(self) -> dict[str, Any]:
+        return {"incident": self.incident, "culprit": self.culprit, "host": self.host, "pid": self.pid,
+                "line": self.line, "diagnosis": self.diagnosis}
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> RollCallVerdict:
+        return cls(_rank(body, "incident"), _rank(body, "culprit", optional=True),  # type: ignore[arg-type]
+                   _text(body, "host"), _rank(body, "pid", optional=True), _text(body, "line"),
+                   _text(body, "diagnosis"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,7 +243,7 @@ class RollCallAnswer:
                    sealed, _rank(body, "round"), _rank(body, "asker"))  # type: ignore[arg-type]
 
 
-Message = ShutdownRequest | HangRecord | StepTimes | RollCallRequest | RollCallAnswer | CrashRecord
+Message = ShutdownRequest | HangRecord | StepTimes | RollCallRequest | RollCallAnswer | CrashRecord | RollCallVerdict
 
 
 class StoreChannel:
@@ -246,11 +278,15 @@ class StoreChannel:
                bind: Mapping[str, Any] | None = None) -> CrashRecord: ...
 
     @overload
+    def decode(self, key: str, raw: bytes, kind: type[RollCallVerdict],
+               bind: Mapping[str, Any] | None = None) -> RollCallVerdict: ...
+
+    @overload
     def decode(self, key: str, raw: bytes, kind: type[ShutdownRequest] | type[HangRecord],
                bind: Mapping[str, Any] | None = None) -> ShutdownRequest | HangRecord: ...
 
     def decode(self, key: str, raw: bytes, kind: type[ShutdownRequest] | type[HangRecord] | type[StepTimes]
-               | type[RollCallRequest] | type[RollCallAnswer] | type[CrashRecord],
+               | type[RollCallRequest] | type[RollCallAnswer] | type[CrashRecord] | type[RollCallVerdict],
                bind: Mapping[str, Any] | None = None) -> Message:
         """The message stored at ``key``; raises StoreMessageError (and nothing else, whatever
         ``raw`` holds) unless it is authentic, of the expected kind, written for this key, run

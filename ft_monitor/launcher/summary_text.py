@@ -94,7 +94,9 @@ def _pids(attempts: Iterable[Mapping[str, Any]]) -> str:
 
 
 def _hang_rows(hang: Mapping[str, Any], restart: Mapping[str, Any] | None, evidence: Evidence) -> list[Row]:
-    who = f"rank {hang['rank']} (local rank {hang.get('local_rank')}, pid {hang.get('pid')})"
+    waiting = hang.get("waiting")
+    here: Mapping[str, Any] = waiting if isinstance(waiting, Mapping) else hang  # a culprit elsewhere: ours waited
+    who = f"rank {here.get('rank')} (local rank {here.get('local_rank')}, pid {here.get('pid')})"
     out: list[Row] = []
     if hang.get("victim_of") is not None:
         out.append(("hung rank", f"rank {hang['victim_of']} (another node) in attempt {hang.get('attempt')}; {who} "

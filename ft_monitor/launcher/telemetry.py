@@ -550,6 +550,11 @@ def _recent_median(h: SectionHistogram | None) -> float | None:
 
 
 def _hang_fields(s: Mapping[str, Any], action: str) -> dict[str, Any]:
+    """A ``hang`` event's fields from a summary row: a row whose culprit is on another node is
+    the event of this node's rank that waited for it (``waiting``), with ``victim_of``."""
+    waiting = s.get("waiting")
+    if isinstance(waiting, Mapping):
+        s = {**s, **waiting}
     return {"attempt": int(s.get("attempt") or 0), "rank": int(s["rank"]), "local_rank": s.get("local_rank"),
             "pid": int(s.get("pid") or 0), "reason": str(s.get("reason") or "unknown"), "section": s.get("section"),
             "message": str(s.get("message") or ""), "elapsed_s": float(s.get("elapsed_s") or 0.0),

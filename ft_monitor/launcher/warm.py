@@ -157,6 +157,8 @@ class WarmStarts:
             return
         old, self.template, self._pending = self.template, new, None
         self._mark_ready(new)
+        log.info("ft-launcher: warm restart: the template made again with the workers' modules (pid %d) is ready; "
+                 "restarts fork from it", new.pid)
         if old is not None:
             old.terminate()
             self._retired.append(old)

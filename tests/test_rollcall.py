@@ -112,6 +112,36 @@ def test_the_owner_gets_the_other_nodes_ranks_through_the_store(extended: bool) 
     assert store.data.keys() <= {BELL_KEY, ASKERS_KEY}  # the answers and the request left with the roll call
 
 
+def test_the_nodes_that_answered_take_the_owners_verdict_of_that_roll_call_only() -> None:
+    # issue 42 item 3: the node that did not take the roll call kept its first-hang guess
+    from ft_monitor.launcher.rollcall_wire import VERDICT_KEY
+    from ft_monitor.launcher.store_auth import RollCallVerdict
+
+    store = FakeStore()
+    a = Node("a", [RankEvidence(1, "a", ANSWERED, stack=STACK_SLEEPING)])
+    b = Node("b", [RankEvidence(2, "b", ANSWERED, stack=STACK_IN_ALL_REDUCE)])
+    assert b.verdict_answered(store, CHANNEL, 0.0) is None  # answered nothing: no verdict to wait for
+    helper = threading.Thread(target=lambda: b.answer_pending([], store=store, channel=CHANNEL, group_rank=1,
+                                                              group_world_size=2, wait=5.0))
+    helper.start()
+    a.run(HUNG, [], store=store, channel=CHANNEL, group_rank=0, group_world_size=2, world_size=4, attempt=0)
+    helper.join(10)
+    assert b.last_answer == (0, 1) and set(b.last_evidence) == {2}
+    assert b.verdict_answered(store, CHANNEL, 0.3) is None  # not published yet: waited for, bounded
+    verdict = RollCallVerdict(1, 1, "a", 4242, "rank 1 is not in a collective", "/logs/attempt_0/diagnosis.json")
+    a.publish_verdict(store, CHANNEL, 0, verdict)
+    assert b.verdict_answered(store, CHANNEL, 1.0) == verdict
+    assert VERDICT_KEY.format(0, 1) in a.written  # deleted with the round's keys
+    # copied into the next round, or under another incident's key: refused
+    b.new_round(b.round + 1)
+    b.last_answer = (0, 1)
+    assert b.verdict_answered(store, CHANNEL, 0.0) is None
+    store.data[VERDICT_KEY.format(0, 2)] = store.data[VERDICT_KEY.format(0, 1)]
+    b.new_round(b.round - 1)
+    b.last_answer = (0, 2)
+    assert b.verdict_answered(store, CHANNEL, 0.0) is None
+
+
 def test_a_node_that_never_answers_costs_the_bound_and_no_more() -> None:
     a = Node("a", [RankEvidence(1, "a", ANSWERED, stack=STACK_SLEEPING)], timeout=0.3)
     t0 = time.monotonic()

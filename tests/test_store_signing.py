@@ -35,6 +35,7 @@ from ft_monitor.launcher.store_auth import (
     HangRecord,
     RollCallAnswer,
     RollCallRequest,
+    RollCallVerdict,
     ShutdownRequest,
     StepTimes,
     StoreChannel,
@@ -42,7 +43,8 @@ from ft_monitor.launcher.store_auth import (
 from tests.test_launcher_decide import KEY, NOW, WORKERS, decide, notice, signed
 
 SECRET = b"s" * 32
-LAUNCHER_KINDS = (ShutdownRequest, HangRecord, StepTimes, RollCallRequest, RollCallAnswer, CrashRecord)
+LAUNCHER_KINDS = (ShutdownRequest, HangRecord, StepTimes, RollCallRequest, RollCallAnswer, CrashRecord,
+                  RollCallVerdict)
 NON_ASCII_MAC = json.dumps({"mac": "\u00e9"}).encode()
 DEEP = b"[" * (16 * 1024)
 """The review's two values: TypeError from hmac.compare_digest(str, str), RecursionError in json.loads."""

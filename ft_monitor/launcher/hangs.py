@@ -127,6 +127,8 @@ class HangHandling:
         """The verdict of the roll call this node answered, as this node's decision: the first
         hang by onset is only a guess (with a heartbeat timeout every rank misses its deadline,
         and the one waiting in a collective may have stopped first)."""
+        if not self.rollcall.answered_recently():  # no roll call of this incident answered: nothing to wait for
+            return decision
         verdict = self.rollcall.verdict_answered(wg.store, channel, self.ft.config.roll_call_timeout + 2.0)
         if verdict is None or verdict.culprit is None or alone is None:
             return decision

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from ft_monitor.launcher.warm import WarmStarts
-from tests.procs import cleanup_dir, short_tmpdir
+from tests.procs import cleanup_dir, short_tmpdir, wait_until
 
 
 @pytest.fixture
@@ -78,5 +78,19 @@ def test_a_restart_never_waits_for_a_template_still_importing(d: Path, caplog: p
         with caplog.at_level("WARNING", logger="ft_monitor.launcher"):
             assert w._ready_now(0.0) is None and w.template is first  # the restart forks from the ready one
         assert f"is still importing; this restart forks from the ready one (pid {first.pid}, json)" in caplog.text
+        # and its imports do not take the CPU from the restart's workers: paused until every rank steps again
+        pending = w._pending
+        with w.forking(2):  # a signal is delivered a moment after kill() returns: waited for
+            wait_until(lambda: _state(pending.pid) == "T", 10, "the importing template stopped")
+            assert _state(first.pid) != "T"
+        w.poll()  # not before the ranks step again (or PAUSE_LIMIT)
+        assert _state(pending.pid) == "T"
+        w.resume(force=True)
+        wait_until(lambda: _state(pending.pid) != "T", 10, "the importing template going on")
     finally:
         w.close()
+
+
+def _state(pid: int) -> str:
+    """The process's state letter in /proc (T: stopped)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]

@@ -367,3 +367,5 @@ class FtLocalElasticAgent(HangHandling, _lea.LocalElasticAgent):
             return
         if all_stepping(timing, self.ft.monitors.statuses()):
             self._pending_first_step = None
+            if self.ft.warm is not None:
+                self.ft.warm.resume(force=True)  # a template paused for the restart imports on

@@ -295,14 +295,22 @@ class Template:
         except (OSError, subprocess.TimeoutExpired):
             pass
 
+    def pause(self, paused: bool) -> None:
+        """Stop (SIGSTOP) or continue (SIGCONT) a template that is importing, so that its imports
+        do not take the CPU from the workers of a restart while they start."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGSTOP if paused else signal.SIGCONT)
+
     def terminate(self) -> None:
         """Ask the template to stop (SIGTERM) without waiting; `close` reaps it."""
         if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)  # a paused one takes the SIGTERM only once continued
             self.proc.terminate()
 
     def close(self) -> None:
         """Stop the template: SIGTERM, then SIGKILL after a grace period; reaped."""
         if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
             self.proc.terminate()
             try:
                 self.proc.wait(STOP_GRACE)

@@ -50,6 +50,8 @@ forks from a template that is ready, or starts its workers as usual (a cold star
 slower than waiting for imports to finish)."""
 
 
+PAUSE_LIMIT = 60.0
+"""Seconds at most a template that is importing stays paused for a restart (`resume`)."""
 ANSWER_WAIT = 5.0
 """Seconds a restart waits for a template that has finished its imports (its socket is there)
 to answer: on a busy machine an answer can take more than a moment."""
@@ -75,6 +77,9 @@ class WarmStarts:
         self._pending: Any = None
         """With ``auto``: the template made again with the workers' modules, until it answers."""
         self._retired: list[Any] = []
+        self._paused: list[Any] = []
+        """Templates stopped while a restart's workers start (`_pause_importing`)."""
+        self._paused_at = 0.0
         self._ready = False
         self._auto_done = not auto
         self.fallbacks: list[str] = []
@@ -115,8 +120,11 @@ class WarmStarts:
     def poll(self) -> None:
         """From the agent's monitor loop: with ``auto``, once the first worker has written its
         modules, make the template again with them; the old one serves until the new one
-        answers (`_adopt`)."""
-        self._adopt(0.0)
+        answers (`_adopt`). A template paused for a restart past `PAUSE_LIMIT` goes on."""
+        self.resume()
+        self._paused = [t for t in self._paused if t.alive()]
+        if self._pending not in self._paused:  # a paused one cannot answer: adopted once it goes on
+            self._adopt(0.0)
         if self._auto_done:
             return
         found: set[str] = set()
@@ -196,7 +204,32 @@ class WarmStarts:
         self._mark_ready(t)
         return None
 
+    def _pause_importing(self) -> None:
+        """A restart's workers start now: a template still importing (made again with the
+        workers' modules, or the first one when this restart starts cold) is stopped until every
+        rank steps again (`resume`), so that its imports never take the CPU the workers need
+        (with a 5 s import beside them a warm restart was slower than a cold one)."""
+        importing = [t for t in (self._pending, None if self._ready else self.template)
+                     if t is not None and t.alive() and t not in self._paused]
+        for t in importing:
+            t.pause(True)
+            self._paused.append(t)
+            log.info("ft-launcher: warm restart: the template still importing (pid %d) is paused until every rank "
+                     "steps again", t.pid)
+        if importing:
+            self._paused_at = time.monotonic()
+
+    def resume(self, force: bool = False) -> None:
+        """Every rank steps again (the agent), or a paused template waited `PAUSE_LIMIT`: the
+        templates paused for the restart import on."""
+        if not self._paused or (not force and time.monotonic() - self._paused_at < PAUSE_LIMIT):
+            return
+        for t in self._paused:
+            t.pause(False)
+        self._paused = []
+
     def close(self) -> None:
+        self._paused = []
         for t in (self.template, self._pending, *self._retired):
             if t is not None:
                 t.close()
@@ -219,6 +252,8 @@ class WarmStarts:
             yield pids
             return
         why = self._ready_now(READY_WAIT if attempt == 0 else 0.0)
+        if attempt > 0:
+            self._pause_importing()
         if why is not None:
             self._say(why)
             yield pids

@@ -41,6 +41,8 @@ def test_a_hang_restarts_in_the_same_processes_and_training_goes_on_from_the_res
     finally:
         hung.kill()
         clean.kill()
+    # a clean run ends with its summary too, as every run does (issue 42: it printed none)
+    assert ("exit code", "0") in launcher_summary(clean.output()), clean.output()
     out, summary = hung.output(), hung.summary()
     # the same processes: one attempt, no process restart used, no hang handled by killing
     (pids,) = _attempt_pids(summary)

@@ -123,6 +123,18 @@ def test_launcher_says_nothing_about_a_correct_set(launcher: list[Any], caplog: 
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
 
 
+def test_the_launcher_says_at_launch_when_start_up_is_not_timed(launcher: list[Any],
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    # issue 42: a start-up hang was never timed by default and nothing said so
+    with caplog.at_level(logging.INFO):
+        assert launcher_main.main(_launch()) == 0
+    assert "start-up is not timed (startup_timeout off)" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        assert launcher_main.main(_launch("--ft-startup-timeout", "600")) == 0
+    assert "start-up is not timed" not in caplog.text
+
+
 @pytest.mark.parametrize("check, rc, lines", [("warn", 0, 1), ("strict", 2, 1), ("off", 0, 0)])
 def test_serve_checks_what_it_knows_without_torch(check: str, rc: int, lines: int, isolated_cli: None,
                                                   capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture,

@@ -210,6 +210,31 @@ def test_a_worker_that_crashed_is_an_incident_with_its_restart() -> None:
     assert incident.restart is not None and [n for n, _ in incident.restart.phases][0] == "to_stop"
 
 
+def test_a_crash_is_told_by_the_launchers_verdict_not_by_torchs_boilerplate() -> None:
+    # issue 42: the page named the survivor ("Rank 0 was killed by SIGTERM") and showed torch's "To enable
+    # traceback see ..." instead of the exception
+    boiler = "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html"
+    events = [
+        start(0, 0.0, 0, {0: 0, 1: 1}),
+        ev("attempt_end", 1, 5.0, attempt=0, state="FAILED", iteration=7,
+           failures=[{"rank": 0, "exitcode": -15, "message": boiler},
+                     {"rank": 1, "exitcode": 1, "message": boiler}],
+           root=1, how="rank 1 (pid 101) raised ValueError: bad batch and exited with code 1", root_seen=True,
+           victims=[0], victims_how="rank 0 (pid 100) raised RuntimeError: Connection reset by peer and was killed "
+                                    "by SIGTERM", others=[], others_how="", root_host=None),
+        start(2, 7.0, 1, {0: 0, 1: 1}),
+        ev("restart", 3, 9.0, mode="process", cause="failure", attempt=1, rank=1,
+           phases={**PROCESS_PHASES, "notify": None}, lost_s=None, redone_iterations=None),
+        job_end(4, 12.0, {"process": 1, "inprocess": 0}),
+    ]
+    m = build(events)
+    (incident,) = m.incidents
+    assert (incident.kind, incident.rank, incident.pid) == ("failure", 1, 101)
+    assert incident.what == ("raised ValueError: bad batch and exited with code 1; failed because of it: rank 0 "
+                             "(pid 100) raised RuntimeError: Connection reset by peer and was killed by SIGTERM")
+    assert headline(m).startswith("Rank 1 raised ValueError: bad batch") and "To enable" not in headline(m)
+
+
 def test_evidence_is_linked_relative_to_the_page_even_after_the_folder_moved(tmp_path: Path) -> None:
     """The events name the files where the launcher wrote them (/old/...); the run folder was
     copied since. The page links the copies, relatively; a file no longer there is said so."""

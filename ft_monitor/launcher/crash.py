@@ -134,6 +134,8 @@ class CrashVerdict:
 
 
 def decide_crash(failed: Iterable[FailedRank]) -> CrashVerdict:
+    """The verdict on one failed attempt's ranks (this node's): the root, then the ranks that
+    failed on their own after it, then the victims (the rule is the module's)."""
     ranks = list(failed)
     if not ranks:
         raise CrashError("decide_crash needs at least one failed rank")

@@ -192,17 +192,20 @@ def test_a_waiting_ranks_hang_on_another_node_is_part_of_the_culprits_incident()
     assert headline(m).startswith("Rank 3 (node 1) hung at iteration 12 in attempt 0 (section 'step'")
 
 
-def test_a_worker_that_crashed_is_an_incident_with_its_restart() -> None:
-    events = [
+def _crashed(**attempt_end: Any) -> list[dict[str, Any]]:
+    """Attempt 0 failed (its attempt_end's fields), rank 1's restart, the job's end."""
+    return [
         start(0, 0.0, 0, {0: 0, 1: 1}),
-        ev("attempt_end", 1, 5.0, attempt=0, state="FAILED", iteration=7,
-           failures=[{"rank": 1, "exitcode": 1, "message": "ValueError: bad batch\nmore"}]),
+        ev("attempt_end", 1, 5.0, attempt=0, state="FAILED", iteration=7, **attempt_end),
         start(2, 7.0, 1, {0: 0, 1: 1}),
         ev("restart", 3, 9.0, mode="process", cause="failure", attempt=1, rank=1,
            phases={**PROCESS_PHASES, "notify": None}, lost_s=None, redone_iterations=None),
         job_end(4, 12.0, {"process": 1, "inprocess": 0}),
     ]
-    m = build(events)
+
+
+def test_a_worker_that_crashed_is_an_incident_with_its_restart() -> None:
+    m = build(_crashed(failures=[{"rank": 1, "exitcode": 1, "message": "ValueError: bad batch\nmore"}]))
     (incident,) = m.incidents
     assert (incident.kind, incident.rank, incident.what) == ("failure", 1, "exited with code 1: ValueError: bad batch")
     assert headline(m).startswith("Rank 1 exited with code 1: ValueError: bad batch in attempt 0; the job restarted "
@@ -214,20 +217,12 @@ def test_a_crash_is_told_by_the_launchers_verdict_not_by_torchs_boilerplate() ->
     # issue 42: the page named the survivor ("Rank 0 was killed by SIGTERM") and showed torch's "To enable
     # traceback see ..." instead of the exception
     boiler = "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html"
-    events = [
-        start(0, 0.0, 0, {0: 0, 1: 1}),
-        ev("attempt_end", 1, 5.0, attempt=0, state="FAILED", iteration=7,
-           failures=[{"rank": 0, "exitcode": -15, "message": boiler},
-                     {"rank": 1, "exitcode": 1, "message": boiler}],
-           root=1, how="rank 1 (pid 101) raised ValueError: bad batch and exited with code 1", root_seen=True,
-           victims=[0], victims_how="rank 0 (pid 100) raised RuntimeError: Connection reset by peer and was killed "
-                                    "by SIGTERM", others=[], others_how="", root_host=None),
-        start(2, 7.0, 1, {0: 0, 1: 1}),
-        ev("restart", 3, 9.0, mode="process", cause="failure", attempt=1, rank=1,
-           phases={**PROCESS_PHASES, "notify": None}, lost_s=None, redone_iterations=None),
-        job_end(4, 12.0, {"process": 1, "inprocess": 0}),
-    ]
-    m = build(events)
+    m = build(_crashed(failures=[{"rank": 0, "exitcode": -15, "message": boiler},
+                                 {"rank": 1, "exitcode": 1, "message": boiler}],
+                       root=1, how="rank 1 (pid 101) raised ValueError: bad batch and exited with code 1",
+                       root_seen=True, victims=[0], others=[], others_how="", root_host=None,
+                       victims_how="rank 0 (pid 100) raised RuntimeError: Connection reset by peer and was killed "
+                                   "by SIGTERM"))
     (incident,) = m.incidents
     assert (incident.kind, incident.rank, incident.pid) == ("failure", 1, 101)
     assert incident.what == ("raised ValueError: bad batch and exited with code 1; failed because of it: rank 0 "

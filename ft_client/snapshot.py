@@ -609,7 +609,8 @@ class Snapshotter:
         if agreement.step is not None:
             try:
                 got = self._take(side, agreement)
-            except (MemorySnapshotError, OSError, RuntimeError) as e:
+                _check_layout(*got)  # a peer's copy too: refused in agreement with the other ranks
+            except (MemorySnapshotError, OSError, RuntimeError, SnapshotFormatError) as e:
                 failure = f"rank {self.rank} could not take step {agreement.step}'s snapshot: {e}"
             if side is not None:
                 failure = self._confirm(side, failure)
@@ -649,6 +650,7 @@ class Snapshotter:
                                      "(the ranks were numbered again: it is that rank's to take)")
                         continue
                     h = fmt.check(b.mm, job=self.job, rank=self.rank)
+                    _check_layout(b, h)  # a layout that does not decode is refused here: the other buffer serves
                     out[i] = Held(h.rank, h.step)
                     self._verified[i] = h
                 except SnapshotFormatError as e:
@@ -772,6 +774,16 @@ class Snapshotter:
     def close(self) -> None:
         self.wait()
         self._drop()
+
+
+def _check_layout(buf: _Buffer, h: Header) -> None:
+    """SnapshotFormatError unless the buffer's layout decodes (an unknown extension type, a length
+    past its bytes, tuples nested too deep): refused before the agreement, not raised at load."""
+    raw = memoryview(buf.mm)
+    try:
+        fmt.decode_layout(raw[HEADER_SIZE:HEADER_SIZE + h.layout_len], h.data_len)
+    finally:
+        raw.release()
 
 
 def _dist() -> Any:

@@ -219,17 +219,30 @@ def encode_layout(tree: Any, tensors: Sequence[TensorSpec]) -> bytes:
     return packed
 
 
+MAX_TUPLE_DEPTH = 100
+"""Tuples nested deeper than this refuse the layout (as `_check_refs` refuses a deeper tree)."""
+
+
 def decode_layout(raw: bytes | memoryview, data_len: int) -> tuple[Any, list[TensorSpec]]:
     """The tree (TensorRef where tensors were) and the tensors' places; SnapshotFormatError for
     any bytes that are not a consistent layout."""
+    depth = 0  # tuples nest through the hook: each level one more unpackb on the C stack
+
     def ext(code: int, data: bytes) -> Any:
+        nonlocal depth
         if code == _EXT_TENSOR:
             index = msgpack.unpackb(data)
             if type(index) is not int or index < 0:
                 raise SnapshotFormatError(f"a tensor reference {index!r} that is not an index")
             return TensorRef(index)
         if code == _EXT_TUPLE:
-            items = msgpack.unpackb(data, ext_hook=ext, strict_map_key=False, raw=False)
+            if depth >= MAX_TUPLE_DEPTH:  # decoded deeper, the restoring process died of SIGSEGV (from ~200)
+                raise SnapshotFormatError(f"tuples nested over {MAX_TUPLE_DEPTH} deep")
+            depth += 1
+            try:
+                items = msgpack.unpackb(data, ext_hook=ext, strict_map_key=False, raw=False)
+            finally:
+                depth -= 1
             if not isinstance(items, list):
                 raise SnapshotFormatError("a tuple that is not a list")
             return tuple(items)

@@ -17,6 +17,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import pytest
 import torch
 import xxhash
@@ -180,6 +181,31 @@ def test_a_layout_that_lies_about_its_tensors_is_refused() -> None:
         fmt.decode_layout(fmt.encode_layout([fmt.TensorRef(1)], specs), 64)
 
 
+NESTED_300 = """
+import msgpack
+from ft_client import snapshot_format as fmt
+data = msgpack.packb([])
+for _ in range(300):
+    data = msgpack.packb([msgpack.ExtType(fmt._EXT_TUPLE, data)])
+raw = msgpack.packb({"tree": msgpack.ExtType(fmt._EXT_TUPLE, data), "tensors": []})
+try:
+    fmt.decode_layout(raw, 0)
+except fmt.SnapshotFormatError as e:
+    print(e)
+"""
+
+
+def test_a_layout_of_tuples_nested_300_deep_is_refused_not_a_crash() -> None:
+    # issue 38: 729 bytes of nested tuples (the checksum has no key) killed the restoring process with SIGSEGV
+    # (from depth 200), every restore crashed and the job crash-looped; in a new interpreter, which it killed
+    done = subprocess.run([sys.executable, "-c", NESTED_300], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout) == (0, f"tuples nested over {fmt.MAX_TUPLE_DEPTH} deep\n"), done
+    nested: Any = (1,)
+    for _ in range(fmt.MAX_TUPLE_DEPTH - 2):
+        nested = (nested,)
+    assert fmt.decode_layout(fmt.encode_layout(nested, []), 0)[0] == nested  # as deep as a real model's: kept
+
+
 # -- agreement --------------------------------------------------------------------------------------
 def _h(*slots: tuple[int, int] | None) -> tuple[Held | None, ...]:
     return tuple(None if x is None else Held(*x) for x in (list(slots) + [None] * 4)[:4])
@@ -273,6 +299,30 @@ def test_a_checksum_mismatch_falls_back_to_the_other_buffer(monitor: FakeMonitor
     step, got = Snapshotter(socket_path=monitor.path, job="j", rank=0, log_line=lines.append).restore()  # type: ignore[misc]
     assert step == 10 and float(got["w"][0]) == 10.0
     assert any("checksum mismatch (step 20" in line for line in lines), lines
+
+
+@pytest.mark.parametrize("layout", [
+    msgpack.packb({"tree": msgpack.ExtType(42, b""), "tensors": []}),  # an extension type we never write
+    b"\xc6\xff\xff\xff\xff",  # a bin32 of 2^32 - 1 bytes
+], ids=["unknown ext type", "2^32-byte length"])
+def test_a_layout_that_does_not_decode_falls_back_to_the_other_buffer(monitor: FakeMonitor, layout: bytes) -> None:
+    # issue 38: restore() raised SnapshotFormatError to the training script instead of refusing that buffer
+    s = Snapshotter(socket_path=monitor.path, job="j", rank=0)
+    s.save(10, {"w": torch.full((1000,), 10.0)})
+    s.save(20, {"w": torch.full((1000,), 20.0)})
+    s.wait()
+    assert s._own is not None
+    newest = s._own.newest(job="j")
+    assert newest is not None and newest[1].step == 20
+    buf, h = s._own.buffers[newest[0]], newest[1]
+    assert len(layout) <= h.layout_len
+    buf.mm[HEADER_SIZE:HEADER_SIZE + len(layout)] = layout  # the checksum recomputed: it has no key
+    buf.write_header(Header(**{**h.__dict__, "layout_len": len(layout), "checksum": fmt.body_checksum(
+        buf.mm, Header(**{**h.__dict__, "layout_len": len(layout)}))}))
+    lines: list[str] = []
+    step, got = Snapshotter(socket_path=monitor.path, job="j", rank=0, log_line=lines.append).restore()  # type: ignore[misc]
+    assert step == 10 and float(got["w"][0]) == 10.0
+    assert any(line.startswith("ft_client.snapshot: buffer ") and " refused: " in line for line in lines), lines
 
 
 def test_another_jobs_or_another_ranks_snapshot_is_refused(monitor: FakeMonitor) -> None:

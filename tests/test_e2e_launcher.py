@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -215,6 +216,20 @@ def test_two_launchers_a_rank_killed_with_sigkill_is_named_on_both_nodes(workdir
     assert set(theirs["victims"]) <= {2, 3}, theirs
     assert f"{killed} on " in b.output() and "rank 0 (pid" not in theirs["how"]
     assert any(k == "failed" and v.startswith(f"{killed} on ") for k, v in launcher_summary(b.output()))
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["new interpreters", "forked"])
+def test_the_job_secret_reaches_no_worker(workdir: Path, warm: bool) -> None:
+    # issue 38: with FT_JOB_SECRET in the launcher's environment, every cold worker had it in os.environ and
+    # /proc/self/environ (torch builds a worker's environment from a copy of the launcher's), and every
+    # warm-forked one from the template's environment; the test checked torch's per-worker dict, not a worker
+    secret = JOB_SECRET["FT_JOB_SECRET"]
+    la = Launcher(workdir, "--max-restarts", "0", env=JOB_SECRET, warm=warm, cold_launcher=True,  # as a user
+                  entry=(str(ROOT / "tests" / "workers" / "env_probe.py"),), train_args=(secret,))  # starts it
+    la.succeed()
+    # two workers print at once: their lines can run together
+    probes = sorted(re.findall(r"probe rank (\d): environ=(\w+) file_env=(\w+) block=(\w+) key=(\w+)", la.output()))
+    assert probes == [(r, "False", "False", "False", "True") for r in ("0", "1")], la.output()
 
 
 def test_no_progress_stops_restarting_early(workdir: Path) -> None:

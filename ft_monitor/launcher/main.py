@@ -28,7 +28,7 @@ from ft_client.safefiles import write_json_atomic
 from ft_monitor.config import ConfigError, FaultToleranceConfig, cli_overrides, load_config
 from ft_monitor.core import timeout_order
 from ft_monitor.core.settings import Settings, SettingsError
-from ft_monitor.launcher import early_check, exit_codes, template_fork, torch_support
+from ft_monitor.launcher import early_check, exit_codes, secret_env, template_fork, torch_support
 from ft_monitor.launcher.store_auth import SECRET_FILE_ENV, SecretError, load_job_secret
 
 log = logging.getLogger("ft_monitor.launcher")
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None, early: Any = None) -> int:
         print(f"ft-launcher: {e}", file=sys.stderr)
         return exit_codes.LAUNCHER_ERROR
     try:
-        secret = load_job_secret(args.ft_job_secret_file, os.environ)
+        secret = load_job_secret(args.ft_job_secret_file, {**os.environ, **secret_env.taken()})
     except SecretError as e:
         print(f"ft-launcher: {e}", file=sys.stderr)
         return exit_codes.LAUNCHER_ERROR
@@ -366,6 +366,7 @@ def entrypoint() -> None:
     from here first (`template_fork`: the child never comes back into `main`)."""
     argv = sys.argv[1:]
     early = None
+    secret_env.take()  # before anything is forked or started: the secret is the launcher's alone
     if argv[:1] != ["status"] and early_check.problem(argv, os.environ) is not None:
         sys.exit(main(argv))  # says why, before anything imports torch
     if template_fork.requested(argv):

@@ -107,6 +107,36 @@ def test_bound_fields_must_match() -> None:
             ch.decode("k", raw, HangRecord, bind=other)
 
 
+def test_a_signed_record_replayed_into_a_later_round_is_refused() -> None:
+    # issue 38: node 1's signed hang record of round 0, copied into rounds 1-5 and listed on the board, made
+    # node 0 decide "rank 1 hung first" in round 1 where rank 0 really hung: the signature bound the key and
+    # the run id, which c10d keeps across rounds
+    from ft_monitor.launcher.decide import first_hang
+
+    old = StoreChannel(SECRET, "job-1", 0).encode(KEY.format(1), HangRecord(1, NOW - 60.0, "old", "n1"))
+    now = StoreChannel(SECRET, "job-1", 1)
+    with pytest.raises(StoreMessageError, match="written for another"):
+        now.decode(KEY.format(1), old, HangRecord)
+    mine = HangRecord(0, NOW - 2.0, "section 'step' open", "n0")
+    first, ignored = first_hang(mine, now, {KEY.format(1): old})
+    assert first == mine and len(ignored) == 1
+    assert now.decode(KEY.format(1), now.encode(KEY.format(1), mine), HangRecord) == mine  # its own round: taken
+
+
+def test_the_launchers_channel_is_bound_to_the_round_it_joined() -> None:
+    from types import SimpleNamespace
+
+    from ft_monitor.launcher.crossnode import NodeMessages
+
+    nodes = NodeMessages(SECRET)
+    wg = SimpleNamespace(group_world_size=2, spec=SimpleNamespace(rdzv_handler=SimpleNamespace(get_run_id=lambda: "r")))
+    nodes.round = 3
+    raw = nodes.channel(wg).encode("k", HangRecord(1, 2.0, "m", "h"))  # type: ignore[arg-type]
+    assert StoreChannel(SECRET, "r", 3).decode("k", raw, HangRecord).rank == 1
+    with pytest.raises(StoreMessageError):
+        StoreChannel(SECRET, "r", 4).decode("k", raw, HangRecord)
+
+
 def test_a_planted_bad_hang_record_does_not_stop_the_verdict_on_a_real_hang() -> None:
     """The code path that raised at the next real hang (_on_hang -> decide_hang ->
     first_hang -> decode): the bad values are listed as ignored, and a real record beside

@@ -139,7 +139,8 @@ class FtLocalElasticAgent(HangHandling, _lea.LocalElasticAgent):
         if previous is not None and previous is not worker_group.store \
                 and rounds_apart(worker_group.spec.rdzv_handler):  # every node has left that round
             self.nodes.leave_round(previous, previous_rank, self.rollcall.written)
-        self.rollcall.new_round(rendezvous_round(worker_group.spec.rdzv_handler, self._rounds - 1))
+        self.nodes.round = rendezvous_round(worker_group.spec.rdzv_handler, self._rounds - 1)
+        self.rollcall.new_round(self.nodes.round)
         if self.ft.restarts and self.ft.restarts[-1].rendezvous_done is None:
             self.ft.restarts[-1].rendezvous_done = time.time()
 

@@ -76,6 +76,8 @@ class NodeMessages:
         self._store_checked = 0.0
         self._bad_store_values: set[bytes] = set()
         self._no_secret_warned = False
+        self.round: int | None = None
+        """The rendezvous round joined last (the agent's), every message's binding."""
 
     def channel(self, wg: WorkerGroup) -> StoreChannel | None:
         """Signing for launcher messages in the store; None (logged once) without a job secret."""
@@ -86,7 +88,7 @@ class NodeMessages:
                             "across nodes are off, since anyone who reaches the rendezvous store could forge them",
                             SECRET_ENV)
             return None
-        return StoreChannel(self.job_secret, wg.spec.rdzv_handler.get_run_id())
+        return StoreChannel(self.job_secret, wg.spec.rdzv_handler.get_run_id(), self.round)
 
     def _store_message(self, channel: StoreChannel, key: str, raw: bytes,
                        kind: type[HangRecord] | type[ShutdownRequest]) -> HangRecord | ShutdownRequest | None:

@@ -251,15 +251,24 @@ class StoreChannel:
     through ft_client.signed (the envelope, the HMAC and its total parser). ``bind``: further
     fields a message is bound to (a round, an incident), checked on decode."""
 
-    def __init__(self, secret: bytes, run_id: str) -> None:
+    def __init__(self, secret: bytes, run_id: str, round: int | None = None) -> None:
+        """``round``: the rendezvous round every message is bound to besides (c10d keeps the run
+        id across rounds, so a value signed in one round would check out in the next: a node's
+        hang record of round 0 copied into round 1 named the wrong culprit there)."""
         self._signer = Signer(secret, run_id)
         self.run_id = run_id
+        self.round = round
 
     def _mac(self, envelope: Mapping[str, Any]) -> str:
         return self._signer.mac(envelope)
 
+    def _bind(self, bind: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+        if self.round is None:
+            return bind
+        return {"round": self.round, **(bind or {})}
+
     def encode(self, key: str, message: Message, bind: Mapping[str, Any] | None = None) -> bytes:
-        return self._signer.seal(message.KIND, key, message.body(), bind)
+        return self._signer.seal(message.KIND, key, message.body(), self._bind(bind))
 
     @overload
     def decode(self, key: str, raw: bytes, kind: type[StepTimes],
@@ -291,5 +300,5 @@ class StoreChannel:
         """The message stored at ``key``; raises StoreMessageError (and nothing else, whatever
         ``raw`` holds) unless it is authentic, of the expected kind, written for this key, run
         and ``bind``, and well-formed."""
-        body = self._signer.open(kind.KIND, key, raw, bind, getattr(kind, "MAX_BYTES", MAX_MESSAGE_BYTES))
+        body = self._signer.open(kind.KIND, key, raw, self._bind(bind), getattr(kind, "MAX_BYTES", MAX_MESSAGE_BYTES))
         return kind.from_body(body)

@@ -476,7 +476,10 @@ class Telemetry:
         if mono - self._exchanged_at < EXCHANGE_INTERVAL:
             return
         self._exchanged_at = mono
-        channel = StoreChannel(self.job_secret, wg.spec.rdzv_handler.get_run_id())
+        from ft_monitor.launcher.agent import rendezvous_round
+
+        channel = StoreChannel(self.job_secret, wg.spec.rdzv_handler.get_run_id(),
+                               rendezvous_round(wg.spec.rdzv_handler, 0))  # its step times: this round's only
         try:
             medians, listed = exchange_step_times(wg.store, channel, wg.group_rank, wg.group_world_size, section, local,
                                                   self.host, self._bad_values, listed=self._listed_in is wg.store)

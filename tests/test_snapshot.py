@@ -285,7 +285,8 @@ def test_the_newest_complete_save_survives_a_torn_one(monitor: FakeMonitor) -> N
     assert any("torn write" in line and "step 30" in line for line in lines), lines
 
 
-def test_a_checksum_mismatch_falls_back_to_the_other_buffer(monitor: FakeMonitor) -> None:
+def _steps_10_and_20(monitor: FakeMonitor) -> tuple[Any, Header]:
+    """Steps 10 and 20 saved: the buffer holding 20, and its header."""
     s = Snapshotter(socket_path=monitor.path, job="j", rank=0)
     s.save(10, {"w": torch.full((1000,), 10.0)})
     s.save(20, {"w": torch.full((1000,), 20.0)})
@@ -293,11 +294,21 @@ def test_a_checksum_mismatch_falls_back_to_the_other_buffer(monitor: FakeMonitor
     assert s._own is not None
     newest = s._own.newest(job="j")
     assert newest is not None and newest[1].step == 20
-    buf = s._own.buffers[newest[0]]
-    buf.mm[newest[1].data_offset + 5] ^= 0xFF
+    return s._own.buffers[newest[0]], newest[1]
+
+
+def _restored_step_10(monitor: FakeMonitor) -> list[str]:
+    """A new process's restore gives step 10 (the other buffer); its lines."""
     lines: list[str] = []
     step, got = Snapshotter(socket_path=monitor.path, job="j", rank=0, log_line=lines.append).restore()  # type: ignore[misc]
     assert step == 10 and float(got["w"][0]) == 10.0
+    return lines
+
+
+def test_a_checksum_mismatch_falls_back_to_the_other_buffer(monitor: FakeMonitor) -> None:
+    buf, h = _steps_10_and_20(monitor)
+    buf.mm[h.data_offset + 5] ^= 0xFF
+    lines = _restored_step_10(monitor)
     assert any("checksum mismatch (step 20" in line for line in lines), lines
 
 
@@ -307,21 +318,12 @@ def test_a_checksum_mismatch_falls_back_to_the_other_buffer(monitor: FakeMonitor
 ], ids=["unknown ext type", "2^32-byte length"])
 def test_a_layout_that_does_not_decode_falls_back_to_the_other_buffer(monitor: FakeMonitor, layout: bytes) -> None:
     # issue 38: restore() raised SnapshotFormatError to the training script instead of refusing that buffer
-    s = Snapshotter(socket_path=monitor.path, job="j", rank=0)
-    s.save(10, {"w": torch.full((1000,), 10.0)})
-    s.save(20, {"w": torch.full((1000,), 20.0)})
-    s.wait()
-    assert s._own is not None
-    newest = s._own.newest(job="j")
-    assert newest is not None and newest[1].step == 20
-    buf, h = s._own.buffers[newest[0]], newest[1]
+    buf, h = _steps_10_and_20(monitor)
     assert len(layout) <= h.layout_len
     buf.mm[HEADER_SIZE:HEADER_SIZE + len(layout)] = layout  # the checksum recomputed: it has no key
     buf.write_header(Header(**{**h.__dict__, "layout_len": len(layout), "checksum": fmt.body_checksum(
         buf.mm, Header(**{**h.__dict__, "layout_len": len(layout)}))}))
-    lines: list[str] = []
-    step, got = Snapshotter(socket_path=monitor.path, job="j", rank=0, log_line=lines.append).restore()  # type: ignore[misc]
-    assert step == 10 and float(got["w"][0]) == 10.0
+    lines = _restored_step_10(monitor)
     assert any(line.startswith("ft_client.snapshot: buffer ") and " refused: " in line for line in lines), lines
 
 

@@ -40,8 +40,8 @@ class _Section:
     def __enter__(self) -> None:
         self._client.start_section(self._name)
 
-    def __exit__(self, *exc: object) -> None:
-        if exc[0] is None:
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is None:
             self._client.end_section(self._name)
         else:  # left by an exception: closed (not timed any more), but not a completed step
             self._client._end_section_unfinished(self._name)

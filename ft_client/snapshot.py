@@ -605,11 +605,12 @@ class Snapshotter:
         else:
             agreement = self._agree(side, held, world)
         got: tuple[_Buffer, Header] | None = None
+        layout: tuple[Any, list[TensorSpec]] = (None, [])
         failure = ""
         if agreement.step is not None:
             try:
                 got = self._take(side, agreement)
-                _check_layout(*got)  # a peer's copy too: refused in agreement with the other ranks
+                layout = _decode_layout(*got)  # a peer's copy too: refused in agreement with the other ranks
             except (MemorySnapshotError, OSError, RuntimeError, SnapshotFormatError) as e:
                 failure = f"rank {self.rank} could not take step {agreement.step}'s snapshot: {e}"
             if side is not None:
@@ -624,7 +625,7 @@ class Snapshotter:
             self._say(f"ft_client.snapshot: {note}")
         assert got is not None
         buf, h = got
-        state = self._load(buf, h, map_location)
+        state = self._load(buf, h, map_location, layout)
         self.last_restore = {"step": h.step, "seconds": time.perf_counter() - t0,
                              "from": agreement.fetch.get(self.rank, (self.rank, 0))[0], "bytes": h.end}
         return h.step, state
@@ -650,7 +651,7 @@ class Snapshotter:
                                      "(the ranks were numbered again: it is that rank's to take)")
                         continue
                     h = fmt.check(b.mm, job=self.job, rank=self.rank)
-                    _check_layout(b, h)  # a layout that does not decode is refused here: the other buffer serves
+                    _decode_layout(b, h)  # a layout that does not decode is refused here: the other buffer serves
                     out[i] = Held(h.rank, h.step)
                     self._verified[i] = h
                 except SnapshotFormatError as e:
@@ -759,12 +760,9 @@ class Snapshotter:
         self._say(f"ft_client.snapshot: took step {step}'s snapshot ({head.end / 1e6:.1f} MB) from rank "
                   f"{holder}'s monitor, which kept a copy of this rank's")
 
-    def _load(self, buf: _Buffer, h: Header, map_location: Any) -> Any:
-        raw = memoryview(buf.mm)
-        try:
-            tree, specs = fmt.decode_layout(raw[HEADER_SIZE:HEADER_SIZE + h.layout_len], h.data_len)
-        finally:
-            raw.release()
+    def _load(self, buf: _Buffer, h: Header, map_location: Any, layout: tuple[Any, list[TensorSpec]]) -> Any:
+        """The state saved in ``buf``: its ``layout`` (`_decode_layout`'s) with its tensors copied out."""
+        tree, specs = layout
         tensors = []
         for spec in specs:
             t = _view(buf.mm, h.data_offset, spec).clone()
@@ -776,12 +774,13 @@ class Snapshotter:
         self._drop()
 
 
-def _check_layout(buf: _Buffer, h: Header) -> None:
-    """SnapshotFormatError unless the buffer's layout decodes (an unknown extension type, a length
-    past its bytes, tuples nested too deep): refused before the agreement, not raised at load."""
+def _decode_layout(buf: _Buffer, h: Header) -> tuple[Any, list[TensorSpec]]:
+    """The buffer's layout (tree, tensor places), or SnapshotFormatError when it does not decode
+    (an unknown extension type, a length past its bytes, tuples nested too deep): refused before
+    the agreement, not raised at load."""
     raw = memoryview(buf.mm)
     try:
-        fmt.decode_layout(raw[HEADER_SIZE:HEADER_SIZE + h.layout_len], h.data_len)
+        return fmt.decode_layout(raw[HEADER_SIZE:HEADER_SIZE + h.layout_len], h.data_len)
     finally:
         raw.release()
 

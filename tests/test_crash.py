@@ -14,13 +14,13 @@ from ft_monitor.core.status import ExitSummary, MonitorStatus, build_status
 from ft_monitor.launcher import summary_text
 from ft_monitor.launcher.crash import (
     FailedRank,
-    crash_error_data,
     decide_crash,
     on_another_node,
     peer_failure,
 )
 from ft_monitor.launcher.metrics import Snapshot, collect
 from ft_monitor.launcher.restarts import failed_ranks, failure_restart
+from ft_monitor.launcher.rootcause import crash_error_data
 from ft_monitor.launcher.store_auth import CrashRecord, StoreChannel, StoreMessageError
 
 GLOO_RESET = ("RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:4242: "

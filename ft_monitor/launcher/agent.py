@@ -59,7 +59,7 @@ from ft_monitor.core.notices import HangNotice
 from ft_monitor.core.server_log import printable
 from ft_monitor.launcher import exit_codes
 from ft_monitor.launcher.control import EventKind, LauncherEvent
-from ft_monitor.launcher.crash import CrashVerdict, crash_error_data, decide_crash, on_another_node
+from ft_monitor.launcher.crash import CrashVerdict, decide_crash, on_another_node
 from ft_monitor.launcher.crossnode import (
     ATTRIBUTION_WINDOW,
     CRASH_WAIT,
@@ -75,7 +75,7 @@ from ft_monitor.launcher.inprocess_watch import HANG_REASONS, INPROCESS_POLL_INT
 from ft_monitor.launcher.rdzv_delay import no_first_run_delay
 from ft_monitor.launcher.restarts import RestartTiming, all_stepping, failed_ranks, failure_restart
 from ft_monitor.launcher.rollcall import RollCaller
-from ft_monitor.launcher.rootcause import write_error_file
+from ft_monitor.launcher.rootcause import crash_error_data, write_error_file
 from ft_monitor.launcher.runtime import FtRuntime
 from ft_monitor.launcher.sealed import Sealer
 from ft_monitor.launcher.store_auth import CrashRecord

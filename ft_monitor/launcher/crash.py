@@ -172,15 +172,3 @@ def on_another_node(rank: int, how_: str, host: str, here: CrashVerdict | None) 
     message = root + (f"; failed because of it: {victims_how}" if victims_how else "")
     return CrashVerdict(rank, True, root, victims, (), "", victims_how, message, host)
 
-
-def crash_error_data(verdict: CrashVerdict, timestamp: int) -> dict[str, object]:
-    """The error.json (torchelastic's ErrorHandler format) for a root that wrote none (it was
-    killed, or exited without an exception): torch's failure table and a parent launcher then
-    name it, with ``timestamp`` no later than any other failure's."""
-    headline = f"RankCrash: {verdict.how}"
-    if verdict.victims:
-        headline += f"; rank(s) {', '.join(map(str, verdict.victims))} failed because of it"
-    callstack = (headline + "\n" + verdict.message + "\n(no stack: the process did not raise; a signal it did "
-                 "not get from ft-launcher or torch (the OOM killer, kill -9, a fault in native code) or an exit "
-                 "without an exception ended it)")
-    return {"message": {"message": headline, "extraInfo": {"py_callstack": callstack, "timestamp": str(timestamp)}}}

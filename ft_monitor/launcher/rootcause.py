@@ -1,4 +1,4 @@
-"""A torchelastic error.json for a rank stopped because it hung.
+"""A torchelastic error.json for a rank stopped because it hung, or for a crash's root.
 
 torch's `ChildFailedError` names as root cause the failure with the earliest
 timestamp. Ranks that waited in a collective for the hung one fail later, so an
@@ -15,6 +15,7 @@ from typing import Any
 
 from ft_client.safefiles import read_bounded, write_json_atomic
 from ft_monitor.core.notices import HangNotice
+from ft_monitor.launcher.crash import CrashVerdict
 from ft_monitor.launcher.store_auth import HangRecord
 
 MAX_STACK_CHARS = 64 * 1024
@@ -46,10 +47,27 @@ def hang_error_data(notice: HangNotice, stack: str | None, victim_of: HangRecord
     else:
         callstack += "(no stack dump was captured)"
     onset = notice.onset_time or notice.detected_time
-    extra = {"py_callstack": callstack, "timestamp": str(int(onset))}
-    if diagnosis:
-        extra["ft_diagnosis"] = diagnosis
-    return {"message": {"message": headline, "extraInfo": extra}}
+    return error_data(headline, callstack, onset, {"ft_diagnosis": diagnosis} if diagnosis else None)
+
+
+def crash_error_data(verdict: CrashVerdict, timestamp: float) -> dict[str, Any]:
+    """The error.json for a crash's root that wrote none (it was killed, or exited without an
+    exception): torch's failure table and a parent launcher then name it, with ``timestamp``
+    no later than any other failure's."""
+    headline = f"RankCrash: {verdict.how}"
+    if verdict.victims:
+        headline += f"; rank(s) {', '.join(map(str, verdict.victims))} failed because of it"
+    callstack = (headline + "\n" + verdict.message + "\n(no stack: the process did not raise; a signal it did "
+                 "not get from ft-launcher or torch (the OOM killer, kill -9, a fault in native code) or an exit "
+                 "without an exception ended it)")
+    return error_data(headline, callstack, timestamp)
+
+
+def error_data(headline: str, callstack: str, timestamp: float, extra: dict[str, str] | None = None) -> dict[str, Any]:
+    """torchelastic's ErrorHandler format: the headline torch's failure table shows, the
+    traceback, and the whole seconds its root cause is chosen by (the earliest)."""
+    return {"message": {"message": headline, "extraInfo": {"py_callstack": callstack,
+                                                           "timestamp": str(int(timestamp)), **(extra or {})}}}
 
 
 def read_stack(path: str | None) -> str | None:

@@ -216,6 +216,10 @@ def test_two_launchers_a_rank_killed_with_sigkill_is_named_on_both_nodes(workdir
     assert set(theirs["victims"]) <= {2, 3}, theirs
     assert f"{killed} on " in b.output() and "rank 0 (pid" not in theirs["how"]
     assert any(k == "failed" and v.startswith(f"{killed} on ") for k, v in launcher_summary(b.output()))
+    for node in (a, b):  # the events (and the page made from them) too, whichever way torch restarted it
+        events = [json.loads(line) for line in Path(node.summary()["observability"]["events"]).read_text().splitlines()]
+        assert [e.get("root") for e in events if e["kind"] == "attempt_end" and e["state"] != "SUCCEEDED"] == [1]
+        assert [e["rank"] for e in events if e["kind"] == "restart"] == [1]
 
 
 @pytest.mark.parametrize("warm", [False, True], ids=["new interpreters", "forked"])

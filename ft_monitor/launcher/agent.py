@@ -299,7 +299,11 @@ class FtLocalElasticAgent(HangHandling, _lea.LocalElasticAgent):
                 log.error("ft-launcher: attempt %d: %s; this node's workers restart with the others",
                           self._attempt(), printable(verdict.message))
                 self.ft.restarts.append(failure_restart(verdict, self._attempt()))
+                self._failed_elsewhere(verdict)
         super()._restart_workers(worker_group)
+
+    def _failed_elsewhere(self, verdict: CrashVerdict) -> None:
+        """This node's attempt ends with another node's failure (observed.py tells the telemetry)."""
 
     def _root_first(self, failures: dict[int, ProcessFailure], verdict: CrashVerdict) -> dict[int, ProcessFailure]:
         """``failures`` with the root first and no later than any other (torch's "first observed

@@ -81,6 +81,15 @@ class FtObservedAgent(FtLocalElasticAgent):
         self._tell(self.telemetry.hang_timing, self.ft.restarts[-1])
         return result
 
+    def _failed_elsewhere(self, verdict: Any) -> None:
+        """Torch restarts this node's healthy workers because another node's failed: its
+        attempt_end and restart events name that failure's root, as the summary does."""
+        super()._failed_elsewhere(verdict)
+        if self._attempt_open:
+            self._attempt_open = False
+            self._tell(self.telemetry.attempt_ended, "FAILED", {}, self._remaining_restarts, self.ft.restarts[-1],
+                       verdict)
+
     def _diagnosed(self, row: dict[str, Any]) -> None:
         super()._diagnosed(row)
         self._tell(self.telemetry.diagnosis, row)

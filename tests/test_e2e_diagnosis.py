@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 
 from ft_monitor.launcher import exit_codes
-from ft_monitor.launcher.rollcall_wire import BELL_KEY
+from ft_monitor.launcher.crossnode import HANG_COUNT_KEY, HANG_INDEX_KEY
+from ft_monitor.launcher.rollcall_wire import ASKERS_KEY, BELL_KEY
 from tests import zygote
 from tests.launchers import JOB_SECRET, Launcher, job_processes, launcher_argv, listening, two_nodes
 from tests.procs import ROOT, free_port, launcher_summary, wait_until
@@ -117,7 +118,10 @@ def test_two_launchers_a_heartbeat_hang_has_one_culprit_on_every_node(workdir: P
 def test_two_launchers_a_counter_added_to_by_another_user_misses_no_node(workdir: Path) -> None:
     """Issue 24 item 4: another user's `add` of 100 to ft_launcher/roll_call_count (the counter
     the incident came from) made the other node poll the wrong incident: its ranks were missing
-    from diagnosis.json. The ranks train only once the forger is done (--wait-for)."""
+    from diagnosis.json. Issue 38: the bell and the hang board's counter `set` to "x" made torch's
+    store server close each launcher's only rendezvous connection at its next poll (both exited 2
+    within 1.5 s, the hang was never handled), and indexes grown to megabytes were read and split
+    whole every second. The ranks train only once the forger is done (--wait-for)."""
     port = free_port()
     common = ("--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
               "--rdzv-id", "ft-roll-call-forged")
@@ -126,8 +130,11 @@ def test_two_launchers_a_counter_added_to_by_another_user_misses_no_node(workdir
                      env=JOB_SECRET) for name in ("node0", "node1"))
     try:
         wait_until(lambda: listening(port), 60, "the rendezvous store")
-        forge(port, [["add", f"torch.rendezvous.ft-roll-call-forged.{r}/{key}", 100]
-                     for r in range(2) for key in ("ft_launcher/roll_call_count", BELL_KEY)])
+        forged = "torch.rendezvous.ft-roll-call-forged.{}/{}"
+        forge(port, [op for r in range(2) for op in (
+            ["add", forged.format(r, "ft_launcher/roll_call_count"), 100],
+            *(["set", forged.format(r, key), "x"] for key in (BELL_KEY, HANG_COUNT_KEY)),
+            *(["fill", forged.format(r, key), 4 << 20] for key in (ASKERS_KEY, HANG_INDEX_KEY)))])
         (workdir / "forged").touch()
         assert a.wait() == exit_codes.SUCCESS, a.output()
         assert b.wait() == exit_codes.SUCCESS, b.output()

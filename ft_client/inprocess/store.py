@@ -25,7 +25,10 @@ store calls whatever the job's size, and leaves two keys (docs/architecture.md, 
 Every value but the counts is signed (ft_client.signed) with the job's in-process key
 (ft_client.jobkey) and bound to its key, run, attempt and iteration; anything else
 found there (the store has no authentication) is refused, logged once, and never acted
-on. Counts are not trusted: they only tell a rank when to check the signed keys.
+on. Counts are not trusted: they only tell a rank when to check the signed keys. They are
+added to on a connection of their own (ft_client.store_counter): torch's store server closes the
+connection of an ``add`` to a value someone ``set`` to a non-number, and that must not be the
+connection the process group's store shares; a spoiled count makes every arriving rank check.
 * ``user/``: the `CallWrapper.store` of the iteration (e.g. for ``init_process_group``).
 
 The base store is, in this order: the store ft-launcher names in ``FT_INPROCESS_STORE``
@@ -53,6 +56,7 @@ from ft_client import env, logs
 from ft_client.errors import FtError
 from ft_client.signed import Signer, StoreMessageError
 from ft_client.signed import rank_field as _rank_field
+from ft_client.store_counter import Counters
 
 log = logs.logger("ft_client.inprocess")
 
@@ -170,6 +174,8 @@ class RestartStore:
         """iteration -> the keys of its own this rank wrote there (deleted by `forget`)."""
         self._outside: dict[int, int | None] = {}
         """iteration -> the ``outside`` claim as the restart barrier's ``barrier_done`` carried it."""
+        self._counters = Counters(base)
+        """The counts' own connection (opened at the first count)."""
 
     def key(self, iteration: int, name: str) -> str:
         return f"{self.prefix}iter/{iteration}/{name}"
@@ -311,7 +317,8 @@ class RestartStore:
         mine = self.key(iteration, f"{name}/{self.rank}")
         self.base.set(mine, self.seal(iteration, ARRIVAL, mine, {"rank": self.rank}))
         self._own.setdefault(iteration, []).append(mine)
-        if self.base.add(self.key(iteration, name), 1) < self.world_size:
+        count = self._counters.add(self.key(iteration, name), 1)
+        if count is not None and count < self.world_size:  # None: spoiled by someone else, so every rank checks
             return False
         return self.arrived(iteration, name) >= self.world_size
 

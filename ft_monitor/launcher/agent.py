@@ -64,7 +64,7 @@ from ft_monitor.launcher.crossnode import (
     ATTRIBUTION_WINDOW,
     CRASH_WAIT,
     HANG_KEY,
-    SHUTDOWN_ACKS_KEY,
+    SHUTDOWN_ACK_KEY,
     SHUTDOWN_KEY,
     STORE_POLL_INTERVAL,
     NodeMessages,
@@ -85,7 +85,7 @@ from ft_monitor.launcher.worker_env import started_with_ft_env as _worker_env
 __all__ = [
     "FtLocalElasticAgent", "FtRuntime", "RestartTiming", "TorchVersionError", "rendezvous_round", "store_address",
     "ATTRIBUTION_WINDOW", "FR_BUFFER_ENV", "HANG_KEY", "HANG_REASONS", "INPROCESS_POLL_INTERVAL", "PIN_INTERVAL",
-    "SHUTDOWN_ACKS_KEY", "SHUTDOWN_KEY", "STORE_POLL_INTERVAL",
+    "SHUTDOWN_ACK_KEY", "SHUTDOWN_KEY", "STORE_POLL_INTERVAL",
 ]
 
 log = logging.getLogger("ft_monitor.launcher")

@@ -26,7 +26,7 @@ from ft_monitor.launcher.store_auth import (
     StoreChannel,
     StoreMessageError,
 )
-from ft_monitor.launcher.store_board import Board
+from ft_monitor.launcher.store_board import Board, first_sight
 
 log = logging.getLogger("ft_monitor.launcher")
 
@@ -35,7 +35,10 @@ CRASH_KEY = "ft_launcher/crash/{}"
 CRASH_INDEX_KEY = "ft_launcher/crash_index"
 CRASH_COUNT_KEY = "ft_launcher/crash_count"
 SHUTDOWN_KEY = "ft_launcher/shutdown"
-SHUTDOWN_ACKS_KEY = "ft_launcher/shutdown_acks"
+SHUTDOWN_ACK_KEY = "ft_launcher/shutdown_ack/{}"
+"""A node's acknowledgement of the shutdown request, by its group rank: the requester waits until
+one ``check`` of the others' keys says all are there (a counter, which anyone could spoil, is
+not needed: issue 38)."""
 HANG_KEY = "ft_launcher/hang/{}"
 HANG_INDEX_KEY = "ft_launcher/hang_index"
 HANG_COUNT_KEY = "ft_launcher/hang_count"
@@ -99,9 +102,8 @@ class NodeMessages:
             return None
 
     def _warn_bad_store_value(self, key: str, raw: bytes, kind: str, error: Exception) -> None:
-        """One warning per distinct bad value (at most 100 remembered)."""
-        if raw not in self._bad_store_values and len(self._bad_store_values) < 100:
-            self._bad_store_values.add(raw)
+        """One warning per distinct bad value (at most 100 remembered, by digest)."""
+        if first_sight(self._bad_store_values, raw):
             log.warning("ft-launcher: ignored a %s message in the rendezvous store at %s: %s", kind, key, error)
 
     def exchange_hang_records(self, wg: WorkerGroup, channel: StoreChannel | None,
@@ -212,9 +214,9 @@ class NodeMessages:
             return
         try:
             store.set(SHUTDOWN_KEY, channel.encode(SHUTDOWN_KEY, ShutdownRequest(reason, rank, socket.gethostname())))
-            others = wg.group_world_size - 1
+            acks = [SHUTDOWN_ACK_KEY.format(g) for g in range(wg.group_world_size) if g != wg.group_rank]
             end = time.monotonic() + 10.0
-            while others > 0 and time.monotonic() < end and store.add(SHUTDOWN_ACKS_KEY, 0) < others:
+            while acks and time.monotonic() < end and not store.check(acks):
                 time.sleep(0.05)  # the store outlives this node only while we wait for the others to see it
         except Exception as e:  # noqa: BLE001 - the store may be gone; this node stops regardless
             reraise_stop(e)
@@ -235,7 +237,7 @@ class NodeMessages:
             request = self._store_message(channel, SHUTDOWN_KEY, wg.store.get(SHUTDOWN_KEY), ShutdownRequest)
             if not isinstance(request, ShutdownRequest):
                 return None
-            wg.store.add(SHUTDOWN_ACKS_KEY, 1)
+            wg.store.set(SHUTDOWN_ACK_KEY.format(wg.group_rank), b"1")
         except Exception as e:  # noqa: BLE001 - the store host may be gone
             reraise_stop(e)
             return None

@@ -21,6 +21,17 @@ until its next forced look (``look(force=True)`` reads the index whatever the co
 
 `parse_index` is total: any bytes give a set of group ranks below ``nodes``.
 
+Issue 38: anyone who reaches the store can spoil both hints. The counter is added to on a
+private connection (ft_client.store_counter: torch's server closes the connection of an
+``add`` to a value that is not a number, and the agent's own connection must never be the
+one closed); a spoiled counter makes every look a forced one. The index may be grown by
+another user to any size (40 MiB in the review: each launcher split all of it every second,
++361-570 MiB RSS): the store cannot say how long a value is before it is read, so an index
+longer than `index_limit` (what the job's nodes could have appended, 16 entries a node) is
+read once, found too long, logged, and not read again for INDEX_RETRY seconds; meanwhile the
+board reads every wanted node's key as without the extended API (O(M) small reads, correct).
+Only the first `index_limit` bytes of any index are ever parsed.
+
 A store without torch's extended API (``has_extended_api()`` false: no ``append`` nor
 ``multi_get``, as torch's etcd store) gets no index: a look whose counter moved reads every
 wanted node's key, one ``check`` and one ``get`` each, as before the board.
@@ -28,26 +39,85 @@ wanted node's key, one ``check`` and one ``get`` each, as before the board.
 
 from __future__ import annotations
 
+import hashlib
+import logging
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-MAX_INDEX_ENTRIES = 65536
-"""Entries of an index read at most (a node appends one per publication)."""
+from ft_client.store_counter import counters_of
+
+log = logging.getLogger("ft_monitor.launcher")
+
+ENTRIES_PER_NODE = 16
+"""Publications a node may list on one board in one round before the board stops trusting the index."""
+ENTRY_BYTES = 11
+"""The longest entry an index holds: a group rank of up to 10 digits and its comma."""
+INDEX_RETRY = 60.0
+"""Seconds an index found too long is left unread (its board reads the nodes' keys instead)."""
+
+
+def index_limit(nodes: int) -> int:
+    """The most bytes the index of a board of ``nodes`` nodes can honestly hold."""
+    return (max(nodes, 1) * ENTRIES_PER_NODE + 64) * ENTRY_BYTES
 
 
 def parse_index(raw: object, nodes: int) -> set[int]:
-    """The group ranks listed in ``raw`` (``"0,3,3,"``), those below ``nodes``; anything else is ignored."""
+    """The group ranks listed in ``raw`` (``"0,3,3,"``), those below ``nodes``, read from its first
+    `index_limit` bytes; anything else is ignored."""
     if not isinstance(raw, (bytes, bytearray)):
         return set()
     out: set[int] = set()
-    for i, token in enumerate(bytes(raw).split(b",")):
-        if i >= MAX_INDEX_ENTRIES:
-            break
+    for token in bytes(memoryview(raw)[:index_limit(nodes)]).split(b","):
         if 0 < len(token) <= 10 and token.isdigit():
             g = int(token)
             if g < nodes:
                 out.add(g)
     return out
+
+
+class IndexReader:
+    """Reads one index of ``nodes`` nodes, and remembers one found too long (`read` gives None
+    for INDEX_RETRY seconds after, without a store operation)."""
+
+    def __init__(self, key: str, nodes: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.key = key
+        self.nodes = nodes
+        self._clock = clock
+        self._unread_until = 0.0
+        self.too_long = 0
+        """Reads that found the index too long."""
+
+    def read(self, store: Any) -> set[int] | None:
+        """The listed group ranks (empty when there is no index), or None when the index is too long
+        to trust (the caller reads its nodes' keys one by one)."""
+        if self._clock() < self._unread_until:
+            return None
+        if not store.check([self.key]):
+            return set()
+        raw = store.get(self.key)
+        limit = index_limit(self.nodes)
+        if len(raw) <= limit:
+            return parse_index(raw, self.nodes)
+        if not self.too_long:
+            log.warning("ft-launcher: the index %s in the rendezvous store holds %d bytes, more than %d nodes could "
+                        "have written (%d): someone who reaches the store grew it; the nodes' keys are read one by "
+                        "one instead, and the index is read again in %.0f s",
+                        self.key, len(raw), self.nodes, limit, INDEX_RETRY)
+        self.too_long += 1
+        self._unread_until = self._clock() + INDEX_RETRY
+        return None
+
+
+def first_sight(seen: set[bytes], raw: object, cap: int = 100) -> bool:
+    """Whether ``raw`` (a value read from the store) is new to ``seen``, which keeps a 16-byte
+    digest of each (at most ``cap``), never the value: a bad value may be megabytes long."""
+    digest = hashlib.blake2b(raw if isinstance(raw, (bytes, bytearray)) else repr(raw).encode(),
+                             digest_size=16).digest()
+    if digest in seen or len(seen) >= cap:
+        return False
+    seen.add(digest)
+    return True
 
 
 def extended(store: Any) -> bool:
@@ -84,6 +154,7 @@ class Board:
         self.key_of = key_of
         self.nodes = nodes
         self.seen_count: int | None = None
+        self.index = IndexReader(index_key, nodes)
 
     def publish(self, store: Any, group_rank: int, value: bytes) -> str:
         """Set this node's value, then list and count it; its key."""
@@ -91,34 +162,35 @@ class Board:
         store.set(key, value)
         if extended(store):
             store.append(self.index_key, f"{group_rank},")
-        store.add(self.count_key, 1)
+        counters_of(store).add(self.count_key, 1)  # None: spoiled, and its readers look anyway
         return key
 
-    def count(self, store: Any) -> int:
-        return int(store.add(self.count_key, 0))
+    def count(self, store: Any) -> int | None:
+        """The counter, or None when it does not hold a number (store_counter)."""
+        return counters_of(store).add(self.count_key, 0)
 
     def look(self, store: Any, wanted: Iterable[int], force: bool = False) -> dict[int, bytes]:
         """The values of the ``wanted`` nodes that are listed, read when the counter moved since
-        the last look (or with ``force`` whenever it is not 0); {} when nothing new."""
+        the last look (or with ``force`` whenever it is not 0, or whenever the counter is
+        spoiled); {} when nothing new."""
         wanted = set(wanted)
         count = self.count(store)
-        if count == 0 or (count == self.seen_count and not force):
+        if count == 0 or (count is not None and count == self.seen_count and not force):
             self.seen_count = count
             return {}
         self.seen_count = count
-        if not extended(store):  # no index: every wanted node's key
+        listed = self.index.read(store) if extended(store) else None
+        if listed is None:  # no index, or one not to trust: every wanted node's key
             keys = existing(store, [self.key_of(g) for g in sorted(wanted)])
             by_key = {self.key_of(g): g for g in wanted}
-            return {by_key[k]: store.get(k) for k in keys}
-        if not store.check([self.index_key]):  # a counter moved by someone else: nothing listed (never wait)
+            return {by_key[k]: raw for k, raw in zip(keys, read_all(store, keys), strict=True)}
+        listed_wanted = sorted(listed & wanted)  # a counter moved by someone else: nothing listed (never wait)
+        if not listed_wanted:
             return {}
-        listed = sorted(parse_index(store.get(self.index_key), self.nodes) & wanted)
-        if not listed:
-            return {}
-        keys = existing(store, [self.key_of(g) for g in listed])
+        keys = existing(store, [self.key_of(g) for g in listed_wanted])
         if not keys:
             return {}
-        by_key = {self.key_of(g): g for g in listed}
+        by_key = {self.key_of(g): g for g in listed_wanted}
         return {by_key[k]: raw for k, raw in zip(keys, read_all(store, keys), strict=True)}
 
     def clear(self, store: Any) -> None:

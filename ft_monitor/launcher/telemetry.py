@@ -32,9 +32,10 @@ from ft_monitor.launcher.events import EventLog
 from ft_monitor.launcher.goodput import Goodput, Incident, goodput
 from ft_monitor.launcher.metrics import RankView, Snapshot
 from ft_monitor.launcher.slow_ranks import MIN_SAMPLES, SlowVerdict, judge
-from ft_monitor.launcher.step_exchange import exchange_step_times
+from ft_monitor.launcher.step_exchange import STEP_TIMES_INDEX_KEY, exchange_step_times
 from ft_monitor.launcher.stop_signal import reraise_stop
 from ft_monitor.launcher.store_auth import StoreChannel
+from ft_monitor.launcher.store_board import IndexReader
 from ft_monitor.launcher.torch_events import TorchMetrics
 
 log = logging.getLogger("ft_monitor.launcher")
@@ -119,6 +120,7 @@ class Telemetry:
         self._exchanged_at = -1e18
         self._bad_values: set[bytes] = set()
         self._listed_in: Any = None
+        self._step_index: IndexReader | None = None
         """The round's store whose step-times index lists this node (step_exchange.py)."""
         self.snapshot = Snapshot(start=self.start)
         self.metrics_url: str | None = None
@@ -480,9 +482,12 @@ class Telemetry:
 
         channel = StoreChannel(self.job_secret, wg.spec.rdzv_handler.get_run_id(),
                                rendezvous_round(wg.spec.rdzv_handler, 0))  # its step times: this round's only
+        if self._step_index is None or self._step_index.nodes != wg.group_world_size:
+            self._step_index = IndexReader(STEP_TIMES_INDEX_KEY, wg.group_world_size)
         try:
             medians, listed = exchange_step_times(wg.store, channel, wg.group_rank, wg.group_world_size, section, local,
-                                                  self.host, self._bad_values, listed=self._listed_in is wg.store)
+                                                  self.host, self._bad_values, listed=self._listed_in is wg.store,
+                                                  index=self._step_index)
             self.remote_medians.update(medians)
             self._listed_in = wg.store if listed else None
         except Exception as e:  # noqa: BLE001 - slow-rank comparison across nodes is best effort

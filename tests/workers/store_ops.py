@@ -3,7 +3,8 @@ the operations given as JSON on argv[2] against 127.0.0.1:argv[1], then prints "
 
 Operations: ``["add", key, n]``, ``["copy", from_key, to_key]``, ``["set", key, latin-1 text]``,
 ``["print", key]`` (the value in hex on a line of its own), ``["append", key, latin-1 text]``,
-``["exists", key]`` (``True`` or ``False`` on a line of its own). The tests run it as another
+``["exists", key]`` (``True`` or ``False`` on a line of its own), ``["fill", key, n]`` (``n`` bytes
+of ``"0,"``, an index grown by someone else). The tests run it as another
 user (uid 65534) where they can."""
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ def main() -> None:
             store.set(args[0], args[1].encode("latin-1"))
         elif op == "append":
             store.append(args[0], args[1].encode("latin-1"))
+        elif op == "fill":
+            store.set(args[0], (b"0," * (int(args[1]) // 2 + 1))[:int(args[1])])
         elif op == "exists":
             print(store.check([args[0]]), flush=True)
         elif op == "print":

@@ -7,6 +7,7 @@ descriptors, the monitor's close), written in this file: the real client is ft_c
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import mmap
@@ -21,7 +22,7 @@ import pytest
 from ft_client import RankMonitorClient, snapshot_format, wire
 from ft_client.observer import status
 from ft_monitor.core.status import MonitorStatus, format_status
-from ft_monitor.daemon.snapshot_memory import HEADER_SIZE, SnapshotMemory, read_meminfo
+from ft_monitor.daemon.snapshot_memory import HEADER_SIZE, SnapshotMemory, allocate_pages, read_meminfo
 from tests.test_client_states import QUIET, ThreadDaemon
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -303,6 +304,151 @@ def test_the_memory_outlives_rank_sessions_and_goes_with_the_daemon(workdir: Pat
             assert not name_of(fd).startswith("/memfd:ft-snapshot-own")
         except FileNotFoundError:
             pass
+
+
+def allocated(fd: int) -> int:
+    """Bytes of the file's pages that exist (shmem: allocated, counted against the host's memory)."""
+    return os.fstat(fd).st_blocks * 512
+
+
+def memfds() -> list[str]:
+    """The snapshot memory files this process has open (the daemon runs in it)."""
+    found = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if target.startswith("/memfd:ft-snapshot-"):
+            found.append(target)
+    return found
+
+
+def test_a_grant_allocates_its_pages_and_a_growth_keeps_the_snapshot(workdir: Path,
+                                                                    started: list[ThreadDaemon]) -> None:
+    """Reserved as granted (fallocate), not when the rank writes: the pages exist at once, on
+    the real memfds, sealed against shrinking, grown in place."""
+    d, sock = serve(workdir, started)
+    r = ask(sock, "own", 64 * MiB)
+    assert r.session["bytes"] == 64 * MiB and len(r.fds) == 2
+    for fd in r.fds:
+        assert os.fstat(fd).st_size == 64 * MiB
+        assert allocated(fd) >= 64 * MiB  # allocated, not only sized
+        assert seals(fd) == fcntl.F_SEAL_SHRINK
+    for i, fd in enumerate(r.fds):  # a complete snapshot in each buffer, its last byte too
+        os.pwrite(fd, f"step{i}".encode(), 0)
+        os.pwrite(fd, f"tail{i}".encode(), 64 * MiB - 5)
+    r.close()
+
+    grown = ask(sock, "own", 96 * MiB)
+    assert grown.session["bytes"] == 96 * MiB and grown.session["held"] == 2 * 96 * MiB
+    for i, fd in enumerate(grown.fds):
+        assert os.fstat(fd).st_size == 96 * MiB and allocated(fd) >= 96 * MiB
+        assert os.pread(fd, 5, 0) == f"step{i}".encode() and os.pread(fd, 5, 64 * MiB - 5) == f"tail{i}".encode()
+        assert os.pread(fd, 4096, 64 * MiB) == bytes(4096)
+    grown.close()
+
+
+def _no_memory(fd: int, offset: int, length: int) -> None:
+    raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+
+
+def test_pages_that_cannot_be_allocated_refuse_the_grant_and_keep_what_is_held(
+        workdir: Path, started: list[ThreadDaemon], caplog: pytest.LogCaptureFixture) -> None:
+    d, sock = serve(workdir, started)
+    before = memfds()
+    memory(d).allocate = _no_memory  # the seam: posix_fallocate by default
+    with caplog.at_level(logging.WARNING, "ft_monitor.server"):
+        r = ask(sock, "own", 8 * MiB)
+    message = ("2 x 8.0 MiB of snapshot memory asked (own) could not be reserved: the host did not allocate its "
+               "pages (fallocate: Cannot allocate memory); none was made")
+    assert r.closed and (r.error.code, r.error.message) == (wire.ErrorCode.BAD_REQUEST, message)
+    assert [rec.getMessage() for rec in caplog.records] == [f"refused snapshot memory to pid {os.getpid()}: {message}"]
+    assert memory(d).pairs == {} and memfds() == before  # the files made for it are closed
+    assert status(str(sock))["snapshots"] == {"held": 0, "limit": 16 * GiB, "own": None, "peer": None}
+
+    # a pair held, with a snapshot in it: a growth that cannot be allocated leaves it as it was
+    memory(d).allocate = allocate_pages
+    held = ask(sock, "own", 4 * MiB)
+    for fd in held.fds:
+        os.pwrite(fd, b"step1", 0)
+        os.pwrite(fd, b"tail", 4 * MiB - 4)
+    memory(d).allocate = _no_memory
+    r = ask(sock, "own", 8 * MiB)
+    assert r.error.message == ("2 x 8.0 MiB of snapshot memory asked (own) could not be reserved: the host did not "
+                               "allocate its pages (fallocate: Cannot allocate memory); the snapshot memory held is "
+                               "kept, with its contents")
+    for fd in held.fds:
+        assert os.fstat(fd).st_size == 4 * MiB and allocated(fd) >= 4 * MiB
+        assert os.pread(fd, 5, 0) == b"step1" and os.pread(fd, 4, 4 * MiB - 4) == b"tail"
+    assert memory(d).pairs["own"].sizes == [4 * MiB, 4 * MiB]
+
+    # half-way: the first buffer grows (allocated; it can never shrink), the second cannot
+    calls: list[int] = []
+
+    def first_only(fd: int, offset: int, length: int) -> None:
+        calls.append(fd)
+        if len(calls) > 1:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        allocate_pages(fd, offset, length)
+
+    memory(d).allocate = first_only
+    r = ask(sock, "own", 8 * MiB)
+    assert r.error.message.endswith("(fallocate: No space left on device); the snapshot memory held is kept, with "
+                                    "its contents")
+    assert [os.fstat(fd).st_size for fd in held.fds] == [8 * MiB, 4 * MiB] and allocated(held.fds[0]) >= 8 * MiB
+    for fd in held.fds:
+        assert os.pread(fd, 5, 0) == b"step1" and os.pread(fd, 4, 4 * MiB - 4) == b"tail"
+    # counted as held; the pair's capacity is the smaller buffer's
+    assert status(str(sock))["snapshots"]["held"] == 12 * MiB
+    assert status(str(sock))["snapshots"]["own"]["bytes"] == 4 * MiB
+    # and the next request grows the other one only
+    calls.clear()
+
+    def counted(fd: int, offset: int, length: int) -> None:
+        calls.append(fd)
+        allocate_pages(fd, offset, length)
+
+    memory(d).allocate = counted
+    ok = ask(sock, "own", 8 * MiB)
+    assert ok.session["bytes"] == 8 * MiB and ok.session["held"] == 16 * MiB
+    assert calls == [memory(d).pairs["own"].fds[1]]
+    assert [os.fstat(fd).st_size for fd in held.fds] == [8 * MiB, 8 * MiB] and allocated(held.fds[1]) >= 8 * MiB
+    for x in (held, ok):
+        x.close()
+
+
+def test_a_reserve_eaten_meanwhile_is_logged_and_the_grant_stands(workdir: Path, started: list[ThreadDaemon],
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """Two monitors deciding at the same moment: MemAvailable, read again once the pages are
+    allocated, is under the reserve. The grant is kept, and the log says so."""
+    d, sock = serve(workdir, started)
+    readings = [(8 * GiB, 16 * GiB), (GiB // 2, 16 * GiB)]  # before the decision, after the allocation
+    seen: list[tuple[int, int]] = []
+
+    def meminfo() -> tuple[int, int]:
+        seen.append(readings[min(len(seen), len(readings) - 1)])
+        return seen[-1]
+
+    memory(d).meminfo = meminfo
+    with caplog.at_level(logging.INFO, "ft_monitor.server"):
+        r = ask(sock, "own", 2 * MiB)
+    assert r.session["bytes"] == 2 * MiB and len(r.fds) == 2 and len(seen) == 2
+    lines = [(rec.levelno, rec.getMessage()) for rec in caplog.records if "snapshot memory" in rec.getMessage()]
+    assert lines == [
+        (logging.WARNING, "snapshot memory (own), 2 x 2.0 MiB: the host has 512.0 MiB available (MemAvailable) "
+                          "once this grant's pages are allocated, under the 1.0 GiB it keeps in reserve: something "
+                          "else took memory since the decision (another monitor granting at the same moment?); the "
+                          "grant stands"),
+        (logging.INFO, f"snapshot memory (own) handed to pid {os.getpid()}: 2 x 2.0 MiB; 4.0 MiB held of 16.0 GiB "
+                       "(grown by 4.0 MiB, allocated)")]
+    r.close()
+    # asked again at the size held: nothing allocated, MemAvailable read once (the decision), nothing logged
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, "ft_monitor.server"):
+        again = ask(sock, "own", 2 * MiB)
+    assert again.session["bytes"] == 2 * MiB and len(seen) == 3 and caplog.records == []
+    again.close()
 
 
 def test_meminfo_is_read_in_bytes(tmp_path: Path) -> None:

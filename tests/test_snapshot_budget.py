@@ -13,6 +13,8 @@ from ft_monitor.core.snapshot_budget import (
     capacity_for,
     decide,
     host_reserve,
+    reservation_refusal,
+    reserve_eaten,
     size_text,
 )
 
@@ -98,3 +100,25 @@ def test_more_than_the_host_has_is_refused_with_both_numbers() -> None:
 def test_the_limit_is_checked_before_the_host() -> None:
     d = ask(asked=4 * GiB, limit=GiB, available=0, total=8 * GiB)
     assert d.refusal is not None and d.refusal.endswith("snapshot_max_bytes is 1.0 GiB")
+
+
+def test_a_grant_whose_pages_cannot_be_allocated_is_refused_saying_what_is_kept() -> None:
+    assert reservation_refusal(kind="own", capacity=64 * MiB, held_capacity=0, error="Cannot allocate memory") == (
+        "2 x 64.0 MiB of snapshot memory asked (own) could not be reserved: the host did not allocate its pages "
+        "(fallocate: Cannot allocate memory); none was made")
+    assert reservation_refusal(kind="peer", capacity=GiB, held_capacity=256 * MiB,
+                               error="No space left on device") == (
+        "2 x 1.0 GiB of snapshot memory asked (peer) could not be reserved: the host did not allocate its pages "
+        "(fallocate: No space left on device); the snapshot memory held is kept, with its contents")
+
+
+def test_a_reserve_eaten_after_the_allocation_is_worded_and_a_whole_one_is_not() -> None:
+    # 64 GiB host: the reserve is 3.2 GiB
+    assert reserve_eaten(available=3 * GiB, total=64 * GiB) == (
+        "the host has 3.0 GiB available (MemAvailable) once this grant's pages are allocated, under the 3.2 GiB "
+        "it keeps in reserve: something else took memory since the decision (another monitor granting at the "
+        "same moment?); the grant stands")
+    assert reserve_eaten(available=host_reserve(64 * GiB), total=64 * GiB) is None  # exactly the reserve: whole
+    assert reserve_eaten(available=host_reserve(64 * GiB) - 1, total=64 * GiB) is not None
+    assert reserve_eaten(available=GiB // 2, total=None) is not None  # MemTotal unknown: the 1 GiB floor
+    assert reserve_eaten(available=None, total=64 * GiB) is None  # MemAvailable unknown: nothing to say

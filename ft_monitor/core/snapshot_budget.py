@@ -12,6 +12,14 @@ snapshot must survive the growth).
 (``snapshot_max_bytes``), what the monitor holds, what the host has (``MemAvailable`` and
 ``MemTotal``, read by the daemon). Only the growth counts: a pair asked again at the size
 it has costs nothing. The daemon (daemon/snapshot_memory.py) reads the numbers and acts.
+
+A grant is reserved when it is made: the daemon allocates the buffers' pages
+(``fallocate``), so the host's MemAvailable drops at once and the next decision, this
+monitor's or another's on the same host, sees the memory gone. What that can come to is
+worded here too, from numbers and the error's text alone: `reservation_refusal` (the pages
+could not be allocated: the grant is refused) and `reserve_eaten` (MemAvailable, read again
+once the pages are allocated, is under the reserve: two monitors decided at the same
+moment, or something else took memory meanwhile; the grant stands, the log says so).
 """
 
 from __future__ import annotations
@@ -52,6 +60,10 @@ def size_text(n: int) -> str:
     return f"{value:.1f} {unit}"
 
 
+def _asked_text(kind: str, capacity: int) -> str:
+    return f"{BUFFERS} x {size_text(capacity)} of snapshot memory asked ({kind})"
+
+
 @dataclass(frozen=True, slots=True)
 class Decision:
     """What a request comes to."""
@@ -76,7 +88,7 @@ def decide(*, kind: str, asked: int, held_capacity: int, held_total: int, limit:
     checked) of ``total`` (MemTotal)?"""
     capacity = max(capacity_for(asked), held_capacity)
     growth = BUFFERS * (capacity - held_capacity)
-    asked_text = f"{BUFFERS} x {size_text(capacity)} of snapshot memory asked ({kind})"
+    asked_text = _asked_text(kind, capacity)
     if limit == 0:
         return Decision(held_capacity, 0, f"snapshots are off on this monitor: {SETTING} is 0")
     if held_total + growth > limit:
@@ -90,3 +102,28 @@ def decide(*, kind: str, asked: int, held_capacity: int, held_total: int, limit:
                                               f"{size_text(reserve)} in reserve (the larger of 1 GiB and 5% of "
                                               "MemTotal)")
     return Decision(capacity, growth)
+
+
+def reservation_refusal(*, kind: str, capacity: int, held_capacity: int, error: str) -> str:
+    """Why a grant that `decide` allowed is refused after all: allocating the pages of the
+    ``kind`` pair's buffers up to ``capacity`` bytes each failed with ``error`` (the OS's
+    words: ``Cannot allocate memory``, ``No space left on device``). ``held_capacity``: what
+    the pair held before (0: it was being made, and nothing is held)."""
+    kept = "the snapshot memory held is kept, with its contents" if held_capacity else "none was made"
+    return (f"{_asked_text(kind, capacity)} could not be reserved: the host did not allocate its pages "
+            f"(fallocate: {error}); {kept}")
+
+
+def reserve_eaten(*, available: int | None, total: int | None) -> str | None:
+    """Once a grant's pages are allocated, MemAvailable read again (``available``, of
+    ``total``): what to log if the host now has less available than the reserve it keeps
+    (another monitor granted at the same moment, or something else took memory); None when
+    the reserve is whole or the numbers are unknown. The grant stands either way."""
+    if available is None:
+        return None
+    reserve = host_reserve(total)
+    if available >= reserve:
+        return None
+    return (f"the host has {size_text(available)} available (MemAvailable) once this grant's pages are "
+            f"allocated, under the {size_text(reserve)} it keeps in reserve: something else took memory since "
+            "the decision (another monitor granting at the same moment?); the grant stands")

@@ -8,14 +8,13 @@ again and maps them. A monitor holds at most two such pairs: the rank's own (kin
 
 A `snapshot` connection is one request (docs/protocol.md, "Snapshots (role snapshot)"):
 HELLO with ``{"pid", "kind", "bytes"}``; the monitor makes the kind's pair, or grows both
-of its buffers in place (``ftruncate``, which keeps their contents: the newest complete
-snapshot survives), never shrinks it and never makes it anew, within the budget that
-`core.snapshot_budget.decide` rules on (``snapshot_max_bytes``, and the host's
-``MemAvailable`` less a reserve, read here from /proc/meminfo); it answers HELLO_OK with
-the two descriptors attached (SCM_RIGHTS), or ERROR ``bad_request`` saying why, and closes
-the connection once the reply is flushed. Any process of the monitor's user may ask
-(the socket already admits no one else); no rank connection is needed (a rank's new
-process restores before it starts monitoring).
+of its buffers in place (their contents stay: the newest complete snapshot survives), never
+shrinks it and never makes it anew, within the budget that `core.snapshot_budget.decide`
+rules on (``snapshot_max_bytes``, and the host's ``MemAvailable`` less a reserve, read here
+from /proc/meminfo); it answers HELLO_OK with the two descriptors attached (SCM_RIGHTS), or
+ERROR ``bad_request`` saying why, and closes the connection once the reply is flushed. Any
+process of the monitor's user may ask (the socket already admits no one else); no rank
+connection is needed (a rank's new process restores before it starts monitoring).
 
 Each buffer is ``memfd_create("ft-snapshot-<kind>-<i>", MFD_CLOEXEC | MFD_ALLOW_SEALING)``,
 sized to whole pages and sealed ``F_SEAL_SHRINK`` only (a shrunk file under a mapping
@@ -25,6 +24,38 @@ and never reads the tensor bytes: STATUS reads at most each buffer's header
 `ft_client.snapshot_format.describe`, a reader that never raises. The descriptors live as
 long as the daemon (closed at its shutdown), not as long as a rank's session or process:
 that is the point.
+
+A grant is reserved when it is made, not when the rank writes. ``ftruncate`` alone only sets
+a size, and shmem pages come when first written: two monitors on a host could each be
+granted most of its free memory, and their ranks learn it from the OOM killer mid-save.
+So a buffer is made or grown by ``posix_fallocate(fd, 0, capacity)`` (`allocate_pages`, the
+seam tests replace), which on a memfd allocates every page up to ``capacity`` at once (the
+host's MemAvailable drops, and the next decision, this monitor's or another's, sees it) and
+extends the size; then ``ftruncate(fd, capacity)``, a no-op after it (it sets the size where
+an allocator did not). Allocating before sizing, not after, keeps a failure clean: a failed
+fallocate leaves the size as it was and frees only the pages it allocated (those written
+before stay), whereas a file grown by ``ftruncate`` first could never be brought back
+(``F_SEAL_SHRINK``) and would keep a size with no pages behind it, the very state this
+prevents. When the pages cannot be allocated (``ENOMEM``, ``ENOSPC``, ...) the grant is
+refused with ERROR ``bad_request`` (`core.snapshot_budget.reservation_refusal`): a pair being
+made is closed, nothing held; a pair held keeps its contents. Its two buffers are grown one
+after the other: if the second fails, the first stays grown (it cannot shrink), allocated
+and counted in what the monitor holds, the pair's capacity is the smaller one, and the next
+request grows the other. The kernel does not always answer short memory with an error:
+past what the host really has, the allocation may wake the OOM killer instead, as any
+would; the budget's check of MemAvailable before allocating is what keeps a grant from
+that. Allocating takes time (the kernel zeroes each page: several GiB/s, seconds for a pair
+of many GiB) during which the daemon's loop waits; it happens only when a pair is made or
+grows, not when a rank's new process asks again for what is held.
+
+Two monitors may still decide at the same moment, both from the MemAvailable before either
+allocated. So once a grant's pages are allocated, MemAvailable is read again, and if it is
+now under the reserve the log says so (WARNING, `core.snapshot_budget.reserve_eaten`) and
+the grant stands: its pages are allocated and the monitor's, the decision was right on the
+numbers it had, and refusing now would throw away memory already reserved (a grown buffer
+could not even give it back) and could leave both racing ranks without a snapshot where one
+would have been refused. The reserve is a margin the budget keeps, not a limit the kernel
+enforces.
 """
 
 from __future__ import annotations
@@ -37,7 +68,15 @@ from typing import Any
 
 from ft_client import snapshot_format, wire
 from ft_client.errors import FtError
-from ft_monitor.core.snapshot_budget import BUFFERS, KINDS, Decision, decide, size_text
+from ft_monitor.core.snapshot_budget import (
+    BUFFERS,
+    KINDS,
+    Decision,
+    decide,
+    reservation_refusal,
+    reserve_eaten,
+    size_text,
+)
 from ft_monitor.core.status import SnapshotPair, SnapshotsStatus, newest_complete_step
 from ft_monitor.daemon.connection import Connection
 
@@ -72,15 +111,20 @@ def read_meminfo(path: str = MEMINFO) -> tuple[int | None, int | None]:
     return found.get("MemAvailable"), found.get("MemTotal")
 
 
-def _make_buffer(kind: str, index: int, size: int) -> int:
-    fd = os.memfd_create(f"ft-snapshot-{kind}-{index}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    try:
-        os.ftruncate(fd, size)
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
-    except OSError:
-        os.close(fd)
-        raise
-    return fd
+Allocate = Callable[[int, int, int], None]
+"""Allocates a file's pages from an offset for a length, growing it to offset + length;
+raises OSError when it cannot (`allocate_pages`)."""
+
+
+def allocate_pages(fd: int, offset: int, length: int) -> None:
+    """``posix_fallocate``: on a memfd, every page of the range allocated now (MemAvailable
+    drops), the size extended to ``offset + length`` only on success; a failure frees the
+    pages it allocated and keeps those written before."""
+    os.posix_fallocate(fd, offset, length)
+
+
+class _NotReserved(Exception):
+    """Allocating a buffer's pages failed (`allocate_pages`' OSError, as its cause)."""
 
 
 class _Pair:
@@ -106,10 +150,12 @@ class SnapshotMemory:
     """The snapshot memory one monitor holds, by kind."""
 
     def __init__(self, limit: int, *, meminfo: Callable[[], tuple[int | None, int | None]] = read_meminfo,
-                 describe: Describe = snapshot_format.describe) -> None:
+                 describe: Describe = snapshot_format.describe, allocate: Allocate = allocate_pages) -> None:
         self.limit = limit
         """snapshot_max_bytes."""
         self.meminfo = meminfo
+        self.allocate = allocate
+        """Allocates a buffer's pages as it is made or grown (`allocate_pages`)."""
         self.describe = describe
         """Reads a buffer's header for STATUS."""
         self.pairs: dict[str, _Pair] = {}
@@ -151,7 +197,7 @@ class SnapshotMemory:
         log.info("snapshot memory (%s) handed to pid %d: %s; %s held of %s (%s)", kind, conn.pid,
                  f"{len(fds)} x {size_text(decision.capacity)}" if fds else "none held",
                  size_text(self.held), size_text(self.limit),
-                 f"grown by {size_text(decision.growth)}" if decision.growth else "as held")
+                 f"grown by {size_text(decision.growth)}, allocated" if decision.growth else "as held")
         conn.close()  # the transport sends what it still holds first
 
     def _refuse(self, conn: Connection, why: str) -> None:
@@ -160,8 +206,9 @@ class SnapshotMemory:
 
     def grant(self, kind: str, asked: int) -> tuple[Decision, list[int]]:
         """Make or grow the ``kind`` pair to hold ``asked`` bytes per buffer, if the budget
-        allows: the decision, and the pair's descriptors (still the monitor's; none when
-        refused or when nothing is held and nothing was asked)."""
+        allows, its pages allocated: the decision, and the pair's descriptors (still the
+        monitor's; none when refused or when nothing is held and nothing was asked). Raises
+        SnapshotMemoryError when the memory cannot be made, grown or allocated."""
         pair = self.pairs.get(kind)
         held_capacity = pair.capacity if pair is not None else 0
         available, total = self.meminfo() if self.limit else (None, None)
@@ -169,13 +216,33 @@ class SnapshotMemory:
                    available=available, total=total)
         if not d.ok:
             return d, []
-        if pair is None:
-            if not d.capacity:
-                return d, []
-            pair = self.pairs[kind] = self._make(kind, d.capacity)
-        elif d.capacity > held_capacity:
-            self._grow(kind, pair, d.capacity)
+        try:
+            if pair is None:
+                if not d.capacity:
+                    return d, []
+                pair = self.pairs[kind] = self._make(kind, d.capacity)
+            elif d.capacity > held_capacity:
+                self._grow(kind, pair, d.capacity)
+        except _NotReserved as e:
+            cause = e.__cause__
+            error = (cause.strerror if isinstance(cause, OSError) else None) or str(cause)
+            raise SnapshotMemoryError(reservation_refusal(kind=kind, capacity=d.capacity,
+                                                          held_capacity=held_capacity, error=error)) from cause
+        if d.growth:
+            available, total = self.meminfo()
+            eaten = reserve_eaten(available=available, total=total)
+            if eaten:
+                log.warning("snapshot memory (%s), %d x %s: %s", kind, BUFFERS, size_text(d.capacity), eaten)
         return d, list(pair.fds)
+
+    def _reserve(self, fd: int, capacity: int) -> None:
+        """``fd``'s pages allocated up to ``capacity``, and its size that: all, or (raising
+        _NotReserved) the file as it was."""
+        try:
+            self.allocate(fd, 0, capacity)
+        except OSError as e:
+            raise _NotReserved from e
+        os.ftruncate(fd, capacity)  # a no-op: the allocation grew it (unless an allocator did not)
 
     def _make(self, kind: str, capacity: int) -> _Pair:
         if not hasattr(os, "memfd_create") or not hasattr(fcntl, "F_ADD_SEALS"):
@@ -184,21 +251,27 @@ class SnapshotMemory:
         fds: list[int] = []
         try:
             for i in range(BUFFERS):
-                fds.append(_make_buffer(kind, i, capacity))
-        except OSError as e:
-            for fd in fds:
+                fds.append(os.memfd_create(f"ft-snapshot-{kind}-{i}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING))
+                self._reserve(fds[-1], capacity)
+                fcntl.fcntl(fds[-1], fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+        except (OSError, _NotReserved) as e:
+            for fd in fds:  # nothing made is kept: the pages go with the files
                 os.close(fd)
+            if isinstance(e, _NotReserved):
+                raise
             raise SnapshotMemoryError(f"cannot make the snapshot memory ({kind}, {BUFFERS} x "
                                       f"{size_text(capacity)}): {e.strerror or e}") from e
         return _Pair(fds, [capacity] * BUFFERS)
 
     def _grow(self, kind: str, pair: _Pair, capacity: int) -> None:
-        """Both buffers to ``capacity`` in place: their contents stay."""
+        """Both buffers to ``capacity`` in place, their pages allocated: their contents stay.
+        One after the other: a buffer that could not be grown stays as it was (and the
+        one grown before it stays grown, counted in `sizes`)."""
         for i, fd in enumerate(pair.fds):
             if pair.sizes[i] >= capacity:
                 continue
             try:
-                os.ftruncate(fd, capacity)
+                self._reserve(fd, capacity)
             except OSError as e:
                 raise SnapshotMemoryError(f"cannot grow the snapshot memory ({kind}) to {BUFFERS} x "
                                           f"{size_text(capacity)}: {e.strerror or e}") from e

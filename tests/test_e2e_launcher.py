@@ -223,7 +223,7 @@ def test_two_launchers_a_rank_killed_with_sigkill_is_named_on_both_nodes(workdir
 
 
 @pytest.mark.parametrize("warm", [False, True], ids=["new interpreters", "forked"])
-def test_the_job_secret_reaches_no_worker(workdir: Path, warm: bool) -> None:
+def test_the_job_secret_reaches_no_worker_and_fr_dumps_stay_private(workdir: Path, warm: bool) -> None:
     # issue 38: with FT_JOB_SECRET in the launcher's environment, every cold worker had it in os.environ and
     # /proc/self/environ (torch builds a worker's environment from a copy of the launcher's), and every
     # warm-forked one from the template's environment; the test checked torch's per-worker dict, not a worker
@@ -234,6 +234,9 @@ def test_the_job_secret_reaches_no_worker(workdir: Path, warm: bool) -> None:
     # two workers print at once: their lines can run together
     probes = sorted(re.findall(r"probe rank (\d): environ=(\w+) file_env=(\w+) block=(\w+) key=(\w+)", la.output()))
     assert probes == [(r, "False", "False", "False", "True") for r in ("0", "1")], la.output()
+    # and torch's Flight Recorder dumps go to the worker's private attempt directory, not to /tmp/nccl_trace_rank_N
+    places = sorted(re.findall(r"probe rank (\d): fr_beside_error_file=(\w+) fr_old_name=(\w+)", la.output()))
+    assert places == [(r, "True", "True") for r in ("0", "1")], la.output()
 
 
 def test_no_progress_stops_restarting_early(workdir: Path) -> None:

@@ -169,6 +169,23 @@ def test_the_launcher_hands_process_group_timeout_to_each_worker() -> None:
     assert process_group_timeout(environ=ft.worker_env(0)) == timedelta(seconds=300)
 
 
+def test_flight_recorder_dumps_go_to_the_first_private_place(tmp_path: Path) -> None:
+    """Issue 38: torch's default is /tmp/nccl_trace_rank_<rank>, a name anyone can plant first."""
+    from ft_monitor.launcher.worker_env import fr_dump_prefix
+
+    private, open_to_all, attempt = tmp_path / "reports", tmp_path / "shared", tmp_path / "attempt_0" / "1"
+    for d in (private, open_to_all, attempt):
+        d.mkdir(parents=True)
+    open_to_all.chmod(0o777)
+    error_file = str(attempt / "error.json")
+    assert fr_dump_prefix(error_file, str(private)) == f"{private}/flight_recorder_rank_"
+    assert fr_dump_prefix(error_file, None) == f"{attempt}/flight_recorder_rank_"
+    assert fr_dump_prefix(error_file, str(open_to_all)) == f"{attempt}/flight_recorder_rank_"
+    assert fr_dump_prefix(os.devnull, str(open_to_all)) is None
+    (tmp_path / "link").symlink_to("/tmp")
+    assert fr_dump_prefix(str(tmp_path / "link" / "error.json"), None) is None  # /tmp: others write there
+
+
 # -- the torch the launcher runs on ---------------------------------------------------------
 def test_the_installed_torch_has_every_internal_the_launcher_relies_on() -> None:
     assert torch_support.missing() == []

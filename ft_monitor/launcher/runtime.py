@@ -73,6 +73,11 @@ class FtRuntime:
             out[MODULES_FILE_ENV] = modules_file
         return out
 
+    @property
+    def report_dir(self) -> str | None:
+        """report_dir as configured (None: each rank's reports and dumps go to its attempt directory)."""
+        return self.config.report_dir
+
     def inprocess_key(self, run_id: str) -> str | None:
         """The workers' $FT_INPROCESS_KEY for run ``run_id`` (None: they choose, and warn)."""
         return launcher_inprocess_key(self.job_secret, self.local_key, run_id)

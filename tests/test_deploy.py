@@ -263,9 +263,21 @@ def configmap_config(tmp_path: Path) -> FaultToleranceConfig:
 
 def test_k8s_manifest_kinds() -> None:
     objs = k8s_objects()
-    assert set(objs) == {"ConfigMap", "Service", "Job"}
+    assert set(objs) == {"ConfigMap", "Service", "Job", "NetworkPolicy"}
     assert objs["Job"]["apiVersion"] == "batch/v1"
     assert {objs["ConfigMap"]["apiVersion"], objs["Service"]["apiVersion"]} == {"v1"}
+
+
+def test_k8s_only_the_jobs_pods_reach_the_rendezvous_store() -> None:
+    """Issue 38: the store has no authentication and torch's rendezvous state in it is a pickle."""
+    objs = k8s_objects()
+    policy, labels = objs["NetworkPolicy"], objs["Job"]["spec"]["template"]["metadata"]["labels"]
+    assert policy["apiVersion"] == "networking.k8s.io/v1" and policy["spec"]["policyTypes"] == ["Ingress"]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
+    (rule,) = policy["spec"]["ingress"]
+    assert [peer["podSelector"]["matchLabels"] for peer in rule["from"]] == [policy["spec"]["podSelector"]["matchLabels"]]
+    port = int(launcher_args()["--rdzv-endpoint"].rsplit(":", 1)[1])
+    assert rule["ports"] == [{"protocol": "TCP", "port": port}]
 
 
 def test_k8s_configmap_loads_and_grace_period_covers_the_kill_escalation(tmp_path: Path) -> None:

@@ -93,6 +93,8 @@ def main() -> None:
     p.add_argument("--crash", default=None, help="rank=R,step=S,attempt=A: raise an error there")
     p.add_argument("--die", default=None, help="rank=R,step=S,attempt=A: the rank SIGKILLs itself there")
     p.add_argument("--slow", default=None, metavar="rank=R,ms=M", help="rank R loads each batch M ms slower")
+    p.add_argument("--late-init", default=None, metavar="rank=R,s=S",
+                   help="after a restart, rank R starts its process group S seconds after the others (a busy node)")
     p.add_argument("--control", default=os.environ.get("FT_DEMO_CONTROL"), metavar="STEP:ACTION",
                    help="local rank 0 sends a workload control request (ShutdownWorkload, ExcludeThisNode) at "
                         "STEP of the first attempt (or env FT_DEMO_CONTROL, e.g. set for one node only)")
@@ -114,6 +116,10 @@ def main() -> None:
     client = RankMonitorClient()
     # the configured process_group_timeout (checked at launch against the monitor's timeouts)
     pg_timeout = ft_client.process_group_timeout()
+    if args.late_init and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        late = {k: float(v) for k, v in (item.split("=", 1) for item in args.late_init.split(","))}
+        if int(late["rank"]) == int(os.environ.get("RANK", "0")):
+            time.sleep(late["s"])
     if not args.inprocess:
         dist.init_process_group("gloo", timeout=pg_timeout)
         train(args, client, {}, None)

@@ -78,6 +78,7 @@ from ft_monitor.launcher.rollcall import RollCaller
 from ft_monitor.launcher.rootcause import crash_error_data, write_error_file
 from ft_monitor.launcher.runtime import FtRuntime
 from ft_monitor.launcher.sealed import Sealer
+from ft_monitor.launcher.static_rdzv import fresh_worker_store, worker_store_address
 from ft_monitor.launcher.store_auth import CrashRecord
 from ft_monitor.launcher.worker_env import FR_BUFFER_ENV, TorchVersionError, store_address
 from ft_monitor.launcher.worker_env import started_with_ft_env as _worker_env
@@ -141,6 +142,11 @@ class FtLocalElasticAgent(HangHandling, _lea.LocalElasticAgent):
             self.nodes.leave_round(previous, previous_rank, self.rollcall.written)
         self.nodes.round = rendezvous_round(worker_group.spec.rdzv_handler, self._rounds - 1)
         self.rollcall.new_round(self.nodes.round)
+        self.ft.own_worker_store = fresh_worker_store(worker_group.spec.rdzv_handler)
+        if self.ft.own_worker_store:  # static: a worker store of the attempt's own (static_rdzv.py)
+            addr, port = worker_store_address(worker_group.spec.rdzv_handler, worker_group.store,
+                                              worker_group.group_rank or 0, self.nodes.round)
+            worker_group.master_addr, worker_group.master_port = addr, port  # type: ignore[assignment]  # torch: None
         if self.ft.restarts and self.ft.restarts[-1].rendezvous_done is None:
             self.ft.restarts[-1].rendezvous_done = time.time()
 

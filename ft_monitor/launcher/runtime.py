@@ -18,6 +18,7 @@ from ft_monitor.launcher.inprocess import InprocessLedger
 from ft_monitor.launcher.monitors import MonitorPool
 from ft_monitor.launcher.progress import ProgressTracker
 from ft_monitor.launcher.restarts import RestartTiming
+from ft_monitor.launcher.static_rdzv import USE_AGENT_STORE_ENV
 from ft_monitor.launcher.worker_env import worker_variables
 from ft_monitor.processes.procinfo import descends_from
 
@@ -59,6 +60,8 @@ class FtRuntime:
     """``host:port`` of the rendezvous store, given to the workers for the in-process Wrapper."""
     warm: Any = None
     """`warm.WarmStarts` with ``--ft-warm-restart``: restarts fork their workers from a template."""
+    own_worker_store: bool = False
+    """The workers get a store of the attempt's own, not the agent's (static_rdzv.py)."""
 
     def is_worker(self, pid: int) -> bool:
         """A current worker, or a process it started (a workload request may come from either)."""
@@ -68,6 +71,8 @@ class FtRuntime:
         """The variables `worker_env.started_with_ft_env` adds to this worker's environment."""
         out = worker_variables(self.config, self.monitors.socket(local_rank), self.server.path,
                                self.inprocess_store)
+        if self.own_worker_store:  # global rank 0 hosts it at MASTER_PORT (static_rdzv.py)
+            out[USE_AGENT_STORE_ENV] = str(False)
         modules_file = self.warm.modules_file(local_rank) if self.warm is not None else None
         if modules_file is not None:
             out[MODULES_FILE_ENV] = modules_file

@@ -1,0 +1,55 @@
+"""Issue 39, item 1: a restart under every rendezvous torchrun accepts. torch's static
+rendezvous (``--master-port``, with ``--node-rank`` and ``--master-addr`` on several nodes, the
+way many Slurm scripts start torchrun) always shared the agent's store with the workers, whose
+keys carry no attempt: attempt 1's gloo read attempt 0's peer addresses and died in
+``connectFullMesh ... Connection refused`` (4 of 4 runs), or hung there. c10d is every other
+launcher test's rendezvous; etcd is issue 43's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ft_monitor.launcher import exit_codes
+from tests.launchers import JOB_SECRET, Launcher
+from tests.procs import free_port
+
+pytestmark = pytest.mark.e2e
+
+HANG = ("--hang", "rank=1,step=12,attempt=0", "--late-init", "rank=1,s=2")
+
+
+def _finished(*nodes: Launcher) -> str:
+    out = "".join(n.output() for n in nodes)
+    assert "finished 30 steps" in out and "resumed at step 10" in out, out
+    return out
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["new interpreters", "forked"])
+def test_one_launcher_with_a_master_port_restarts_after_a_hang(workdir: Path, warm: bool) -> None:
+    la = Launcher(workdir, "--max-restarts", "2", train_args=HANG, warm=warm,
+                  launcher_flags=("--nnodes", "1", "--master-addr", "127.0.0.1", "--master-port", str(free_port())))
+    la.succeed()
+    _finished(la)
+    assert [h["rank"] for h in la.summary()["hangs"]] == [1]
+    assert len(la.summary()["attempts"]) == 2
+
+
+def test_two_launchers_with_node_ranks_and_a_master_port_restart_after_a_hang(workdir: Path) -> None:
+    port = str(free_port())
+    nodes = [Launcher(workdir, "--max-restarts", "2", train_args=("--hang", "rank=3,step=12,attempt=0", "--late-init", "rank=3,s=2"),
+                      name=f"node{g}", env=JOB_SECRET, warm=g == 0,
+                      launcher_flags=("--nnodes", "2", "--node-rank", str(g), "--master-addr", "127.0.0.1",
+                                      "--master-port", port))
+             for g in range(2)]
+    try:
+        for node in nodes:
+            assert node.wait() == exit_codes.SUCCESS, node.output()
+    finally:
+        for node in nodes:
+            node.kill()
+    _finished(*nodes)
+    hangs = nodes[0].summary()["hangs"] + nodes[1].summary()["hangs"]
+    assert {h["rank"] for h in hangs} == {3}, hangs
+    assert all(len(n.summary()["attempts"]) == 2 for n in nodes)

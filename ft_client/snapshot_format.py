@@ -16,16 +16,19 @@ the other buffer of the pair still holds the previous snapshot whole.
 Everything here is pure and imports no torch: `parse_header`, `decode_layout` and
 `check` take bytes someone else wrote (the monitor's memory, a peer's copy) and
 return a value or raise `SnapshotFormatError`, nothing else. The layout is msgpack
-with two extension types of ours (a tensor reference, a tuple): nothing is unpickled.
+with two extension types of ours (a tensor reference, a tuple): nothing is unpickled, and
+`decode_layout` decodes it iteratively, within bounds of depth and size (another process can
+write any layout and recompute the checksum, which has no key).
 """
 
 from __future__ import annotations
 
 import math
 import mmap
+import reprlib
 import struct
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -220,74 +223,145 @@ def encode_layout(tree: Any, tensors: Sequence[TensorSpec]) -> bytes:
 
 
 MAX_TUPLE_DEPTH = 100
-"""Tuples nested deeper than this refuse the layout (as `_check_refs` refuses a deeper tree)."""
+"""Tuples nested deeper than this refuse the layout."""
+MAX_TREE_DEPTH = 100
+"""A tree nested deeper than this refuses the layout (`_flatten` refuses to save one)."""
+TUPLE_BYTES_FACTOR = 8
+TUPLE_BYTES_SLACK = 1 << 20
+"""A tuple's bytes are decoded again inside each tuple around it: all tuples' bytes together may
+be at most TUPLE_BYTES_FACTOR times the layout's length plus TUPLE_BYTES_SLACK (room for small
+tuples nested deep), so that a layout cannot make the decoder do quadratic work."""
+_TENSOR_REF_BYTES = 9  # the longest msgpack int
+_LEAVES = frozenset({type(None), bool, int, float, str, bytes})
+
+
+class _Ext:
+    """An extension value as msgpack hands it to the hook, kept undecoded: `_resolve` decodes
+    it afterwards, from its own loop (a hook that decoded it would nest unpackb on the C stack)."""
+
+    __slots__ = ("code", "data")
+
+    def __init__(self, code: int, data: bytes) -> None:
+        self.code = code
+        self.data = data
+
+    def __repr__(self) -> str:
+        return f"<extension type {self.code} of {len(self.data)} bytes>"
+
+
+def _unpack(data: bytes | memoryview) -> Any:
+    """One msgpack value, extension values left as `_Ext`; SnapshotFormatError for anything else.
+    An array or map may claim at most as many items, a str, bin or ext as many bytes, as ``data``
+    has bytes (said here, not left to msgpack's defaults): a value is at least one byte, so the
+    values built are at most the bytes decoded."""
+    n = len(data)
+    try:
+        return msgpack.unpackb(data, ext_hook=_Ext, strict_map_key=False, raw=False, max_str_len=n,
+                               max_bin_len=n, max_array_len=n, max_map_len=n // 2, max_ext_len=n)
+    except Exception as e:  # msgpack raises many types for bad bytes: all of them mean "not a layout"
+        raise SnapshotFormatError(f"its layout does not decode ({type(e).__name__}: {str(e)[:200]})") from e
 
 
 def decode_layout(raw: bytes | memoryview, data_len: int) -> tuple[Any, list[TensorSpec]]:
     """The tree (TensorRef where tensors were) and the tensors' places; SnapshotFormatError for
-    any bytes that are not a consistent layout."""
-    depth = 0  # tuples nest through the hook: each level one more unpackb on the C stack
+    any bytes that are not a consistent layout, and nothing else.
 
-    def ext(code: int, data: bytes) -> Any:
-        nonlocal depth
-        if code == _EXT_TENSOR:
-            index = msgpack.unpackb(data)
-            if type(index) is not int or index < 0:
-                raise SnapshotFormatError(f"a tensor reference {index!r} that is not an index")
-            return TensorRef(index)
-        if code == _EXT_TUPLE:
-            if depth >= MAX_TUPLE_DEPTH:  # decoded deeper, the restoring process died of SIGSEGV (from ~200)
-                raise SnapshotFormatError(f"tuples nested over {MAX_TUPLE_DEPTH} deep")
-            depth += 1
-            try:
-                items = msgpack.unpackb(data, ext_hook=ext, strict_map_key=False, raw=False)
-            finally:
-                depth -= 1
-            if not isinstance(items, list):
-                raise SnapshotFormatError("a tuple that is not a list")
-            return tuple(items)
-        raise SnapshotFormatError(f"an unknown extension type {code}")
-
+    Iterative: msgpack decodes one level, with tuples and tensor references left as their
+    bytes, and `_resolve`'s loop decodes those (no unpackb runs inside another). Bounded:
+    tuples nest at most MAX_TUPLE_DEPTH deep and the tree MAX_TREE_DEPTH deep, and the bytes
+    decoded again inside tuples total at most TUPLE_BYTES_FACTOR x ``len(raw)`` +
+    TUPLE_BYTES_SLACK, so the values built are at most as many as the bytes decoded."""
     if len(raw) > MAX_LAYOUT:
         raise SnapshotFormatError(f"a layout of {len(raw)} bytes (at most {MAX_LAYOUT})")
     try:
-        doc = msgpack.unpackb(raw, ext_hook=ext, strict_map_key=False, raw=False)
+        doc = _unpack(raw)
+        if not isinstance(doc, dict) or set(doc) != {"tree", "tensors"} or not isinstance(doc["tensors"], list):
+            raise SnapshotFormatError("its layout is not a map of tree and tensors")
+        specs = [_spec(item, data_len) for item in doc["tensors"]]
+        tree = _resolve(doc["tree"], len(specs), TUPLE_BYTES_FACTOR * len(raw) + TUPLE_BYTES_SLACK)
     except SnapshotFormatError:
         raise
-    except Exception as e:  # msgpack raises many types for bad bytes: all of them mean "not a layout"
-        raise SnapshotFormatError(f"its layout does not decode ({type(e).__name__}: {e})") from e
-    if not isinstance(doc, dict) or set(doc) != {"tree", "tensors"} or not isinstance(doc["tensors"], list):
-        raise SnapshotFormatError("its layout is not a map of tree and tensors")
-    specs = [_spec(item, data_len) for item in doc["tensors"]]
-    _check_refs(doc["tree"], len(specs))
-    return doc["tree"], specs
+    except Exception as e:  # a reader is total: whatever else the bytes provoke refuses them too
+        raise SnapshotFormatError(f"its layout does not decode ({type(e).__name__}: {str(e)[:200]})") from e
+    return tree, specs
+
+
+def _resolve(tree: Any, count: int, budget: int) -> Any:
+    """``tree`` with its `_Ext` values decoded (TensorRef, tuple), checked: keys str or int,
+    plain leaves, references below ``count``, the depths, at most ``budget`` bytes of tuples.
+
+    A loop over a stack of (container, its depth, tuples around it): a tuple's bytes are
+    decoded into a list, which takes the tuple's place and is walked in turn; the lists
+    become tuples at the end, innermost first (a tuple is built after its items)."""
+    root: list[Any] = [tree]
+    stack: list[tuple[list[Any] | dict[Any, Any], int, int]] = [(root, -1, 0)]
+    tuples: list[tuple[list[Any] | dict[Any, Any], Any, list[Any]]] = []
+    spent = 0
+    while stack:
+        container, depth, outer = stack.pop()
+        if container and depth + 1 > MAX_TREE_DEPTH:
+            raise SnapshotFormatError(f"a tree nested over {MAX_TREE_DEPTH} deep")
+        if type(container) is dict:
+            for k in container:
+                if type(k) is not str and type(k) is not int:
+                    raise SnapshotFormatError(f"a map key {reprlib.repr(k)} (keys are str or int)")
+        slots = container.items() if type(container) is dict else enumerate(container)
+        for slot, v in slots:
+            t = type(v)
+            if t is list or t is dict:
+                stack.append((v, depth + 1, outer))
+            elif t is _Ext:
+                if v.code == _EXT_TENSOR:
+                    container[slot] = _tensor_ref(v.data, count)
+                elif v.code == _EXT_TUPLE:
+                    if outer >= MAX_TUPLE_DEPTH:  # decoded recursively, ~200 killed the process (SIGSEGV)
+                        raise SnapshotFormatError(f"tuples nested over {MAX_TUPLE_DEPTH} deep")
+                    spent += len(v.data)
+                    if spent > budget:
+                        raise SnapshotFormatError(f"its tuples hold {spent} bytes or more, decoded again inside "
+                                                  f"each other (at most {budget} for this layout)")
+                    items = _unpack(v.data)
+                    if type(items) is not list:
+                        raise SnapshotFormatError("a tuple that is not a list")
+                    container[slot] = items  # the bytes go now: only the undecoded ones are held
+                    tuples.append((container, slot, items))
+                    stack.append((items, depth + 1, outer + 1))
+                else:
+                    raise SnapshotFormatError(f"an unknown extension type {v.code}")
+            elif t not in _LEAVES:  # a msgpack Timestamp (extension type -1 never reaches the hook)
+                raise SnapshotFormatError(f"a {t.__name__} in the tree (extension type -1, which layouts do not use)")
+    for container, slot, items in reversed(tuples):
+        container[slot] = tuple(items)
+    return root[0]
+
+
+def _tensor_ref(data: bytes, count: int) -> TensorRef:
+    index: Any = None
+    if len(data) <= _TENSOR_REF_BYTES:
+        try:
+            index = msgpack.unpackb(data, ext_hook=_Ext)
+        except Exception:
+            index = None
+    if type(index) is not int or index < 0:
+        raise SnapshotFormatError(f"a tensor reference {reprlib.repr(index if index is not None else data)} "
+                                  "that is not an index")
+    if index >= count:
+        raise SnapshotFormatError(f"a reference to tensor {index} of {count}")
+    return TensorRef(index)
 
 
 def _spec(item: object, data_len: int) -> TensorSpec:
     if not (isinstance(item, list) and len(item) == 4):
-        raise SnapshotFormatError(f"a tensor entry {str(item)[:80]} is not [dtype, shape, offset, size]")
+        raise SnapshotFormatError(f"a tensor entry {reprlib.repr(item)} is not [dtype, shape, offset, size]")
     dtype, shape, offset, nbytes = item
     if not isinstance(dtype, str) or dtype not in ITEMSIZE:
-        raise SnapshotFormatError(f"a tensor of dtype {str(dtype)[:40]!r}, which snapshots do not hold")
+        raise SnapshotFormatError(f"a tensor of dtype {reprlib.repr(dtype)}, which snapshots do not hold")
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape) or len(shape) > 64:
-        raise SnapshotFormatError(f"a tensor shape {str(shape)[:80]} that is not a list of sizes")
+        raise SnapshotFormatError(f"a tensor shape {reprlib.repr(shape)} that is not a list of sizes")
     if type(offset) is not int or type(nbytes) is not int or offset < 0 or nbytes < 0 \
             or offset + nbytes > data_len or offset % ALIGN:
-        raise SnapshotFormatError(f"a tensor at {offset!r} of {nbytes!r} bytes outside the {data_len} data bytes")
+        raise SnapshotFormatError(f"a tensor at {reprlib.repr(offset)} of {reprlib.repr(nbytes)} bytes outside "
+                                  f"the {data_len} data bytes")
     if math.prod(shape) * ITEMSIZE[dtype] != nbytes:
         raise SnapshotFormatError(f"a {dtype} tensor of shape {shape} in {nbytes} bytes")
     return TensorSpec(dtype, tuple(shape), offset, nbytes)
-
-
-def _check_refs(tree: Any, count: int, depth: int = 0) -> None:
-    if depth > 100:
-        raise SnapshotFormatError("a tree nested over 100 deep")
-    if isinstance(tree, TensorRef):
-        if tree.index >= count:
-            raise SnapshotFormatError(f"a reference to tensor {tree.index} of {count}")
-    elif isinstance(tree, Mapping):
-        for v in tree.values():
-            _check_refs(v, count, depth + 1)
-    elif isinstance(tree, (list, tuple)):
-        for v in tree:
-            _check_refs(v, count, depth + 1)

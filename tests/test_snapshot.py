@@ -312,19 +312,35 @@ def test_a_checksum_mismatch_falls_back_to_the_other_buffer(monitor: FakeMonitor
     assert any("checksum mismatch (step 20" in line for line in lines), lines
 
 
-@pytest.mark.parametrize("layout", [
-    msgpack.packb({"tree": msgpack.ExtType(42, b""), "tensors": []}),  # an extension type we never write
-    b"\xc6\xff\xff\xff\xff",  # a bin32 of 2^32 - 1 bytes
-], ids=["unknown ext type", "2^32-byte length"])
-def test_a_layout_that_does_not_decode_falls_back_to_the_other_buffer(monitor: FakeMonitor, layout: bytes) -> None:
+def _nested_tuples(depth: int) -> bytes:
+    """A layout whose tree is tuples nested ``depth`` deep (msgpack's own encoding of them, built
+    in a loop)."""
+    data = msgpack.packb([])
+    for _ in range(depth - 1):
+        data = msgpack.packb([msgpack.ExtType(fmt._EXT_TUPLE, data)])
+    return msgpack.packb({"tree": msgpack.ExtType(fmt._EXT_TUPLE, data), "tensors": []})
+
+
+@pytest.mark.parametrize("layout, why", [
+    (msgpack.packb({"tree": msgpack.ExtType(42, b""), "tensors": []}), "an unknown extension type 42"),
+    (b"\xc6\xff\xff\xff\xff", "its layout does not decode"),  # a bin32 of 2^32 - 1 bytes
+    (msgpack.packb({"tree": [msgpack.ExtType(fmt._EXT_TUPLE, b"\xdd\xff\xff\xff\xff")], "tensors": []}),
+     "its layout does not decode"),  # a tuple claiming 2^32 - 1 items
+    (_nested_tuples(300), f"tuples nested over {fmt.MAX_TUPLE_DEPTH} deep"),
+    (b"\x82\xa4tree" + b"\x91" * 3000 + b"\xc0\xa7tensors\x90", "its layout does not decode"),  # lists 3000 deep
+], ids=["unknown ext type", "2^32-byte length", "2^32-item tuple", "tuples 300 deep", "lists 3000 deep"])
+def test_a_layout_that_does_not_decode_falls_back_to_the_other_buffer(monitor: FakeMonitor, layout: bytes,
+                                                                      why: str) -> None:
     # issue 38: restore() raised SnapshotFormatError to the training script instead of refusing that buffer
+    # (and tuples 200 deep killed it with SIGSEGV): a layout is bytes another process can write
     buf, h = _steps_10_and_20(monitor)
-    assert len(layout) <= h.layout_len
+    assert len(layout) <= h.data_offset - HEADER_SIZE  # the room a layout has
     buf.mm[HEADER_SIZE:HEADER_SIZE + len(layout)] = layout  # the checksum recomputed: it has no key
     buf.write_header(Header(**{**h.__dict__, "layout_len": len(layout), "checksum": fmt.body_checksum(
         buf.mm, Header(**{**h.__dict__, "layout_len": len(layout)}))}))
     lines = _restored_step_10(monitor)
-    assert any(line.startswith("ft_client.snapshot: buffer ") and " refused: " in line for line in lines), lines
+    assert any(line.startswith("ft_client.snapshot: buffer ") and " refused: " in line and why in line
+               for line in lines), lines
 
 
 def test_another_jobs_or_another_ranks_snapshot_is_refused(monitor: FakeMonitor) -> None:

@@ -216,6 +216,29 @@ def test_out_of_section_is_not_judged_after_an_in_process_reentry_before_the_fir
     assert fires_at(s, T0 + 531.0).onset == T0 + 501.0
 
 
+def test_with_a_warmup_timeout_out_of_section_is_judged_from_the_handshake() -> None:
+    """Issue 39 item 4: nvidia-resiliency-ext judges out-of-section time from the handshake
+    when ``warmup`` is among the section timeouts: a rank that sleeps 40 s before any section is
+    stopped at 30 s (before: never). After an in-process re-entry, from the re-entry."""
+    s = session(rank_section_timeouts={"step": 10.0, "warmup": 60.0}, rank_out_of_section_timeout=30.0)
+    hang = fires_at(s, T0 + 30.0)
+    assert (hang.reason, hang.onset) == (Reason.OUT_OF_SECTION, T0)
+    s = session(rank_section_timeouts={"step": 10.0, "warmup": 60.0}, rank_out_of_section_timeout=30.0)
+    s.open_section("step", T0 + 1.0)
+    s.close_section("step", T0 + 2.0)
+    s.begin_restart(T0 + 3.0, 60.0)
+    s.reentered(1, T0 + 4.0)
+    assert fires_at(s, T0 + 34.0).onset == T0 + 4.0
+
+
+def test_a_warmup_timeout_learned_before_the_first_section_starts_the_clock_then() -> None:
+    s = session(rank_section_timeouts={"step": 10.0}, rank_out_of_section_timeout=30.0)
+    assert check(s, T0 + 100.0) is None
+    s.set_timeouts(Timeouts(rank_section_timeouts={"step": 10.0, "warmup": 60.0}, rank_out_of_section_timeout=30.0),
+                   T0 + 100.0)
+    assert fires_at(s, T0 + 130.0).onset == T0 + 100.0
+
+
 def test_out_of_section_only_while_no_section_is_open() -> None:
     s = session(rank_out_of_section_timeout=30.0)
     s.open_section("a", T0 + 10.0)  # no timeout of its own: nothing is timed while it is open
@@ -518,7 +541,7 @@ def test_check_agrees_with_deadlines(
 ) -> None:
     s = Session(rank=0, pid=1, started_at=0.0, timeouts=t1, num_warmup_iterations=warmup)
     now = 0.0
-    opened = False
+    opened = "warmup" in t1.rank_section_timeouts  # judged from the handshake: as if a section had closed there
     for kind, name, dt in evs:
         now += dt
         opened = opened or (kind == "open" and name not in s.open_sections)
@@ -539,8 +562,10 @@ def test_check_agrees_with_deadlines(
         elif kind == "close_all":
             s.close_all_sections(now)
         else:
+            opened = opened or (t2 != s.timeouts and "warmup" in t2.rank_section_timeouts and not s.open_sections)
             s.set_timeouts(t2, now)
         # the out-of-section clock runs exactly while no section is open, once a first one was
+        # (or from the start, with a warmup timeout)
         assert (s.out_of_section_since is None) == (bool(s.open_sections) or not opened)
     at = now + probe
     ds = deadlines(s)

@@ -115,9 +115,19 @@ class Session:
 
     def __post_init__(self) -> None:
         # out-of-section time is judged from the end of the rank's first section, not from the
-        # handshake (nvidia-resiliency-ext's rule): init, loading and the time to the first step
-        # are the startup and heartbeat timeouts' business
+        # handshake: init, loading and the time to the first step are the startup and heartbeat
+        # timeouts' business; with a `warmup` section timeout it is judged from the handshake,
+        # as nvidia-resiliency-ext does (`judged_from_start`)
         self.timeouts_since = max(self.timeouts_since, self.started_at)
+        if self.judged_from_start():
+            self.out_of_section_since = self.started_at
+
+    def judged_from_start(self) -> bool:
+        """Whether out-of-section time runs from the handshake (or an in-process re-entry) before
+        the rank's first section: when ``warmup`` is among the section timeouts, as in
+        nvidia-resiliency-ext (its monitor skips the out-of-section check before the first
+        ``step`` only when section timeouts are set and ``warmup`` is not one of them)."""
+        return WARMUP_SECTION in self.timeouts.rank_section_timeouts
 
     @property
     def started_training(self) -> bool:
@@ -212,6 +222,9 @@ class Session:
             return
         self.timeouts = timeouts
         self.timeouts_since = now
+        if self.out_of_section_since is None and not self.open_sections and not self.steps_started \
+                and self.phase is Phase.ACTIVE and self.judged_from_start():
+            self.out_of_section_since = now  # a warmup timeout that arrives before the first section
         for sec in self.open_sections.values():
             if sec.timeout is None and not sec.warmup:
                 sec.timeout = timeouts.rank_section_timeouts.get(sec.name)
@@ -265,7 +278,8 @@ class Session:
         self.inprocess_restarts += 1
         self.restart_since = self.restart_deadline = None
         self.last_heartbeat = None
-        self.out_of_section_since = None  # as at the handshake: judged again after the first section
+        # as at the handshake: judged again after the first section (from now, with a warmup timeout)
+        self.out_of_section_since = now if self.judged_from_start() else None
         self.timeouts_since = max(self.timeouts_since, now)
 
     def end(self) -> None:

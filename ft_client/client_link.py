@@ -350,6 +350,17 @@ class ClientLink(ClientState):
             self._restart = None
         exiting.unwatch(self)
 
+    def _exit_shutdown(self) -> None:
+        """The interpreter exits normally with this client still connected (ft_client.exiting):
+        what `shutdown_workload_monitoring` does, unless a thread holds the client's lock for
+        EXITING_LOCK_WAIT (then the monitor learns of the exit when the connection closes)."""
+        if self._state is not ConnState.CONNECTED or not self._lock.acquire(timeout=EXITING_LOCK_WAIT):
+            return
+        try:
+            self.shutdown_workload_monitoring()
+        finally:
+            self._lock.release()
+
     def _exiting(self, reason: str) -> None:
         """An uncaught exception ends the process (ft_client.exiting): the monitor stops timing it.
         Bounded: a thread that holds the client's lock (a reconnection) never keeps the process

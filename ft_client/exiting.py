@@ -1,5 +1,15 @@
 """Telling the monitor that the process is on its way out, before it is gone.
 
+Two ways out. A normal exit (the script's main returned, or `sys.exit`) with a client still
+connected: an ``atexit`` handler does what `shutdown_workload_monitoring()` does (GOODBYE),
+so a script that never called it is not judged while the interpreter winds down (issue 39,
+item 7: a rank that exited right after ``init_workload_monitoring()`` was stopped for "no
+first heartbeat" under load, where its exit took 2.8-3.1 s against a 3 s timeout). Measured
+on this machine from the first ``atexit`` handler to the process's end for a 2-rank gloo
+script: 0.35 s median quiet, 1.0 s beside three busy loops; the gloo teardown in it is
+bounded by ft_client.exit_teardown (10 s, then status 1). The session then ends as a
+well-behaved script's does after its own ``shutdown_workload_monitoring()``.
+
 An uncaught exception ends the process, but not at once: the interpreter prints the
 traceback, runs atexit handlers and destroys its objects (a process group's teardown can
 take many seconds). Until the process is gone its monitor saw an active rank with no
@@ -11,6 +21,7 @@ with the exception's type and message, and its monitor stops timing the rank.
 
 from __future__ import annotations
 
+import atexit
 import sys
 import threading
 import weakref
@@ -22,6 +33,8 @@ MAX_REASON = 1000
 
 class _Client(Protocol):
     def _exiting(self, reason: str) -> None: ...
+
+    def _exit_shutdown(self) -> None: ...
 
 
 _clients: weakref.WeakSet[_Client] = weakref.WeakSet()
@@ -43,6 +56,18 @@ def watch(client: _Client) -> None:
                 previous(kind, value, tb)
 
             sys.excepthook = hook
+            atexit.register(_at_exit)
+
+
+def _at_exit() -> None:
+    """The interpreter exits normally: every watched client still connected shuts down (bounded)."""
+    with _lock:
+        clients = list(_clients)
+    for c in clients:
+        try:
+            c._exit_shutdown()
+        except Exception:  # noqa: BLE001 - the process is exiting; the monitor learns of it when the socket closes
+            pass
 
 
 def unwatch(client: _Client) -> None:

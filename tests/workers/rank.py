@@ -130,6 +130,20 @@ def forge_hang_notice() -> str:
     return f"{type(reply).__name__} {getattr(reply, 'code', '')}".strip()
 
 
+class SlowToDie:
+    """Keeps the client (and its socket) alive while the interpreter winds down, for 3 s: a slow
+    exit after the script's main returned, as a big process's teardown is."""
+
+    def __init__(self, client: RankMonitorClient) -> None:
+        self.client = client
+
+    def __del__(self) -> None:
+        time.sleep(3.0)
+
+
+_LINGER: SlowToDie | None = None
+
+
 def wait_for_file(path: str, timeout: float = 60.0) -> None:
     end = time.monotonic() + timeout
     while not Path(path).exists():
@@ -202,6 +216,10 @@ def main() -> None:
         say("shutdown")
     elif s == "exit3":
         sys.exit(3)
+    elif s == "return-slow-exit":  # returns right after connecting; its exit is slower than the timeouts
+        global _LINGER
+        _LINGER = SlowToDie(client)  # freed as the interpreter winds down, after atexit, the socket still open
+        say("returning")
     elif s == "raise-slow-exit":  # an uncaught exception, then a teardown (atexit) longer than the timeouts
         import atexit
 

@@ -170,3 +170,34 @@ def test_bad_answers_do_not_stop_the_collection_of_the_others(port: int, caplog:
     assert len(ignored) == 3, ignored  # each said once, though read every 50 ms
     assert [answer_key(0, 1, g) in m for g, m in zip((1, 2, 3), ignored, strict=True)] == [True] * 3
     assert not any("could not read the other nodes" in r.getMessage() for r in caplog.records)
+
+
+def test_a_hang_record_copied_into_the_next_round_names_no_one(port: int, caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 38: node 1's signed hang record of round 0, copied into round 1's prefix and listed
+    on its board by another user, made node 0 decide "rank 1 hung first" in round 1, where its
+    own rank 0 hung: the signature bound the key and the run id, which c10d keeps across rounds."""
+    from types import SimpleNamespace
+
+    from ft_monitor.launcher.crossnode import HANG_COUNT_KEY, HANG_INDEX_KEY, HANG_KEY, NodeMessages
+    from ft_monitor.launcher.decide import first_hang
+    from ft_monitor.launcher.store_auth import HangRecord
+
+    def node(g: int, round: int) -> tuple[NodeMessages, Any]:
+        messages = NodeMessages(SECRET)
+        messages.round = round
+        wg = SimpleNamespace(store=client(port, round), group_rank=g, group_world_size=2,
+                             spec=SimpleNamespace(rdzv_handler=SimpleNamespace(get_run_id=lambda: "run")))
+        return messages, wg
+
+    old_messages, old_wg = node(1, 0)
+    old_messages.exchange_hang_records(old_wg, old_messages.channel(old_wg), HangRecord(1, 1000.0, "old", "n1"))
+    here = PREFIX.format(1)
+    forge(port, [["copy", f"{PREFIX.format(0)}{HANG_KEY.format(1)}", f"{here}{HANG_KEY.format(1)}"],
+                 ["append", f"{here}{HANG_INDEX_KEY}", "1,"], ["add", f"{here}{HANG_COUNT_KEY}", 1]])
+    messages, wg = node(0, 1)
+    channel = messages.channel(wg)
+    mine = HangRecord(0, 2000.0, "section 'step' open", "n0")
+    seen = messages.exchange_hang_records(wg, channel, mine)
+    assert f"{HANG_KEY.format(1)}" in seen  # the copy was read: it is refused, not missed
+    first, ignored = first_hang(mine, channel, seen)
+    assert first == mine and len(ignored) == 1 and "round" in ignored[0][1], ignored

@@ -104,7 +104,8 @@ class NodeMessages:
     def _warn_bad_store_value(self, key: str, raw: bytes, kind: str, error: Exception) -> None:
         """One warning per distinct bad value (at most 100 remembered, by digest)."""
         if first_sight(self._bad_store_values, raw):
-            log.warning("ft-launcher: ignored a %s message in the rendezvous store at %s: %s", kind, key, error)
+            log.warning("ft-launcher: ignored a %s message in the rendezvous store at %s: %s", kind, key,
+                        str(error))  # the text, not the error: its traceback holds the store
 
     def exchange_hang_records(self, wg: WorkerGroup, channel: StoreChannel | None,
                               mine: HangRecord) -> dict[str, bytes]:

@@ -1,10 +1,11 @@
 """ft-launcher's own flags (`add_launcher_flags`), and what it can refuse with them before it
-imports torch (seconds on a busy machine): an unknown --ft-* flag (with the nearest known one)
-and a config that does not validate (the YAML file, FT_<FIELD> and the --ft-* flags, as the
-launch will read them). One line and exit 2, within a fraction of a second; anything this check
-cannot tell (torchrun's own flags, a ``--no-python`` command) is left to the full parse, which
-runs after torch is imported as before. `missing_script` is checked last, after every other
-check of the launch (main.py).
+imports torch (seconds on a busy machine): an unknown --ft-* flag (with the nearest known one),
+a flag of nvidia-resiliency-ext's ft_launcher given a value that means nothing here
+(nvrx_flags.py, which also adds those flags), and a config that does not validate (the YAML
+file, FT_<FIELD> and the --ft-* flags, as the launch will read them). One line and exit 2,
+within a fraction of a second; anything this check cannot tell (torchrun's own flags, a
+``--no-python`` command) is left to the full parse, which runs after torch is imported as before.
+`missing_script` is checked last, after every other check of the launch (main.py).
 
 The launcher's part of the command line is what comes before the training script: the first
 argument ending in ``.py``, or the module after ``-m``/``--module``. Without either (a
@@ -21,7 +22,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from ft_client.errors import FtError
-from ft_monitor.config_text import add_config_flags
+from ft_monitor.config_text import FIELDS, IGNORED_NVRX_FIELDS, add_config_flags
+from ft_monitor.launcher import nvrx_flags
 
 MODULE_FLAGS = ("-m", "--module")
 _SILENT = logging.getLogger("ft_monitor.launcher.early_check")
@@ -46,8 +48,9 @@ class _Quiet(argparse.ArgumentParser):
 
 
 def add_launcher_flags(parser: argparse.ArgumentParser) -> None:
-    """ft-launcher's own flags (the --ft-* settings and the launcher's), on torchrun's parser
-    or, for the check before torch is imported (early_check.py), on a bare one."""
+    """ft-launcher's own flags (the --ft-* settings, the launcher's, and nvidia-resiliency-ext's
+    ft_launcher flags that torchrun lacks: nvrx_flags.py), on torchrun's parser or, for the check
+    before torch is imported (early_check.py), on a bare one."""
     add_config_flags(parser, with_cfg_path=True, param_aliases=True)  # --ft-param-*: the reference's old spelling
     parser.add_argument("--ft-summary-json", default=None, metavar="FILE",
                         help="write what happened (hangs, restart timings, exit code) to FILE as JSON")
@@ -67,6 +70,7 @@ def add_launcher_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ft-preload", "--ft_preload", dest="ft_preload", default=None, metavar="MODULES",
                         help="with --ft-warm-restart: comma-separated modules the template imports besides torch, "
                              "or 'auto': those the first attempt's workers had loaded")
+    nvrx_flags.add_flags(parser, FIELDS + tuple(sorted(IGNORED_NVRX_FIELDS)))  # the reference's other flags
 
 
 def launcher_part(argv: Sequence[str]) -> tuple[list[str], str | None] | None:
@@ -118,6 +122,9 @@ def problem(argv: Sequence[str], environ: Mapping[str, str]) -> str | None:
             close = difflib.get_close_matches(name.replace("_", "-"), [k.replace("_", "-") for k in known], n=1,
                                               cutoff=0.75)
             return f"unknown flag {name}" + (f" (did you mean {close[0]}?)" if close else "")
+    refused = nvrx_flags.apply(args).refusal  # its warnings are logged once, by the launch's own parse
+    if refused is not None:
+        return refused
     try:
         Settings.from_config(load_config(args.ft_cfg_path, environ, cli_overrides(args), log=_SILENT))
     except (ConfigError, SettingsError) as e:

@@ -3,6 +3,7 @@
 Parses with torchrun's own parser (every torchrun flag keeps its meaning), adds
 ``--ft-cfg-path`` and ``--ft-<field>`` for every FaultToleranceConfig field (also
 spelled ``--ft-param-<field>``, as nvidia-resiliency-ext's launcher once had them),
+carries nvidia-resiliency-ext's other ft_launcher flags over (nvrx_flags.py),
 validates them once (ft_monitor.config) into the typed `settings.Settings` that
 the launcher and every daemon run with, starts the launcher socket and the
 monitors, then runs torchrun's launch path with FtLocalElasticAgent in place of
@@ -28,7 +29,7 @@ from ft_client.safefiles import write_json_atomic
 from ft_monitor.config import ConfigError, FaultToleranceConfig, cli_overrides, load_config
 from ft_monitor.core import timeout_order
 from ft_monitor.core.settings import Settings, SettingsError
-from ft_monitor.launcher import early_check, exit_codes, secret_env, template_fork, torch_support
+from ft_monitor.launcher import early_check, exit_codes, nvrx_flags, secret_env, template_fork, torch_support
 from ft_monitor.launcher.store_auth import SECRET_FILE_ENV, SecretError, load_job_secret
 
 log = logging.getLogger("ft_monitor.launcher")
@@ -99,6 +100,14 @@ def main(argv: list[str] | None = None, early: Any = None) -> int:
         log.warning("ft-launcher: %s", untested)
     parser = build_parser()
     args = parser.parse_args(argv)
+    nvrx = nvrx_flags.apply(args)  # nvidia-resiliency-ext's ft_launcher flags, carried over to ours
+    if nvrx.refusal is not None:
+        print(f"ft-launcher: {nvrx.refusal}", file=sys.stderr)
+        return exit_codes.LAUNCHER_ERROR
+    for line in nvrx.warnings:
+        log.warning("ft-launcher: %s", line)
+    for line in nvrx.notes:
+        log.info("ft-launcher: %s", line)
     absolute_paths(args)
     if args.ft_preload:
         from ft_monitor.core.preload import PreloadError, parse_preload

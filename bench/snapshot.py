@@ -34,7 +34,7 @@ Rows, per state size:
    the previous save's background finish: the loop's view includes that wait. References
    in the same process: `copy_` of the same tensors into preallocated (touched) tensors,
    the same copy into a mapped memfd (what `save` writes to), the snapshot's checksum of the
-   bytes (`ft_client.snapshot_format.checksum`, XXH3-64: what the background finish does),
+   bytes (`ft_client.snapshot.format.checksum`, XXH3-64: what the background finish does),
    zlib.crc32 of the same bytes (the checksum before dd63034, for the before/after), and
    `save()` alone and `save()` + `wait()` (quiet).
 2. **Restore after kill -9** (`snap.SIZE.restore`, `.torch_load`, `.dcp_load`): each
@@ -88,6 +88,7 @@ from bench.harness import (  # noqa: E402
     private_dir,
     resolve_loop,
 )
+from bench.report import machine_info, markdown_table  # noqa: E402
 
 SEED = 26
 MATRICES = 16
@@ -317,7 +318,7 @@ def _step_figures(label: str, r: dict[str, Any], p: dict[str, Any]) -> list[Figu
                unit="ms", samples=r["copy_memfd_ms"]),
         Figure(id=f"{pre}.checksum", what=f"{label}: the snapshot's checksum (XXH3-64) of the same bytes (the "
                "background finish's work)", unit="ms", samples=r["checksum_ms"],
-               details={"how": "ft_client.snapshot_format.checksum over the memfd of the copy row, 1 thread"}),
+               details={"how": "ft_client.snapshot.format.checksum over the memfd of the copy row, 1 thread"}),
         Figure(id=f"{pre}.crc32", what=f"{label}: zlib.crc32 of the same bytes (the old checksum, before dd63034)",
                unit="ms", samples=r["crc_ms"]),
         Figure(id=f"{pre}.save_call", what=f"{label}: save() alone, quiet (tensors copied, finish started)",
@@ -510,7 +511,7 @@ def _worker_steps(args: argparse.Namespace, snap: Any, errors: list[str]) -> dic
 
     import torch
 
-    from ft_client import snapshot_format as fmt
+    from ft_client.snapshot import format as fmt
 
     state = make_state(args.bytes)
     ts = tensors_of(state)
@@ -621,7 +622,7 @@ def _worker_load(args: argparse.Namespace, snap: Any, errors: list[str]) -> dict
     import torch
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-    from ft_client import snapshot_format as fmt
+    from ft_client.snapshot import format as fmt
 
     assert args.files
     into = make_state(args.bytes, empty=True)  # a resumed job's model and optimizer exist already
@@ -638,8 +639,8 @@ def _worker_load(args: argparse.Namespace, snap: Any, errors: list[str]) -> dict
         times[what] = _ms(t0)
     restored = got["restore"]
     complete = 0
-    if snap._own is not None:
-        complete = sum(1 for b in snap._own.buffers if (h := b.header()) is not None and h.state == fmt.COMPLETE
+    if snap.memory.own is not None:
+        complete = sum(1 for b in snap.memory.own.buffers if (h := b.header()) is not None and h.state == fmt.COMPLETE
                        and h.job == args.job)
     if restored is None:
         return {"restored_step": None, "errors": errors, "times_ms": times}
@@ -655,7 +656,7 @@ def _worker_load(args: argparse.Namespace, snap: Any, errors: list[str]) -> dict
 def _worker_peer(args: argparse.Namespace, snap: Any, errors: list[str]) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from ft_client import snapshot_format as fmt
+    from ft_client.snapshot import format as fmt
 
     dist.init_process_group("gloo")
     state = make_state(args.bytes, seed=SEED + args.rank)
@@ -675,12 +676,12 @@ def _worker_peer(args: argparse.Namespace, snap: Any, errors: list[str]) -> dict
             if rep:
                 times[m].append(_ms(t0))
             if m == "peer":
-                held = sorted(h.step for b in (snap._peer.buffers if snap._peer else [])
+                held = sorted(h.step for b in (snap.memory.peer.buffers if snap.memory.peer else [])
                               if (h := b.header()) is not None and h.state == fmt.COMPLETE)
                 peer_steps.append(held)
                 peer_ok = peer_ok and step in held
     dist.barrier()
-    own = snap._own.newest(job=args.job) if snap._own else None
+    own = snap.memory.own.newest(job=args.job) if snap.memory.own else None
     dist.destroy_process_group()
     return {"local_ms": times["local"], "peer_ms": times["peer"], "errors": errors, "peer_steps": peer_steps,
             "peer_ok": peer_ok, "snapshot_bytes": None if own is None else own[1].end}
@@ -688,8 +689,6 @@ def _worker_peer(args: argparse.Namespace, snap: Any, errors: list[str]) -> dict
 
 # -- standalone -------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
-    from bench.run import machine_info, markdown_table
-
     p = argparse.ArgumentParser(prog="bench/snapshot.py", description=__doc__.split("\n\n")[0])
     size = p.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="100 MB, fewer repetitions: under a minute")

@@ -24,7 +24,7 @@ builtin base that callers caught before (``ValueError`` for bad values,
     ├── SecretError                     the job secret or a job key cannot be used (jobkey.py)
     ├── NoFlightRecorderError           this process has no Flight Recorder trace to write
     ├── MemorySnapshotError             an in-memory snapshot cannot be saved or restored
-    │   └── SnapshotFormatError         ... bytes that are not a complete snapshot (snapshot_format.py)
+    │   └── SnapshotFormatError         ... bytes that are not a complete snapshot (snapshot/format.py)
     └── ft_monitor's: ConfigError, SettingsError, UsageError, ListenerError, SessionError,
         NoticeError, StatusError, ReportError, SealError (a StoreMessageError), MonitorStartError,
         HttpRequestError, MetricsServerError, SnapshotError, EvidenceError, PreloadError

@@ -1,7 +1,8 @@
 """The tree shows the architecture (issue 25): ft_monitor's rooms import one way, the pure
-core imports nothing above it, and no module of the project imports itself back through
-others. Read from the source with `ast` (every import counts: those under TYPE_CHECKING
-and inside functions too), so a circle cannot hide behind a lazy import."""
+core imports nothing above it, and no module of the project (bench/ included) imports itself
+back through others. Read from the source with `ast` (every import counts: those under
+TYPE_CHECKING and inside functions too), so a circle cannot hide behind a lazy import.
+Issue 40: ft_client/snapshot/ imports downwards too, and no module grows over 500 lines."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("ft_client", "ft_monitor")
+PACKAGES = ("ft_client", "ft_monitor", "bench")
 
 ROOMS_BELOW: dict[str, set[str]] = {
     # ft_monitor's rooms, and the rooms each may import (besides itself)
@@ -33,6 +34,30 @@ CLIENT_VOCABULARY = {
     "ft_client.errors", "ft_client.timeouts", "ft_client.timeouts_calc", "ft_client.names",
     "ft_client.record", "ft_client.record_read", "ft_client.collectives", "ft_client.startup",
     "ft_client.session_info",
+}
+
+SNAPSHOT_ROOM = [
+    # ft_client/snapshot/, bottom first: each module imports only those before it (the package's
+    # __init__, its public API, may import them all; none of them imports the package back)
+    "ft_client.snapshot.format",
+    "ft_client.snapshot.tree",
+    "ft_client.snapshot.memory",
+    "ft_client.snapshot.agreement",
+    "ft_client.snapshot.peer",
+    "ft_client.snapshot.snapshotter",
+]
+MAX_LINES = 500
+OVERSIZED = {
+    # split by issue 40's other parts
+    "bench/restart.py",
+    "bench/sim_inprocess.py",
+    "bench/sim_nodes.py",
+    "bench/snapshot.py",
+    "ft_client/wire.py",
+    "ft_monitor/daemon/monitor.py",
+    "ft_monitor/launcher/metrics_http.py",
+    "ft_monitor/launcher/telemetry.py",
+    "ft_monitor/launcher/template.py",
 }
 
 
@@ -184,3 +209,18 @@ def test_the_training_process_side_imports_nothing_of_the_monitor(graph: dict[st
     wrong = sorted((m, d) for m, deps in graph.items() if m.startswith("ft_client")
                    for d in deps if d.startswith("ft_monitor"))
     assert wrong == []
+
+
+def test_the_snapshot_room_imports_only_downwards(graph: dict[str, set[str]]) -> None:
+    room = sorted(m for m in graph if m.startswith("ft_client.snapshot."))
+    assert room == sorted(SNAPSHOT_ROOM), "every module of ft_client/snapshot/ has its place in SNAPSHOT_ROOM"
+    upward = sorted((mod, dep) for i, mod in enumerate(SNAPSHOT_ROOM) for dep in graph[mod]
+                    if dep.startswith("ft_client.snapshot") and dep not in SNAPSHOT_ROOM[:i])
+    assert upward == []
+
+
+def test_no_module_is_over_500_lines_but_those_still_to_be_split() -> None:
+    """A module that outgrows MAX_LINES is split by what its parts do (issue 40), not let grow."""
+    over = sorted(str(p.relative_to(ROOT)) for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")
+                  if len(p.read_text().splitlines()) > MAX_LINES)
+    assert [p for p in over if p not in OVERSIZED] == []

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from bench.harness import Figure, summarize
-from bench.run import markdown_table
+from bench.report import markdown_table
 from tests import zygote
 from tests.procs import ROOT, slack
 

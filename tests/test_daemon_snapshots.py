@@ -19,8 +19,9 @@ from typing import Any
 
 import pytest
 
-from ft_client import RankMonitorClient, snapshot_format, wire
+from ft_client import RankMonitorClient, wire
 from ft_client.observer import status
+from ft_client.snapshot import format as snapshot_format
 from ft_monitor.core.status import MonitorStatus, format_status
 from ft_monitor.daemon.snapshot_memory import HEADER_SIZE, SnapshotMemory, allocate_pages, read_meminfo
 from tests.test_client_states import QUIET, ThreadDaemon
@@ -179,7 +180,7 @@ def test_status_names_the_newest_complete_step_reading_only_the_headers(workdir:
     d, sock = serve(workdir, started)
     seen: list[bytes] = []
 
-    def describe(header: bytes) -> dict[str, Any]:  # ft_client.snapshot_format.describe's keys
+    def describe(header: bytes) -> dict[str, Any]:  # ft_client.snapshot.format.describe's keys
         seen.append(header)
         state = {b"C": "complete", b"W": "writing"}.get(header[:1], "empty")
         return {"state": state, "step": int(header[1:9]) if state != "empty" else None, "rank": 0,

@@ -22,11 +22,11 @@ import pytest
 import torch
 import xxhash
 
-from ft_client import snapshot_format as fmt
 from ft_client import wire
 from ft_client.errors import FtError, MemorySnapshotError
 from ft_client.snapshot import Agreement, Held, Snapshotter, agree, from_row, open_pair, partners, to_row
-from ft_client.snapshot_format import HEADER_SIZE, Header, SnapshotFormatError
+from ft_client.snapshot import format as fmt
+from ft_client.snapshot.format import HEADER_SIZE, Header, SnapshotFormatError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -183,7 +183,7 @@ def test_a_layout_that_lies_about_its_tensors_is_refused() -> None:
 
 NESTED_300 = """
 import msgpack
-from ft_client import snapshot_format as fmt
+from ft_client.snapshot import format as fmt
 data = msgpack.packb([])
 for _ in range(300):
     data = msgpack.packb([msgpack.ExtType(fmt._EXT_TUPLE, data)])
@@ -204,6 +204,24 @@ def test_a_layout_of_tuples_nested_300_deep_is_refused_not_a_crash() -> None:
     for _ in range(fmt.MAX_TUPLE_DEPTH - 2):
         nested = (nested,)
     assert fmt.decode_layout(fmt.encode_layout(nested, []), 0)[0] == nested  # as deep as a real model's: kept
+
+
+IMPORTS = """
+import logging, sys
+import ft_client
+assert "ft_client.snapshot" not in sys.modules, "import ft_client loaded the snapshots"
+from ft_client.snapshot import format
+import ft_client.snapshot
+from ft_client.snapshot import Snapshotter, restore, save, wait
+print(sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.")), logging.getLogger("ft_client").handlers)
+"""
+
+
+def test_importing_the_snapshots_imports_no_torch() -> None:
+    # issue 40: the package of modules (the daemon imports its format) loads torch only when a snapshot is saved
+    # or restored, and installs the client's log handler only when a Snapshotter is made
+    done = subprocess.run([sys.executable, "-c", IMPORTS], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert (done.returncode, done.stdout) == (0, "[] []\n"), done
 
 
 # -- agreement --------------------------------------------------------------------------------------
@@ -272,10 +290,10 @@ def test_the_newest_complete_save_survives_a_torn_one(monitor: FakeMonitor) -> N
     s.save(10, {"w": torch.full((1000,), 10.0)})
     s.save(20, {"w": torch.full((1000,), 20.0)})
     s.wait()
-    assert s._own is not None
+    assert s.memory.own is not None
     # the next save goes to the buffer holding step 10; its writer dies half-way (WRITING left)
-    i = s._own.target(job="j")
-    b = s._own.buffers[i]
+    i = s.memory.own.target(job="j")
+    b = s.memory.own.buffers[i]
     h = fmt.parse_header(b.mm[: fmt.HEAD_BYTES])
     assert h.step == 10
     b.write_header(Header(**{**h.__dict__, "state": fmt.WRITING, "step": 30, "generation": 9}))
@@ -291,10 +309,10 @@ def _steps_10_and_20(monitor: FakeMonitor) -> tuple[Any, Header]:
     s.save(10, {"w": torch.full((1000,), 10.0)})
     s.save(20, {"w": torch.full((1000,), 20.0)})
     s.wait()
-    assert s._own is not None
-    newest = s._own.newest(job="j")
+    assert s.memory.own is not None
+    newest = s.memory.own.newest(job="j")
     assert newest is not None and newest[1].step == 20
-    return s._own.buffers[newest[0]], newest[1]
+    return s.memory.own.buffers[newest[0]], newest[1]
 
 
 def _restored_step_10(monitor: FakeMonitor) -> list[str]:
@@ -406,11 +424,11 @@ def test_the_checksum_covers_layout_and_data(monitor: FakeMonitor) -> None:
     s = Snapshotter(socket_path=monitor.path, job="j", rank=0)
     s.save(3, {"w": torch.arange(10.0)})
     s.wait()
-    assert s._own is not None
-    got = s._own.newest(job="j")
+    assert s.memory.own is not None
+    got = s.memory.own.newest(job="j")
     assert got is not None
     i, h = got
-    mm = s._own.buffers[i].mm
+    mm = s.memory.own.buffers[i].mm
     assert h.checksum == xxhash.xxh3_64_intdigest(mm[HEADER_SIZE:h.end])
     assert open_pair(monitor.path, "own", 0, 0) is not None
 

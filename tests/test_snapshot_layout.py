@@ -1,4 +1,4 @@
-"""ft_client.snapshot_format.decode_layout against hostile bytes (issue 38).
+"""ft_client.snapshot.format.decode_layout against hostile bytes (issue 38).
 
 A layout is bytes another process can write (its checksum has no key): whatever they are,
 `decode_layout` gives a valid layout or SnapshotFormatError, quickly, without recursing on the
@@ -19,8 +19,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ft_client import snapshot_format as fmt
-from ft_client.snapshot_format import SnapshotFormatError, TensorRef, TensorSpec
+from ft_client.snapshot import format as fmt
+from ft_client.snapshot.format import SnapshotFormatError, TensorRef, TensorSpec
 
 DATA_LEN = 1 << 20
 LEAVES = (type(None), bool, int, float, str, bytes)

@@ -5,7 +5,7 @@ direct device -> monitor-memory copy would give.
 
 Beside a real `ft-monitor serve`: 4 saves of a 1 GiB float32 CUDA tensor through
 `Snapshotter.save` (the call, then `wait()`; the XXH3 checksum timed apart by wrapping
-`snapshot_format.body_checksum`). Then on a memfd of the same size, mapped as the client maps
+`ft_client.snapshot.format.body_checksum`). Then on a memfd of the same size, mapped as the client maps
 the monitor's buffers: the pinned staging -> mapping copy (what the writer thread does; first
 touch and again), and the mapping registered with cudaHostRegister so that the device copies
 into it directly (one DMA, no staging).
@@ -32,8 +32,8 @@ def say(*parts: object) -> None:
 def main(argv: list[str]) -> int:
     import torch
 
-    from ft_client import snapshot_format as fmt
     from ft_client.snapshot import Snapshotter
+    from ft_client.snapshot import format as fmt
     from ft_monitor.testing import ServeProcess
 
     if not torch.cuda.is_available():

@@ -123,7 +123,7 @@ class SnapshotPair:
 
 
 def newest_complete_step(headers: Iterable[Mapping[str, Any]]) -> int | None:
-    """The newest step among a pair's buffers whose header (ft_client.snapshot_format.describe's
+    """The newest step among a pair's buffers whose header (ft_client.snapshot.format.describe's
     map) says complete; None when none does."""
     steps = [h["step"] for h in headers if isinstance(h, Mapping) and h.get("state") == "complete"
              and isinstance(h.get("step"), int) and not isinstance(h.get("step"), bool)]

@@ -21,7 +21,7 @@ sized to whole pages and sealed ``F_SEAL_SHRINK`` only (a shrunk file under a ma
 would kill its reader with SIGBUS; growing stays possible). The monitor never maps them
 and never reads the tensor bytes: STATUS reads at most each buffer's header
 (`HEADER_SIZE` bytes at offset 0, ``pread``) for the newest complete step, through
-`ft_client.snapshot_format.describe`, a reader that never raises. The descriptors live as
+`ft_client.snapshot.format.describe`, a reader that never raises. The descriptors live as
 long as the daemon (closed at its shutdown), not as long as a rank's session or process:
 that is the point.
 
@@ -66,8 +66,9 @@ import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from ft_client import snapshot_format, wire
+from ft_client import wire
 from ft_client.errors import FtError
+from ft_client.snapshot import format as snapshot_format
 from ft_monitor.core.snapshot_budget import (
     BUFFERS,
     KINDS,
@@ -87,7 +88,7 @@ HEADER_SIZE = snapshot_format.HEADER_SIZE
 MEMINFO = "/proc/meminfo"
 
 Describe = Callable[[bytes], Mapping[str, Any]]
-"""What a buffer's header says (`ft_client.snapshot_format.describe`: keys ``state``, ``step``,
+"""What a buffer's header says (`ft_client.snapshot.format.describe`: keys ``state``, ``step``,
 ``rank``, ``generation``; never raises)."""
 
 

@@ -225,7 +225,7 @@ def encode_layout(tree: Any, tensors: Sequence[TensorSpec]) -> bytes:
 MAX_TUPLE_DEPTH = 100
 """Tuples nested deeper than this refuse the layout."""
 MAX_TREE_DEPTH = 100
-"""A tree nested deeper than this refuses the layout (`_flatten` refuses to save one)."""
+"""A tree nested deeper than this refuses the layout (`tree.flatten` refuses to save one)."""
 TUPLE_BYTES_FACTOR = 8
 TUPLE_BYTES_SLACK = 1 << 20
 """A tuple's bytes are decoded again inside each tuple around it: all tuples' bytes together may

@@ -1,5 +1,5 @@
 """The rendezvous of a restart on torch's own c10d handler, with and without torch's random
-first-run delay (ft_monitor.launcher.rdzv_delay), alternated run by run.
+first-run delay (ft_monitor.launcher.rdzv.rdzv_delay), alternated run by run.
 
 One node, as the demo (`--standalone`): a fresh TCPStore and handler per run, a first
 rendezvous (the job's start), then the timed one (the restart's), either as torch does it
@@ -17,7 +17,7 @@ from datetime import timedelta
 from typing import Any
 
 from bench.harness import Figure, Mode
-from ft_monitor.launcher.rdzv_delay import no_first_run_delay
+from ft_monitor.launcher.rdzv.rdzv_delay import no_first_run_delay
 
 
 def _one(skip_delay: bool, i: int) -> float:

@@ -227,7 +227,7 @@ CONFIG_WHAT = {
     "heavy_cold": "demo + 5 s import, cold restart",
     "heavy_auto": "demo + 5 s import, --ft-warm-restart --ft-preload auto",
 }
-TEMPLATE_MODULE = "ft_monitor.launcher.template"
+TEMPLATE_MODULE = "ft_monitor.launcher.warm.template"
 AFTER_RESTART_S = (0.5, 3.0)
 """When, after the launcher's "all ranks running again" line, attempt 1's memory is read (the
 figure is the last: forked workers share fewer of the template's pages as they run)."""

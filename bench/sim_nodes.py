@@ -230,18 +230,18 @@ def protocol_before(ref: str = BEFORE) -> Protocol | None:
         return out.stdout
 
     try:
-        wire = _module("ft_sim_before.rollcall_wire", source("ft_monitor/launcher/rollcall_wire.py"),
+        wire = _module("ft_sim_before.rollcall_wire", source("ft_monitor/launcher/incident/rollcall_wire.py"),
                        f"{ref}:rollcall_wire.py")
-        import ft_monitor.launcher.rollcall_wire as current
-        sys.modules["ft_monitor.launcher.rollcall_wire"] = wire  # the old roll call imports the old wire
+        import ft_monitor.launcher.incident.rollcall_wire as current
+        sys.modules["ft_monitor.launcher.incident.rollcall_wire"] = wire  # the old roll call imports the old wire
         try:
-            rollcall = _module("ft_sim_before.rollcall", source("ft_monitor/launcher/rollcall.py"),
+            rollcall = _module("ft_sim_before.rollcall", source("ft_monitor/launcher/incident/rollcall.py"),
                                f"{ref}:rollcall.py")
         finally:
-            sys.modules["ft_monitor.launcher.rollcall_wire"] = current
-        crossnode = _module("ft_sim_before.crossnode", source("ft_monitor/launcher/crossnode.py"),
+            sys.modules["ft_monitor.launcher.incident.rollcall_wire"] = current
+        crossnode = _module("ft_sim_before.crossnode", source("ft_monitor/launcher/incident/crossnode.py"),
                             f"{ref}:crossnode.py")
-        telemetry = _module("ft_sim_before.telemetry", source("ft_monitor/launcher/telemetry.py"),
+        telemetry = _module("ft_sim_before.telemetry", source("ft_monitor/launcher/telemetry/telemetry.py"),
                             f"{ref}:telemetry.py")
     except (FileNotFoundError, OSError, subprocess.SubprocessError) as e:
         print(f"sim_nodes: no 'before' protocols ({ref}): {e}", file=sys.stderr)
@@ -258,9 +258,9 @@ def protocol_before(ref: str = BEFORE) -> Protocol | None:
 
 
 def protocol_after() -> Protocol:
-    from ft_monitor.launcher.crossnode import NodeMessages
-    from ft_monitor.launcher.rollcall import RollCaller
-    from ft_monitor.launcher.step_exchange import exchange_step_times
+    from ft_monitor.launcher.incident.crossnode import NodeMessages
+    from ft_monitor.launcher.incident.rollcall import RollCaller
+    from ft_monitor.launcher.store.step_exchange import exchange_step_times
 
     def step(node: SimNode, section: str, local: dict[int, float]) -> dict[int, float]:
         medians, listed = exchange_step_times(node.wg.store, node.channel, node.wg.group_rank,
@@ -274,8 +274,8 @@ def protocol_after() -> Protocol:
 
 def sim_roll_caller(base: type, host: str, delay: float, timeout: float) -> Any:
     """``base`` (a RollCaller) whose monitors are evidence returned after ``delay`` seconds."""
-    from ft_monitor.launcher.diagnosis import ANSWERED, RankEvidence
-    from ft_monitor.launcher.sealed import Sealer
+    from ft_monitor.launcher.incident.diagnosis import ANSWERED, RankEvidence
+    from ft_monitor.launcher.store.sealed import Sealer
 
     class SimRollCaller(base):  # type: ignore[valid-type, misc]
         def local(self, ranks: list[Any], incident: int, budget: float) -> list[Any]:
@@ -345,7 +345,7 @@ class SimNode:
         from torch.distributed import PrefixStore
         from torch.distributed.elastic.agent.server.api import SimpleElasticAgent, WorkerSpec
 
-        from ft_monitor.launcher.agent import rendezvous_round
+        from ft_monitor.launcher.rdzv.rounds import rendezvous_round
 
         previous = self.wg
         if self.rdzv == "c10d":
@@ -370,7 +370,7 @@ class SimNode:
         self.channel = self.messages.channel(self.wg)
 
     def ranks(self) -> list[Any]:
-        from ft_monitor.launcher.rollcall import Rank
+        from ft_monitor.launcher.incident.rollcall import Rank
 
         return [Rank(w.global_rank, w.local_rank, 100000 + w.global_rank) for w in self.wg.workers]
 
@@ -396,10 +396,10 @@ class Plan:
 
 
 def incident(node: SimNode, plan: Plan, res: NodeResult, timeout: float) -> None:
-    from ft_monitor.launcher.crossnode import ATTRIBUTION_WINDOW, HANG_KEY
-    from ft_monitor.launcher.decide import first_hang
-    from ft_monitor.launcher.diagnosis import HungRank
-    from ft_monitor.launcher.store_auth import HangRecord
+    from ft_monitor.launcher.incident.crossnode import ATTRIBUTION_WINDOW, HANG_KEY
+    from ft_monitor.launcher.incident.decide import first_hang
+    from ft_monitor.launcher.incident.diagnosis import HungRank
+    from ft_monitor.launcher.store.store_auth import HangRecord
 
     g, n = node.wg.group_rank, node.wg.group_world_size
     role = plan.role(g)

@@ -12,7 +12,7 @@ round, an attempt, an iteration, an incident), so that a value copied to another
 run, attempt or iteration is refused. `Signer.open` is total: whatever the bytes, it
 returns the body of an authentic envelope or raises `StoreMessageError`, nothing else.
 
-Used by ft-launcher's messages (ft_monitor/launcher/store_auth.py) and the in-process
+Used by ft-launcher's messages (ft_monitor/launcher/store/store_auth.py) and the in-process
 Wrapper's records (ft_client/inprocess/store.py); stdlib only.
 """
 

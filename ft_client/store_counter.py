@@ -32,7 +32,13 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from ft_client.errors import FtError
+
 log = logging.getLogger("ft_client.store")
+
+
+class StoreGoneError(FtError, RuntimeError):
+    """The store whose counters these are was closed (``counters_of`` holds it weakly)."""
 
 SPOILED_RETRY = 30.0
 """Seconds a counter found spoiled is left alone before it is added to again."""
@@ -64,7 +70,7 @@ class Counters:
     def _store(self) -> Any:
         base = self._base()
         if base is None:
-            raise ReferenceError("the store of these counters is gone")
+            raise StoreGoneError("the store of these counters is gone (it was closed)")
         return base
 
     def spoiled(self, key: str) -> bool:

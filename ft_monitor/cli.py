@@ -180,7 +180,7 @@ def live_view(dirs: list[str], as_json: bool, watch: float | None, count: int | 
 
 
 def _report(args: argparse.Namespace) -> int:
-    from ft_monitor.launcher.events import EventSchemaError
+    from ft_monitor.launcher.telemetry.events import EventSchemaError
     from ft_monitor.views.report_html import ReportError, write_report
 
     try:

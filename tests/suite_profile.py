@@ -159,7 +159,7 @@ def kind(cmdline: list[str]) -> str:
         return "launcher"
     if exe == "ft-monitor" or first == "ft_monitor.cli":
         return "monitor"
-    if first == "ft_monitor.launcher.template":
+    if first == "ft_monitor.launcher.warm.template":
         return "template"
     if first in ("torch.distributed.run", "torchrun"):
         return "torchrun"

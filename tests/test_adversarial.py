@@ -27,9 +27,9 @@ from ft_client import RankMonitorClient, RankMonitorClientError, wire
 from ft_client.safefiles import UnsafeFileError, open_append, read_bounded
 from ft_client.transport import TransportError, resolve_socket_path
 from ft_monitor.config import ConfigError, load_config
-from ft_monitor.launcher.control import EventKind, LauncherServer
-from ft_monitor.launcher.rootcause import read_stack
-from ft_monitor.launcher.store_auth import (
+from ft_monitor.launcher.agent.control import EventKind, LauncherServer
+from ft_monitor.launcher.incident.rootcause import read_stack
+from ft_monitor.launcher.store.store_auth import (
     HangRecord,
     SecretError,
     ShutdownRequest,

@@ -55,9 +55,9 @@ OVERSIZED = {
     "bench/snapshot.py",
     "ft_client/wire.py",
     "ft_monitor/daemon/monitor.py",
-    "ft_monitor/launcher/metrics_http.py",
-    "ft_monitor/launcher/telemetry.py",
-    "ft_monitor/launcher/template.py",
+    "ft_monitor/launcher/telemetry/metrics_http.py",
+    "ft_monitor/launcher/telemetry/telemetry.py",
+    "ft_monitor/launcher/warm/template.py",
 }
 
 
@@ -217,6 +217,52 @@ def test_the_snapshot_room_imports_only_downwards(graph: dict[str, set[str]]) ->
     upward = sorted((mod, dep) for i, mod in enumerate(SNAPSHOT_ROOM) for dep in graph[mod]
                     if dep.startswith("ft_client.snapshot") and dep not in SNAPSHOT_ROOM[:i])
     assert upward == []
+
+
+LAUNCHER_ROOMS_BELOW: dict[str, set[str]] = {
+    # ft_monitor/launcher's rooms (issue 40), and the launcher rooms each may import (besides itself)
+    "store": set(),
+    "rdzv": set(),
+    "warm": set(),
+    "incident": {"store", "rdzv"},
+    "telemetry": {"store", "rdzv", "incident"},
+    "agent": {"store", "rdzv", "warm", "incident", "telemetry"},
+}
+LAUNCHER_HALL = {
+    # the launcher's own top: the command line (main, its flags) and the words every room shares
+    "ft_monitor.launcher", "ft_monitor.launcher.main", "ft_monitor.launcher.early_check",
+    "ft_monitor.launcher.nvrx_flags", "ft_monitor.launcher.exit_codes", "ft_monitor.launcher.stop_signal",
+}
+LAUNCHER_VOCABULARY = {"ft_monitor.launcher.exit_codes", "ft_monitor.launcher.stop_signal"}
+
+
+def _launcher_room(mod: str) -> str | None:
+    parts = mod.split(".")
+    return parts[2] if len(parts) >= 4 and parts[:2] == ["ft_monitor", "launcher"] else None
+
+
+def test_every_launcher_module_lives_in_a_room_or_the_hall(graph: dict[str, set[str]]) -> None:
+    loose = sorted(m for m in graph if m.startswith("ft_monitor.launcher") and m not in LAUNCHER_HALL
+                   and _launcher_room(m) not in LAUNCHER_ROOMS_BELOW
+                   and m.removeprefix("ft_monitor.launcher.") not in LAUNCHER_ROOMS_BELOW)
+    assert loose == []
+
+
+def test_the_launchers_rooms_import_only_downwards(graph: dict[str, set[str]]) -> None:
+    """A room may import its own modules, the rooms below it and the hall's shared words; never
+    the command line above it, nor a room beside or above it."""
+    upward = []
+    for mod, deps in graph.items():
+        room = _launcher_room(mod)
+        if room is None:
+            continue
+        for dep in deps:
+            if not dep.startswith("ft_monitor.launcher") or dep in LAUNCHER_VOCABULARY:
+                continue
+            other = _launcher_room(dep) or dep.removeprefix("ft_monitor.launcher.")
+            if other != room and other not in LAUNCHER_ROOMS_BELOW[room]:
+                upward.append((mod, dep))
+    assert sorted(upward) == []
 
 
 def test_no_module_is_over_500_lines_but_those_still_to_be_split() -> None:

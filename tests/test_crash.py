@@ -1,4 +1,4 @@
-"""The root of a crash, decided once (ft_monitor/launcher/crash.py), and what the launcher's
+"""The root of a crash, decided once (ft_monitor/launcher/incident/crash.py), and what the launcher's
 outputs take from it: pure, with plain values (the real kill -9 runs are in test_e2e_launcher.py)."""
 
 from __future__ import annotations
@@ -11,17 +11,17 @@ import pytest
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from ft_monitor.core.status import ExitSummary, MonitorStatus, build_status
-from ft_monitor.launcher import summary_text
-from ft_monitor.launcher.crash import (
+from ft_monitor.launcher.incident.crash import (
     FailedRank,
     decide_crash,
     on_another_node,
     peer_failure,
 )
-from ft_monitor.launcher.metrics import Snapshot, collect
-from ft_monitor.launcher.restarts import failed_ranks, failure_restart
-from ft_monitor.launcher.rootcause import crash_error_data
-from ft_monitor.launcher.store_auth import CrashRecord, StoreChannel, StoreMessageError
+from ft_monitor.launcher.incident.restarts import failed_ranks, failure_restart
+from ft_monitor.launcher.incident.rootcause import crash_error_data
+from ft_monitor.launcher.store.store_auth import CrashRecord, StoreChannel, StoreMessageError
+from ft_monitor.launcher.telemetry import summary_text
+from ft_monitor.launcher.telemetry.metrics import Snapshot, collect
 
 GLOO_RESET = ("RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:4242: "
               "Connection reset by peer")

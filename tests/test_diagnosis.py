@@ -11,8 +11,8 @@ import pytest
 from ft_monitor.core.snapshot import MonitorSnapshot, SnapshotError
 from ft_monitor.forensics import stacks
 from ft_monitor.forensics.fr_digest import FrDigest, digest, op_name
-from ft_monitor.launcher.decide import same_incident
-from ft_monitor.launcher.diagnosis import (
+from ft_monitor.launcher.incident.decide import same_incident
+from ft_monitor.launcher.incident.diagnosis import (
     ANSWERED,
     NO_ANSWER,
     SCHEMA,
@@ -22,7 +22,7 @@ from ft_monitor.launcher.diagnosis import (
     RollCallFacts,
     diagnose,
 )
-from ft_monitor.launcher.store_auth import RollCallAnswer, RollCallRequest, StoreChannel, StoreMessageError
+from ft_monitor.launcher.store.store_auth import RollCallAnswer, RollCallRequest, StoreChannel, StoreMessageError
 
 
 def entry(seq: int, pg: int = 0, op: str = "gloo:all_reduce", retired: bool = True, created: int = 0) -> dict[str, Any]:

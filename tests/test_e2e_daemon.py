@@ -482,7 +482,7 @@ def test_unreachable_launcher_means_the_daemon_kills_the_rank_itself(workdir: Pa
 
 
 def test_launcher_that_acknowledges_but_never_acts_is_overridden(workdir: Path) -> None:
-    from ft_monitor.launcher.control import EventKind, LauncherServer
+    from ft_monitor.launcher.agent.control import EventKind, LauncherServer
 
     server = LauncherServer(str(workdir / "launcher.sock"))  # acknowledges, queues, never stops anything
     monitors: set[int] = set()

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 from ft_monitor.launcher import exit_codes
-from ft_monitor.launcher.crossnode import HANG_COUNT_KEY, HANG_INDEX_KEY
-from ft_monitor.launcher.rollcall_wire import ASKERS_KEY, BELL_KEY
+from ft_monitor.launcher.incident.crossnode import HANG_COUNT_KEY, HANG_INDEX_KEY
+from ft_monitor.launcher.incident.rollcall_wire import ASKERS_KEY, BELL_KEY
 from tests import zygote
 from tests.launchers import JOB_SECRET, Launcher, job_processes, launcher_argv, listening, two_nodes
 from tests.procs import ROOT, free_port, launcher_summary, wait_until

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from ft_monitor.launcher import exit_codes
-from ft_monitor.launcher.events import read_events
+from ft_monitor.launcher.telemetry.events import read_events
 from tests.launchers import Launcher, two_nodes
 from tests.procs import launcher_summary
 

@@ -24,7 +24,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ft_monitor.launcher import exit_codes
-from ft_monitor.launcher.events import read_events
+from ft_monitor.launcher.telemetry.events import read_events
 from tests.launchers import Launcher
 from tests.procs import ROOT, cleanup_dir, free_port, short_tmpdir, wait_until
 

@@ -25,7 +25,7 @@ from ft_client.transport import ConnectTimeoutError, Transport, TransportBrokenE
 from ft_monitor.config import ConfigError, load_config
 from tests.procs import Daemon
 
-SKIP = {"ft_monitor.launcher.agent", "ft_monitor.launcher.main"}  # import torch.distributed.elastic
+SKIP = {"ft_monitor.launcher.agent.agent", "ft_monitor.launcher.main"}  # import torch.distributed.elastic
 
 
 def _modules() -> list[str]:
@@ -69,7 +69,7 @@ BUILTIN_RAISES_ALLOWED = {
     # itself raises for a keyword a function does not take
     ("ft_client/inprocess/config.py", "TypeError"),
     ("ft_client/wire.py", "TypeError"),  # encode() of something that is not a message: a bug, not input
-    ("ft_monitor/launcher/control.py", "EOFError"),  # the socket reader's, caught beside it
+    ("ft_monitor/launcher/agent/control.py", "EOFError"),  # the socket reader's, caught beside it
 }
 
 

@@ -17,7 +17,7 @@ from ft_client.inprocess.store import FaultRecord, RestartStore, namespace
 from ft_client.signed import Signer
 from ft_monitor.core.notices import HangNotice
 from ft_monitor.core.status import InprocessRestart
-from ft_monitor.launcher.inprocess import InprocessLedger
+from ft_monitor.launcher.agent.inprocess import InprocessLedger
 from tests.procs import wait_until
 from tests.test_client_states import QUIET, ThreadDaemon
 

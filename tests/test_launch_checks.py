@@ -21,7 +21,7 @@ from ft_monitor.core import timeout_order
 from ft_monitor.core.settings import Settings
 from ft_monitor.core.timeout_order import Facts, Limit, facts, inversions
 from ft_monitor.launcher import main as launcher_main
-from ft_monitor.launcher import torch_support
+from ft_monitor.launcher.agent import torch_support
 
 ROOT = Path(__file__).resolve().parent.parent
 GLOO_DEFAULT = Limit(1800.0, "torch's default process-group timeout, 1800 s")
@@ -156,7 +156,7 @@ def test_process_group_timeout_comes_from_the_setting_handed_to_the_worker() -> 
 
 
 def test_the_launcher_hands_process_group_timeout_to_each_worker() -> None:
-    from ft_monitor.launcher.agent import FtRuntime
+    from ft_monitor.launcher.agent.agent import FtRuntime
 
     class Pool:
         def socket(self, local_rank: int) -> Path:
@@ -171,7 +171,7 @@ def test_the_launcher_hands_process_group_timeout_to_each_worker() -> None:
 
 def test_flight_recorder_dumps_go_to_the_first_private_place(tmp_path: Path) -> None:
     """Issue 38: torch's default is /tmp/nccl_trace_rank_<rank>, a name anyone can plant first."""
-    from ft_monitor.launcher.worker_env import fr_dump_prefix
+    from ft_monitor.launcher.agent.worker_env import fr_dump_prefix
 
     private, open_to_all, attempt = tmp_path / "reports", tmp_path / "shared", tmp_path / "attempt_0" / "1"
     for d in (private, open_to_all, attempt):
@@ -239,7 +239,7 @@ def test_timeout_order_defaults_are_torchs() -> None:
 def test_the_workers_are_told_the_rendezvous_stores_address() -> None:
     from torch.distributed import HashStore, PrefixStore, TCPStore
 
-    from ft_monitor.launcher.agent import store_address
+    from ft_monitor.launcher.agent.agent import store_address
 
     store = TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
     assert store_address(PrefixStore("torch.rendezvous.x.0", PrefixStore("y", store))) == f"127.0.0.1:{store.port}"

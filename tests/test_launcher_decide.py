@@ -1,4 +1,4 @@
-"""The launcher's hang verdict (ft_monitor.launcher.decide), on plain values.
+"""The launcher's hang verdict (ft_monitor.launcher.incident.decide), on plain values.
 
 No processes, no torch store, no real clock: ``now`` is a fixed number, other
 nodes' store values are bytes signed (or not) with a test secret.
@@ -16,7 +16,7 @@ import pytest
 from ft_monitor.core.notices import HangNotice
 from ft_monitor.core.status import MonitorStatus
 from ft_monitor.launcher import exit_codes
-from ft_monitor.launcher.decide import (
+from ft_monitor.launcher.incident.decide import (
     HANG_EXIT_CODE,
     AttemptVerdict,
     HangDecision,
@@ -31,8 +31,8 @@ from ft_monitor.launcher.decide import (
     triage_hang,
     with_diagnosis,
 )
-from ft_monitor.launcher.progress import Progress, ProgressPolicy, ProgressTracker
-from ft_monitor.launcher.store_auth import HangRecord, StoreChannel, StoreMessageError
+from ft_monitor.launcher.incident.progress import Progress, ProgressPolicy, ProgressTracker
+from ft_monitor.launcher.store.store_auth import HangRecord, StoreChannel, StoreMessageError
 
 SECRET = b"s" * 32
 RUN = "run-1"

@@ -18,13 +18,13 @@ from ft_monitor.core.section_stats import SectionHistogram, SectionStats
 from ft_monitor.core.settings import Settings
 from ft_monitor.core.state import Session
 from ft_monitor.core.status import SnapshotPair, SnapshotsStatus, build_status
-from ft_monitor.launcher.agent import RestartTiming
-from ft_monitor.launcher.events import SCHEMA, EventLog, EventSchemaError, read_events, validate_event
-from ft_monitor.launcher.goodput import Incident, goodput
-from ft_monitor.launcher.metrics import RankView, Snapshot, registry
-from ft_monitor.launcher.slow_ranks import judge
-from ft_monitor.launcher.telemetry import Telemetry
-from ft_monitor.launcher.torch_events import TorchMetrics, routed
+from ft_monitor.launcher.agent.agent import RestartTiming
+from ft_monitor.launcher.telemetry.events import SCHEMA, EventLog, EventSchemaError, read_events, validate_event
+from ft_monitor.launcher.telemetry.goodput import Incident, goodput
+from ft_monitor.launcher.telemetry.metrics import RankView, Snapshot, registry
+from ft_monitor.launcher.telemetry.slow_ranks import judge
+from ft_monitor.launcher.telemetry.telemetry import Telemetry
+from ft_monitor.launcher.telemetry.torch_events import TorchMetrics, routed
 from ft_monitor.views.live_view import Row, format_table, to_json
 from ft_monitor.views.report_html import render
 

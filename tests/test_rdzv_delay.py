@@ -1,4 +1,4 @@
-"""A restart's rendezvous skips torch's random first-run delay (ft_monitor.launcher.rdzv_delay),
+"""A restart's rendezvous skips torch's random first-run delay (ft_monitor.launcher.rdzv.rdzv_delay),
 checked on torch's own c10d rendezvous handler: the first join sleeps its random (0, 0.3) s,
 the restart's join inside `no_first_run_delay` does not, and other delays still sleep."""
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from ft_monitor.launcher.rdzv_delay import no_first_run_delay
+from ft_monitor.launcher.rdzv.rdzv_delay import no_first_run_delay
 from tests.procs import free_port
 
 dr = pytest.importorskip("torch.distributed.elastic.rendezvous.dynamic_rendezvous")

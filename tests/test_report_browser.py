@@ -30,7 +30,7 @@ from urllib.parse import unquote, urlparse
 
 import pytest
 
-from ft_monitor.launcher.events import RESTART_PHASES
+from ft_monitor.launcher.telemetry.events import RESTART_PHASES
 from tests.browser import Page, chromium, open_page
 from tests.launchers import Launcher, two_nodes
 from tests.procs import ROOT

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from ft_monitor.launcher.events import SCHEMA, EventSchemaError, read_events, validate_event
+from ft_monitor.launcher.telemetry.events import SCHEMA, EventSchemaError, read_events, validate_event
 from ft_monitor.views.report_html import render, write_report
 
 SCALARS = (st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True, allow_infinity=True)

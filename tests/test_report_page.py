@@ -14,9 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ft_monitor.core.settings import Settings
-from ft_monitor.launcher.events import RESTART_PHASES, EventLog, validate_event
-from ft_monitor.launcher.restarts import RestartTiming
-from ft_monitor.launcher.telemetry import Telemetry
+from ft_monitor.launcher.incident.restarts import RestartTiming
+from ft_monitor.launcher.telemetry.events import RESTART_PHASES, EventLog, validate_event
+from ft_monitor.launcher.telemetry.telemetry import Telemetry
 from ft_monitor.views import human
 from ft_monitor.views.report_html import ReportError, headline, render, write_report
 from ft_monitor.views.report_input import ReportInput, load, parse_diagnosis

@@ -17,11 +17,11 @@ import pytest
 
 from ft_monitor.core.snapshot import MonitorSnapshot
 from ft_monitor.forensics.fr_digest import digest
-from ft_monitor.launcher.diagnosis import ANSWERED, NO_ANSWER, NOT_RUNNING, HungRank, RankEvidence
-from ft_monitor.launcher.rollcall import Rank, RollCaller, evidence_from
-from ft_monitor.launcher.rollcall_wire import ASKERS_KEY, BELL_KEY, answer_key, read_answer, request_key
-from ft_monitor.launcher.sealed import Sealer, SealError
-from ft_monitor.launcher.store_auth import RollCallAnswer, RollCallRequest, StoreChannel, StoreMessageError
+from ft_monitor.launcher.incident.diagnosis import ANSWERED, NO_ANSWER, NOT_RUNNING, HungRank, RankEvidence
+from ft_monitor.launcher.incident.rollcall import Rank, RollCaller, evidence_from
+from ft_monitor.launcher.incident.rollcall_wire import ASKERS_KEY, BELL_KEY, answer_key, read_answer, request_key
+from ft_monitor.launcher.store.sealed import Sealer, SealError
+from ft_monitor.launcher.store.store_auth import RollCallAnswer, RollCallRequest, StoreChannel, StoreMessageError
 from tests.test_diagnosis import STACK_IN_ALL_REDUCE, STACK_SLEEPING, trace
 
 SECRET = b"k" * 32
@@ -114,8 +114,8 @@ def test_the_owner_gets_the_other_nodes_ranks_through_the_store(extended: bool) 
 
 def test_the_nodes_that_answered_take_the_owners_verdict_of_that_roll_call_only() -> None:
     # issue 42 item 3: the node that did not take the roll call kept its first-hang guess
-    from ft_monitor.launcher.rollcall_wire import VERDICT_KEY
-    from ft_monitor.launcher.store_auth import RollCallVerdict
+    from ft_monitor.launcher.incident.rollcall_wire import VERDICT_KEY
+    from ft_monitor.launcher.store.store_auth import RollCallVerdict
 
     store = FakeStore()
     a = Node("a", [RankEvidence(1, "a", ANSWERED, stack=STACK_SLEEPING)])
@@ -304,7 +304,7 @@ def test_a_rank_is_running_until_it_exits_a_zombie_is_not() -> None:
 def test_the_round_is_torchs_rendezvous_round_else_the_count_of_rendezvous() -> None:
     from types import SimpleNamespace
 
-    from ft_monitor.launcher.agent import rendezvous_round
+    from ft_monitor.launcher.rdzv.rounds import rendezvous_round
 
     dynamic = SimpleNamespace(_state_holder=SimpleNamespace(state=SimpleNamespace(round=3)))
     assert rendezvous_round(dynamic, 0) == 3

@@ -23,10 +23,10 @@ from typing import Any
 import pytest
 from torch.distributed import PrefixStore, TCPStore
 
-from ft_monitor.launcher.diagnosis import ANSWERED, RankEvidence
-from ft_monitor.launcher.rollcall_wire import ASKERS_KEY, BELL_KEY, answer_key, encode_answer, request_key
-from ft_monitor.launcher.sealed import Sealer
-from ft_monitor.launcher.store_auth import RollCallRequest
+from ft_monitor.launcher.incident.diagnosis import ANSWERED, RankEvidence
+from ft_monitor.launcher.incident.rollcall_wire import ASKERS_KEY, BELL_KEY, answer_key, encode_answer, request_key
+from ft_monitor.launcher.store.sealed import Sealer
+from ft_monitor.launcher.store.store_auth import RollCallRequest
 from tests.procs import ROOT, slack
 from tests.test_diagnosis import STACK_IN_ALL_REDUCE, STACK_SLEEPING
 from tests.test_rollcall import CHANNEL, HUNG, SECRET, Node
@@ -178,9 +178,9 @@ def test_a_hang_record_copied_into_the_next_round_names_no_one(port: int, caplog
     own rank 0 hung: the signature bound the key and the run id, which c10d keeps across rounds."""
     from types import SimpleNamespace
 
-    from ft_monitor.launcher.crossnode import HANG_COUNT_KEY, HANG_INDEX_KEY, HANG_KEY, NodeMessages
-    from ft_monitor.launcher.decide import first_hang
-    from ft_monitor.launcher.store_auth import HangRecord
+    from ft_monitor.launcher.incident.crossnode import HANG_COUNT_KEY, HANG_INDEX_KEY, HANG_KEY, NodeMessages
+    from ft_monitor.launcher.incident.decide import first_hang
+    from ft_monitor.launcher.store.store_auth import HangRecord
 
     def node(g: int, round: int) -> tuple[NodeMessages, Any]:
         messages = NodeMessages(SECRET)

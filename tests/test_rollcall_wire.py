@@ -12,10 +12,10 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from ft_monitor.launcher.diagnosis import ANSWERED, EvidenceError, RankEvidence
-from ft_monitor.launcher.rollcall_wire import answer_key, encode_answer, read_answer, read_request, request_key
-from ft_monitor.launcher.sealed import INFO, Sealer, SealError, aad
-from ft_monitor.launcher.store_auth import RollCallAnswer, RollCallRequest, StoreChannel, StoreMessageError
+from ft_monitor.launcher.incident.diagnosis import ANSWERED, EvidenceError, RankEvidence
+from ft_monitor.launcher.incident.rollcall_wire import answer_key, encode_answer, read_answer, read_request, request_key
+from ft_monitor.launcher.store.sealed import INFO, Sealer, SealError, aad
+from ft_monitor.launcher.store.store_auth import RollCallAnswer, RollCallRequest, StoreChannel, StoreMessageError
 
 SECRET = b"w" * 32
 CHANNEL = StoreChannel(SECRET, "run-w")

@@ -47,7 +47,7 @@ def test_one_send_is_one_delivery_to_each_process(path: str) -> None:
         if path == "executor":
             target = RealProcessOps(ExitWatch()).stop_target(handle)
             assert target is not None
-        else:  # launcher/groups.py: WorkerGroups.track + pin_members
+        else:  # launcher/agent/groups.py: WorkerGroups.track + pin_members
             group = PinnedGroup.of_leader(handle)
             assert group is not None
             group.pin_members()

@@ -15,15 +15,16 @@ from typing import Any
 import pytest
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
-from ft_monitor.launcher.crossnode import TORCH_NODE_KEYS, NodeMessages
-from ft_monitor.launcher.observed import FtObservedAgent
-from ft_monitor.launcher.rollcall import RollCaller
-from ft_monitor.launcher.sealed import Sealer
+from ft_monitor.launcher.agent.observed import FtObservedAgent
+from ft_monitor.launcher.incident.crossnode import TORCH_NODE_KEYS, NodeMessages
+from ft_monitor.launcher.incident.rollcall import RollCaller
 from ft_monitor.launcher.stop_signal import is_stop, reraise_stop
-from ft_monitor.launcher.store_auth import HangRecord, StoreChannel
+from ft_monitor.launcher.store.sealed import Sealer
+from ft_monitor.launcher.store.store_auth import HangRecord, StoreChannel
 from tests.procs import ROOT
 
-MAIN_THREAD = ["crossnode.py", "hangs.py", "observed.py", "rollcall.py", "telemetry.py"]
+MAIN_THREAD = ["incident/crossnode.py", "agent/hangs.py", "agent/observed.py", "incident/rollcall.py",
+               "telemetry/telemetry.py"]
 """The launcher's modules whose best-effort steps run in the agent's (main) thread."""
 
 
@@ -67,9 +68,10 @@ def test_every_best_effort_catch_in_the_agents_thread_lets_the_stop_through(modu
 
 
 def test_the_list_holds_every_module_that_catches_exception_in_the_agent() -> None:
-    for path in sorted((ROOT / "ft_monitor" / "launcher").glob("*.py")):
+    for path in sorted((ROOT / "ft_monitor" / "launcher").rglob("*.py")):
+        name = str(path.relative_to(ROOT / "ft_monitor" / "launcher"))
         if path.name != "stop_signal.py" and "reraise_stop(" in path.read_text():
-            assert path.name in MAIN_THREAD, f"{path.name} re-raises the stop: add it to MAIN_THREAD"
+            assert name in MAIN_THREAD, f"{name} re-raises the stop: add it to MAIN_THREAD"
 
 
 class BrokenStore:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ft_monitor.launcher.store_board import Board, parse_index
+from ft_monitor.launcher.store.store_board import Board, parse_index
 from tests.test_rollcall import FakeStore
 
 
@@ -86,7 +86,7 @@ def test_only_a_rendezvous_with_a_prefix_per_round_has_its_last_round_tidied() -
 
     from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
 
-    from ft_monitor.launcher.agent import rounds_apart
+    from ft_monitor.launcher.rdzv.rounds import rounds_apart
 
     dynamic = SimpleNamespace(_state_holder=SimpleNamespace(state=SimpleNamespace(round=3)))
     assert rounds_apart(dynamic)

@@ -18,7 +18,7 @@ from torch.distributed import HashStore, PrefixStore, TCPStore
 
 from ft_client.inprocess.store import RestartStore
 from ft_client.store_counter import SPOILED_RETRY, Counters, counters_of
-from ft_monitor.launcher.store_board import INDEX_RETRY, Board, IndexReader, index_limit, parse_index
+from ft_monitor.launcher.store.store_board import INDEX_RETRY, Board, IndexReader, index_limit, parse_index
 from tests.test_inprocess_parts import SIGNER
 from tests.test_rollcall import FakeStore
 from tests.test_rollcall_attacks import forge

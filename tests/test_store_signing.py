@@ -28,9 +28,9 @@ from ft_client import jobkey
 from ft_client.inprocess import store as ipstore
 from ft_client.inprocess.store import FaultRecord, RestartStore
 from ft_client.signed import Signer, StoreMessageError, derive_key
-from ft_monitor.launcher.decide import triage_hang
+from ft_monitor.launcher.incident.decide import triage_hang
 from ft_monitor.launcher.main import max_nodes
-from ft_monitor.launcher.store_auth import (
+from ft_monitor.launcher.store.store_auth import (
     CrashRecord,
     HangRecord,
     RollCallAnswer,
@@ -111,7 +111,7 @@ def test_a_signed_record_replayed_into_a_later_round_is_refused() -> None:
     # issue 38: node 1's signed hang record of round 0, copied into rounds 1-5 and listed on the board, made
     # node 0 decide "rank 1 hung first" in round 1 where rank 0 really hung: the signature bound the key and
     # the run id, which c10d keeps across rounds
-    from ft_monitor.launcher.decide import first_hang
+    from ft_monitor.launcher.incident.decide import first_hang
 
     old = StoreChannel(SECRET, "job-1", 0).encode(KEY.format(1), HangRecord(1, NOW - 60.0, "old", "n1"))
     now = StoreChannel(SECRET, "job-1", 1)
@@ -126,7 +126,7 @@ def test_a_signed_record_replayed_into_a_later_round_is_refused() -> None:
 def test_the_launchers_channel_is_bound_to_the_round_it_joined() -> None:
     from types import SimpleNamespace
 
-    from ft_monitor.launcher.crossnode import NodeMessages
+    from ft_monitor.launcher.incident.crossnode import NodeMessages
 
     nodes = NodeMessages(SECRET)
     wg = SimpleNamespace(group_world_size=2, spec=SimpleNamespace(rdzv_handler=SimpleNamespace(get_run_id=lambda: "r")))
@@ -331,7 +331,7 @@ def test_step_times_ranks_must_be_ascii_digits() -> None:
 
 def test_ft_launcher_gives_workers_a_derived_key_and_neither_form_of_the_secret(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from ft_monitor.launcher import agent
+    from ft_monitor.launcher.agent import agent
 
     started: list[dict[int, dict[str, str]]] = []
     monkeypatch.setattr(agent._lea, "start_processes", lambda *a, **kw: started.append(kw["envs"]))

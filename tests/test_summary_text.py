@@ -6,8 +6,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from ft_monitor.launcher import summary_text
-from ft_monitor.launcher.summary_text import Evidence
+from ft_monitor.launcher.telemetry import summary_text
+from ft_monitor.launcher.telemetry.summary_text import Evidence
 
 LOGS = "/tmp/run/logs/job"
 HANG = {"rank": 1, "local_rank": 1, "pid": 4080, "attempt": 0, "message": "section 'step' open for 2.0 s, timeout 2.0 s",

@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 
 from ft_client import startup
-from ft_monitor.launcher import template_wire
-from ft_monitor.launcher.forked import UNKNOWN_RETURNCODE, ForkedProcess
+from ft_monitor.launcher.warm import template_wire
+from ft_monitor.launcher.warm.forked import UNKNOWN_RETURNCODE, ForkedProcess
 from tests.procs import ROOT, WORKERS, cleanup_dir, short_tmpdir, slack, wait_until
 
 pytestmark = pytest.mark.e2e

@@ -1,4 +1,4 @@
-"""The worker template forked from ft-launcher at its start (ft_monitor/launcher/template_fork.py):
+"""The worker template forked from ft-launcher at its start (ft_monitor/launcher/warm/template_fork.py):
 when the entry point forks, and that what it changes for the import of torch is undone."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from ft_monitor.launcher import template_fork
 from ft_monitor.launcher.main import build_parser
+from ft_monitor.launcher.warm import template_fork
 
 
 @pytest.mark.parametrize(("argv", "asked"), [

@@ -16,8 +16,8 @@ from ft_monitor.core.template_request import (
     parse_spawn_reply,
     parse_status_reply,
 )
-from ft_monitor.launcher import template_wire
-from ft_monitor.launcher.template_wire import TemplateError
+from ft_monitor.launcher.warm import template_wire
+from ft_monitor.launcher.warm.template_wire import TemplateError
 
 PY = "/venv/bin/python"
 LINKS = {"/venv/bin/python": "/usr/lib/python3.11", "/venv/bin/python3": "/usr/lib/python3.11",

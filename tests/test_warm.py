@@ -1,4 +1,4 @@
-"""WarmStarts (ft_monitor.launcher.warm) with real templates, without a launcher: the template
+"""WarmStarts (ft_monitor.launcher.warm.warm) with real templates, without a launcher: the template
 made again for ``--ft-preload auto`` takes over only once it answers, and a list of thousands
 of modules reaches it whole."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ft_monitor.launcher.warm import WarmStarts
+from ft_monitor.launcher.warm.warm import WarmStarts
 from tests.procs import cleanup_dir, short_tmpdir, wait_until
 
 

@@ -3,7 +3,7 @@
 Most of the suite's CPU went to starting interpreters that import torch: every rank, worker
 and launcher of every end-to-end test imported it afresh (about 1 s of CPU each, 2.3 s with
 DDP's torch._dynamo). Here each pytest(-xdist) worker keeps one *zygote*: the product's own
-worker template (`ft_monitor.launcher.template`, started through `forked.Template`), which
+worker template (`ft_monitor.launcher.warm.template`, started through `forked.Template`), which
 has imported torch, DDP, the elastic agent, numpy and ft-monitor's modules once, and forks a
 ready interpreter for every ``python script.py ...`` a test starts, run as that command would
 run it (``sys.argv``, ``__main__``, ``sys.path[0]``, the environment, the cwd, stdout and
@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from ft_monitor.core.template_argv import Plan, plan
-from ft_monitor.launcher.forked import ForkedProcess, Template, TemplateError, TemplateRefused
+from ft_monitor.launcher.warm.forked import ForkedProcess, Template, TemplateError, TemplateRefused
 
 PIPE, STDOUT, DEVNULL = subprocess.PIPE, subprocess.STDOUT, subprocess.DEVNULL
 ENV_SWITCH = "FT_TEST_ZYGOTE"
@@ -51,10 +51,10 @@ PRELOAD = [
     "torch.distributed.run", "torch.distributed.launcher.api", "torch.distributed.elastic.agent.server.local_elastic_agent",
     "numpy", "msgpack", "yaml",
     "ft_client", "ft_client.inprocess", "ft_client.snapshot",
-    "ft_monitor.launcher.main", "ft_monitor.launcher.agent", "ft_monitor.launcher.control",
-    "ft_monitor.launcher.monitors", "ft_monitor.launcher.telemetry", "ft_monitor.launcher.observed",
-    "ft_monitor.launcher.torch_events", "ft_monitor.launcher.metrics_http", "ft_monitor.launcher.summary_text",
-    "ft_monitor.launcher.warm", "ft_monitor.launcher.forked",
+    "ft_monitor.launcher.main", "ft_monitor.launcher.agent.agent", "ft_monitor.launcher.agent.control",
+    "ft_monitor.launcher.agent.monitors", "ft_monitor.launcher.telemetry.telemetry", "ft_monitor.launcher.agent.observed",
+    "ft_monitor.launcher.telemetry.torch_events", "ft_monitor.launcher.telemetry.metrics_http", "ft_monitor.launcher.telemetry.summary_text",
+    "ft_monitor.launcher.warm.warm", "ft_monitor.launcher.warm.forked",
 ]
 """What the tests' processes import: torch with DDP (which imports torch._dynamo), the elastic
 agent (ft-launcher), and ft-monitor's own modules. Each must start no thread at import."""

@@ -220,7 +220,7 @@ class MonitorStatus:
     last_gone: ExitSummary | None = None
     """The latest session's process went (its connection closed) without a GOODBYE: its pid,
     how (``reason``) and when (None otherwise): the root of a crash is the rank whose process
-    went first among those that never raised (ft_monitor/launcher/crash.py)."""
+    went first among those that never raised (ft_monitor/launcher/incident/crash.py)."""
     snapshots: SnapshotsStatus | None = None
     """The snapshot memory the monitor holds (None from an older monitor)."""
 

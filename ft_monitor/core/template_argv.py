@@ -1,6 +1,6 @@
 """Which command lines a worker template can run, and when it may fork (pure: no I/O).
 
-A worker template (`ft_monitor.launcher.template`) is a Python interpreter that has
+A worker template (`ft_monitor.launcher.warm.template`) is a Python interpreter that has
 imported torch and the user's modules; it forks a ready interpreter for each worker and
 runs the worker's script in it as ``python script.py`` would. It can only do that for a
 command line that *is* ``python script.py`` with its own interpreter: torchrun passes

@@ -1,8 +1,8 @@
 """The worker template's requests and replies, read field by field (pure: no I/O).
 
-The launcher talks to its worker template (`ft_monitor.launcher.template`) over a Unix
+The launcher talks to its worker template (`ft_monitor.launcher.warm.template`) over a Unix
 socket, one request per connection; a frame is a 4-byte big-endian length and a msgpack
-map (`ft_monitor.launcher.template_wire` owns the bytes)::
+map (`ft_monitor.launcher.warm.template_wire` owns the bytes)::
 
     {"op": "status"}
         -> {"ok": true, "pid", "preloaded": [name], "failed": {name: why}, "threads",

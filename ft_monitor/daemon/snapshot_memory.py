@@ -124,7 +124,7 @@ def allocate_pages(fd: int, offset: int, length: int) -> None:
     os.posix_fallocate(fd, offset, length)
 
 
-class _NotReserved(Exception):
+class _NotReserved(FtError):
     """Allocating a buffer's pages failed (`allocate_pages`' OSError, as its cause)."""
 
 

@@ -29,8 +29,10 @@ from ft_client.safefiles import write_json_atomic
 from ft_monitor.config import ConfigError, FaultToleranceConfig, cli_overrides, load_config
 from ft_monitor.core import timeout_order
 from ft_monitor.core.settings import Settings, SettingsError
-from ft_monitor.launcher import early_check, exit_codes, nvrx_flags, secret_env, template_fork, torch_support
-from ft_monitor.launcher.store_auth import SECRET_FILE_ENV, SecretError, load_job_secret
+from ft_monitor.launcher import early_check, exit_codes, nvrx_flags
+from ft_monitor.launcher.agent import secret_env, torch_support
+from ft_monitor.launcher.store.store_auth import SECRET_FILE_ENV, SecretError, load_job_secret
+from ft_monitor.launcher.warm import template_fork
 
 log = logging.getLogger("ft_monitor.launcher")
 
@@ -53,7 +55,7 @@ def _agent_swapped_in(ft: Any, telemetry: Any) -> Iterator[None]:
     """torch's launch_agent builds `LocalElasticAgent(...)`; make that ours for this run."""
     import torch.distributed.launcher.api as launcher_api
 
-    from ft_monitor.launcher.observed import FtObservedAgent
+    from ft_monitor.launcher.agent.observed import FtObservedAgent
 
     original = getattr(launcher_api, "LocalElasticAgent")  # torch internals: checked to exist at start
     setattr(launcher_api, "LocalElasticAgent", functools.partial(FtObservedAgent, ft=ft, telemetry=telemetry))
@@ -200,12 +202,12 @@ def launch(args: argparse.Namespace, config: Settings | FaultToleranceConfig, su
     from torch.distributed.run import determine_local_world_size
     from torch.distributed.run import run as torch_run
 
-    from ft_monitor.launcher.agent import FtRuntime
-    from ft_monitor.launcher.control import LauncherServer
-    from ft_monitor.launcher.monitors import MonitorPool
-    from ft_monitor.launcher.progress import ProgressTracker
-    from ft_monitor.launcher.telemetry import Telemetry
-    from ft_monitor.launcher.torch_events import routed
+    from ft_monitor.launcher.agent.agent import FtRuntime
+    from ft_monitor.launcher.agent.control import LauncherServer
+    from ft_monitor.launcher.agent.monitors import MonitorPool
+    from ft_monitor.launcher.incident.progress import ProgressTracker
+    from ft_monitor.launcher.telemetry.telemetry import Telemetry
+    from ft_monitor.launcher.telemetry.torch_events import routed
 
     if not isinstance(config, Settings):
         config = Settings.from_config(config)
@@ -278,7 +280,7 @@ def _warm_starts(args: argparse.Namespace, run_dir: Path, early: Any = None) -> 
             log.warning("ft-launcher: --ft-preload does nothing without --ft-warm-restart")
         return None
     from ft_monitor.core.preload import parse_preload
-    from ft_monitor.launcher.warm import WarmStarts
+    from ft_monitor.launcher.warm.warm import WarmStarts
 
     names, auto = parse_preload(preload)
     directory = run_dir / "template"
@@ -299,8 +301,8 @@ def _warm_starts(args: argparse.Namespace, run_dir: Path, early: Any = None) -> 
 
 def _start_metrics(config: Settings, telemetry: Any) -> Any:
     """/metrics (``metrics_port``) and the node-exporter textfile (``metrics_textfile``), if asked for."""
-    from ft_monitor.launcher.metrics import registry, write_textfile
-    from ft_monitor.launcher.metrics_http import MetricsServer
+    from ft_monitor.launcher.telemetry.metrics import registry, write_textfile
+    from ft_monitor.launcher.telemetry.metrics_http import MetricsServer
 
     reg = registry(lambda: telemetry.snapshot)
     server = None
@@ -355,7 +357,7 @@ def summary_data(ft: Any, code: int, observed: dict[str, Any] | None = None) -> 
 def _print_summary(ft: Any, data: dict[str, Any]) -> None:
     """The closing summary on stderr, once, after every run, a clean one too: aligned
     ``key : value`` lines (summary_text.py)."""
-    from ft_monitor.launcher import summary_text
+    from ft_monitor.launcher.telemetry import summary_text
 
     text = summary_text.format_rows(summary_text.rows(data, summary_text.read_evidence()))
     print("\n" + text, file=sys.stderr)

@@ -36,7 +36,7 @@ from typing import Any
 from ft_client.errors import FtError
 from ft_client.safefiles import read_bounded
 from ft_monitor.forensics import stacks
-from ft_monitor.launcher.events import EVENTS_FILE, read_events
+from ft_monitor.launcher.telemetry.events import EVENTS_FILE, read_events
 
 MAX_DIAGNOSIS_BYTES = 64 * 1024 * 1024
 """diagnosis.json holds at most 32 KiB of stack per rank (and as much of native stack): about

@@ -20,8 +20,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ft_monitor.launcher.events import RESTART_PHASES
 from ft_monitor.launcher.exit_codes import how
+from ft_monitor.launcher.telemetry.events import RESTART_PHASES
 from ft_monitor.views.report_input import DiagnosisDoc, StackTop, reporter_of
 
 Event = Mapping[str, Any]

@@ -15,7 +15,7 @@ import html
 import math
 from collections.abc import Sequence
 
-from ft_monitor.launcher.events import RESTART_PHASES
+from ft_monitor.launcher.telemetry.events import RESTART_PHASES
 from ft_monitor.views import human
 from ft_monitor.views.report_model import Model, Restart
 

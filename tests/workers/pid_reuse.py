@@ -47,7 +47,7 @@ def survives(proc: subprocess.Popen[bytes], seconds: float = 0.5) -> bool:
 def groups() -> dict[str, object]:
     """The launcher's leftover-group kill must not reach a session leader that reused a
     finished worker's pid, and must still reach a worker's leftover child."""
-    from ft_monitor.launcher.groups import WorkerGroups  # here: "hello-after-exit" needs none of the launcher
+    from ft_monitor.launcher.agent.groups import WorkerGroups  # here: "hello-after-exit" needs none of the launcher
 
     out: dict[str, object] = {}
     # 1. a worker that finished and was reaped; its pid is then reused by a new session leader

@@ -1,5 +1,5 @@
 """Plays ft-launcher for the worker template's tests: a child subreaper that starts
-templates (`ft_monitor.launcher.forked.Template`) and asks them to fork workers.
+templates (`ft_monitor.launcher.warm.forked.Template`) and asks them to fork workers.
 
 Reads one JSON command a line on stdin, answers one JSON line on stdout::
 
@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ft_monitor.launcher.forked import ForkedProcess, Template, TemplateError, TemplateRefused, set_child_subreaper
+from ft_monitor.launcher.warm.forked import ForkedProcess, Template, TemplateError, TemplateRefused, set_child_subreaper
 
 templates: dict[str, Template] = {}
 procs: dict[int, ForkedProcess] = {}

@@ -14,8 +14,8 @@ from ft_client.inprocess.coordinate import HANG_SOURCES
 from ft_monitor.core.notices import HangNotice
 from ft_monitor.core.policy import Reason
 from ft_monitor.core.server_log import printable
-from ft_monitor.launcher.inprocess import InprocessLedger
-from ft_monitor.launcher.monitors import MonitorPool
+from ft_monitor.launcher.agent.inprocess import InprocessLedger
+from ft_monitor.launcher.agent.monitors import MonitorPool
 
 log = logging.getLogger("ft_monitor.launcher")
 

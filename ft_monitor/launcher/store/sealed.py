@@ -27,7 +27,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from ft_monitor.launcher.store_auth import StoreMessageError
+from ft_monitor.launcher.store.store_auth import StoreMessageError
 
 INFO = b"ft-launcher/roll-call-evidence/aes-256-gcm/v1"
 NONCE_BYTES = 12

@@ -1,6 +1,6 @@
 """The launcher's side of the worker template: start it, ask it, and watch what it forks.
 
-`Template` starts ``python -m ft_monitor.launcher.template`` (`ft_monitor.launcher.template`)
+`Template` starts ``python -m ft_monitor.launcher.warm.template`` (`ft_monitor.launcher.warm.template`)
 in a directory the launcher made, waits until it answers, asks for its status and asks it to
 fork a worker (`Template.spawn`), which comes back as a `ForkedProcess`: a
 ``subprocess.Popen``-compatible object over a pid that is this process's child by
@@ -33,8 +33,8 @@ from typing import IO, Any
 
 from ft_monitor.core.template_argv import Refusal
 from ft_monitor.core.template_request import encode_spawn, parse_spawn_reply, parse_status_reply
-from ft_monitor.launcher import template_wire
-from ft_monitor.launcher.template_wire import TemplateError, TemplateRefused
+from ft_monitor.launcher.warm import template_wire
+from ft_monitor.launcher.warm.template_wire import TemplateError, TemplateRefused
 
 __all__ = ["ForkedProcess", "Template", "TemplateError", "TemplateRefused", "set_child_subreaper"]
 
@@ -182,7 +182,7 @@ class Template:
             socket_path.unlink()
         except FileNotFoundError:
             pass
-        argv = [sys.executable, "-m", "ft_monitor.launcher.template", "--socket", str(socket_path),
+        argv = [sys.executable, "-m", "ft_monitor.launcher.warm.template", "--socket", str(socket_path),
                 "--parent", str(os.getpid())]
         if preload:  # through a file: one argument holds at most 128 KiB (E2BIG past ~5000 module names)
             names = socket_path.with_suffix(".preload")

@@ -15,8 +15,8 @@ from typing import Any
 
 from ft_client.safefiles import read_bounded, write_json_atomic
 from ft_monitor.core.notices import HangNotice
-from ft_monitor.launcher.crash import CrashVerdict
-from ft_monitor.launcher.store_auth import HangRecord
+from ft_monitor.launcher.incident.crash import CrashVerdict
+from ft_monitor.launcher.store.store_auth import HangRecord
 
 MAX_STACK_CHARS = 64 * 1024
 

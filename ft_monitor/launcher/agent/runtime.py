@@ -12,14 +12,14 @@ from typing import Any
 from ft_client.jobkey import launcher_inprocess_key
 from ft_client.loaded_modules import MODULES_FILE_ENV
 from ft_monitor.core.settings import Settings
-from ft_monitor.launcher.control import LauncherServer
-from ft_monitor.launcher.groups import WorkerGroups
-from ft_monitor.launcher.inprocess import InprocessLedger
-from ft_monitor.launcher.monitors import MonitorPool
-from ft_monitor.launcher.progress import ProgressTracker
-from ft_monitor.launcher.restarts import RestartTiming
-from ft_monitor.launcher.static_rdzv import USE_AGENT_STORE_ENV
-from ft_monitor.launcher.worker_env import worker_variables
+from ft_monitor.launcher.agent.control import LauncherServer
+from ft_monitor.launcher.agent.groups import WorkerGroups
+from ft_monitor.launcher.agent.inprocess import InprocessLedger
+from ft_monitor.launcher.agent.monitors import MonitorPool
+from ft_monitor.launcher.agent.worker_env import worker_variables
+from ft_monitor.launcher.incident.progress import ProgressTracker
+from ft_monitor.launcher.incident.restarts import RestartTiming
+from ft_monitor.launcher.rdzv.static_rdzv import USE_AGENT_STORE_ENV
 from ft_monitor.processes.procinfo import descends_from
 
 

@@ -14,11 +14,11 @@ from typing import Any
 
 from torch.distributed.elastic.agent.server.api import WorkerGroup
 
-from ft_monitor.launcher.decide import read_hang_record
-from ft_monitor.launcher.rollcall_wire import ASKERS_KEY, BELL_KEY, request_key
-from ft_monitor.launcher.step_exchange import STEP_TIMES_INDEX_KEY, STEP_TIMES_KEY
+from ft_monitor.launcher.incident.decide import read_hang_record
+from ft_monitor.launcher.incident.rollcall_wire import ASKERS_KEY, BELL_KEY, request_key
 from ft_monitor.launcher.stop_signal import reraise_stop
-from ft_monitor.launcher.store_auth import (
+from ft_monitor.launcher.store.step_exchange import STEP_TIMES_INDEX_KEY, STEP_TIMES_KEY
+from ft_monitor.launcher.store.store_auth import (
     SECRET_ENV,
     CrashRecord,
     HangRecord,
@@ -26,7 +26,7 @@ from ft_monitor.launcher.store_auth import (
     StoreChannel,
     StoreMessageError,
 )
-from ft_monitor.launcher.store_board import Board, first_sight
+from ft_monitor.launcher.store.store_board import Board, first_sight
 
 log = logging.getLogger("ft_monitor.launcher")
 
@@ -143,7 +143,7 @@ class NodeMessages:
 
     def leave_round(self, store: Any, group_rank: int | None, written: Iterable[str] = ()) -> int:
         """After the next round of a rendezvous whose rounds have their own store prefix
-        (torch's c10d/dynamic one: agent.rounds_apart) completed, so that every node has left the
+        (torch's c10d/dynamic one: rounds.rounds_apart) completed, so that every node has left the
         previous round and nobody reads its keys again: delete this node's keys of the previous round, its hang
         and crash records, step times, roll call request and the answers it ``written``; node 0 also the
         round's shared boards (hang index and counter, the askers' index and the bell, the

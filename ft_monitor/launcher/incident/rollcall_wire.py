@@ -33,16 +33,16 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from ft_client.errors import FtError
-from ft_monitor.launcher.diagnosis import EvidenceError, RankEvidence
-from ft_monitor.launcher.sealed import Sealer, aad
-from ft_monitor.launcher.store_auth import (
+from ft_monitor.launcher.incident.diagnosis import EvidenceError, RankEvidence
+from ft_monitor.launcher.store.sealed import Sealer, aad
+from ft_monitor.launcher.store.store_auth import (
     MAX_ROLL_CALL_RANKS,
     RollCallAnswer,
     RollCallRequest,
     StoreChannel,
     StoreMessageError,
 )
-from ft_monitor.launcher.store_board import Board
+from ft_monitor.launcher.store.store_board import Board
 
 REQUEST_KEY = "ft_launcher/roll_call/request/{}"
 ANSWER_KEY = "ft_launcher/roll_call/answer/{}/{}/{}"

@@ -23,7 +23,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from ft_monitor.core.section_stats import SectionHistogram
-from ft_monitor.launcher.goodput import Goodput
+from ft_monitor.launcher.telemetry.goodput import Goodput
 
 log = logging.getLogger("ft_monitor.launcher")
 

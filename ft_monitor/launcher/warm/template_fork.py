@@ -1,6 +1,6 @@
 """The worker template forked from ft-launcher itself at its start: ready when the launcher is.
 
-A template started as ``python -m ft_monitor.launcher.template`` (`forked.Template.start`) is
+A template started as ``python -m ft_monitor.launcher.warm.template`` (`forked.Template.start`) is
 a second interpreter that imports torch again, beside the launcher's own import: a node paid
 two imports, and a restart that came early waited for the second (docs/launcher.md, "Warm
 restarts"). With ``--ft-warm-restart`` or ``--ft-warm-start``, ft-launcher's entry point
@@ -104,7 +104,7 @@ def fork_early(args: argparse.Namespace) -> Early:
     """Fork the template from this process if ``args`` ask for warm starts or restarts. In the
     parent: what was made. In the child: never returns (the template serves, then exits)."""
     from ft_monitor.core.preload import PreloadError, parse_preload
-    from ft_monitor.launcher.forked import ForkedProcess, Template
+    from ft_monitor.launcher.warm.forked import ForkedProcess, Template
 
     if not (getattr(args, "ft_warm_restart", False) or getattr(args, "ft_warm_start", False)):
         return Early()
@@ -130,10 +130,10 @@ def fork_early(args: argparse.Namespace) -> Early:
             _become_template(log_path, parent)
         except BaseException:  # noqa: BLE001 - a template that cannot set itself up serves nobody
             os._exit(1)
-        from ft_monitor.launcher.template import serve_template
+        from ft_monitor.launcher.warm.template import serve_template
 
         sys.exit(serve_template(str(socket_path), parent, names, paths))  # up through the entry point: never main
-    argv = [sys.executable, "-m", "ft_monitor.launcher.template", "(forked from the launcher)"]
+    argv = [sys.executable, "-m", "ft_monitor.launcher.warm.template", "(forked from the launcher)"]
     return Early(Template(ForkedProcess(pid, argv), socket_path, log_path, owned_dir=directory))
 
 

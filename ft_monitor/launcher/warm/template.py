@@ -1,8 +1,8 @@
 """The worker template: a preloaded interpreter that forks the workers of the next attempt.
 
-Runs in its own process, started by the launcher (`ft_monitor.launcher.forked.Template`)::
+Runs in its own process, started by the launcher (`ft_monitor.launcher.warm.forked.Template`)::
 
-    python -m ft_monitor.launcher.template --socket PATH [--preload torch,numpy,...]
+    python -m ft_monitor.launcher.warm.template --socket PATH [--preload torch,numpy,...]
                                            [--preload-file FILE] [--parent PID] [--path DIR]...
 
 At start it dies with the launcher (PR_SET_PDEATHSIG, SIGKILL), ignores SIGINT (the
@@ -72,8 +72,8 @@ from ft_client.peer import peer_credentials
 from ft_monitor.core import template_argv
 from ft_monitor.core.template_argv import Plan, Refusal, ctype_locale, stdio_codec
 from ft_monitor.core.template_request import SpawnRequest, StatusRequest, parse_request
-from ft_monitor.launcher import template_wire
-from ft_monitor.launcher.template_wire import TemplateError
+from ft_monitor.launcher.warm import template_wire
+from ft_monitor.launcher.warm.template_wire import TemplateError
 
 REQUEST_TIMEOUT = 10.0
 """How long one connection may take to send its request."""
@@ -590,7 +590,7 @@ def _parent_alive(parent: int) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ft_monitor.launcher.template")
+    parser = argparse.ArgumentParser(prog="python -m ft_monitor.launcher.warm.template")
     parser.add_argument("--socket", required=True, help="the Unix socket to serve on (its directory private)")
     parser.add_argument("--preload", default="", help="modules to import, comma-separated")
     parser.add_argument("--preload-file", default=None,
@@ -618,8 +618,8 @@ def main(argv: list[str] | None = None) -> int:
 def serve_template(socket_path: str, parent: int, names: list[str], paths: list[str]) -> int:
     """Import ``names`` (``paths`` first on sys.path meanwhile) and serve on ``socket_path`` until
     SIGTERM; in a forked worker, run its script. In the template's process: started as
-    ``python -m ft_monitor.launcher.template`` (`main`), or forked from the launcher
-    (`ft_monitor.launcher.template_fork`), whose imports it then has already."""
+    ``python -m ft_monitor.launcher.warm.template`` (`main`), or forked from the launcher
+    (`ft_monitor.launcher.warm.template_fork`), whose imports it then has already."""
     inherited_ignored = ignored_signals()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     start_env = dict(os.environ)

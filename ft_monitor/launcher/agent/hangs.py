@@ -20,8 +20,9 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from ft_monitor.core.notices import HangNotice
 from ft_monitor.core.server_log import printable
-from ft_monitor.launcher.crossnode import ATTRIBUTION_WINDOW, NodeMessages
-from ft_monitor.launcher.decide import (
+from ft_monitor.launcher.agent.runtime import FtRuntime
+from ft_monitor.launcher.incident.crossnode import ATTRIBUTION_WINDOW, NodeMessages
+from ft_monitor.launcher.incident.decide import (
     AttemptVerdict,
     HangDecision,
     LogLine,
@@ -34,13 +35,12 @@ from ft_monitor.launcher.decide import (
     triage_hang,
     with_diagnosis,
 )
-from ft_monitor.launcher.diagnosis import HungRank
-from ft_monitor.launcher.restarts import RestartTiming
-from ft_monitor.launcher.rollcall import Rank, RollCaller, diagnosis_path, write_diagnosis
-from ft_monitor.launcher.rootcause import read_stack, write_error_file
-from ft_monitor.launcher.runtime import FtRuntime
+from ft_monitor.launcher.incident.diagnosis import HungRank
+from ft_monitor.launcher.incident.restarts import RestartTiming
+from ft_monitor.launcher.incident.rollcall import Rank, RollCaller, diagnosis_path, write_diagnosis
+from ft_monitor.launcher.incident.rootcause import read_stack, write_error_file
 from ft_monitor.launcher.stop_signal import reraise_stop
-from ft_monitor.launcher.store_auth import RollCallVerdict, StoreChannel
+from ft_monitor.launcher.store.store_auth import RollCallVerdict, StoreChannel
 
 log = logging.getLogger("ft_monitor.launcher")
 

@@ -39,10 +39,10 @@ from ft_monitor.core.notices import HangNotice
 from ft_monitor.core.server_log import printable
 from ft_monitor.core.status import MonitorStatus
 from ft_monitor.launcher import exit_codes
-from ft_monitor.launcher.diagnosis import Diagnosis
-from ft_monitor.launcher.progress import Progress, ProgressPolicy
-from ft_monitor.launcher.rootcause import hang_error_data
-from ft_monitor.launcher.store_auth import HangRecord, StoreChannel, StoreMessageError
+from ft_monitor.launcher.incident.diagnosis import Diagnosis
+from ft_monitor.launcher.incident.progress import Progress, ProgressPolicy
+from ft_monitor.launcher.incident.rootcause import hang_error_data
+from ft_monitor.launcher.store.store_auth import HangRecord, StoreChannel, StoreMessageError
 
 HANG_EXIT_CODE = -int(signal.SIGTERM)
 """The exit code of the ProcessFailure a hang fails the attempt with (the launcher stops the rank with SIGTERM)."""

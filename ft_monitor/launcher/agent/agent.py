@@ -58,9 +58,14 @@ from ft_client.workload import WorkloadAction
 from ft_monitor.core.notices import HangNotice
 from ft_monitor.core.server_log import printable
 from ft_monitor.launcher import exit_codes
-from ft_monitor.launcher.control import EventKind, LauncherEvent
-from ft_monitor.launcher.crash import CrashVerdict, decide_crash, on_another_node
-from ft_monitor.launcher.crossnode import (
+from ft_monitor.launcher.agent.control import EventKind, LauncherEvent
+from ft_monitor.launcher.agent.hangs import HangHandling, emit
+from ft_monitor.launcher.agent.inprocess_watch import HANG_REASONS, INPROCESS_POLL_INTERVAL, InprocessWatch, log_back
+from ft_monitor.launcher.agent.runtime import FtRuntime
+from ft_monitor.launcher.agent.worker_env import FR_BUFFER_ENV, TorchVersionError, store_address
+from ft_monitor.launcher.agent.worker_env import started_with_ft_env as _worker_env
+from ft_monitor.launcher.incident.crash import CrashVerdict, decide_crash, on_another_node
+from ft_monitor.launcher.incident.crossnode import (
     ATTRIBUTION_WINDOW,
     CRASH_WAIT,
     HANG_KEY,
@@ -69,22 +74,18 @@ from ft_monitor.launcher.crossnode import (
     STORE_POLL_INTERVAL,
     NodeMessages,
 )
-from ft_monitor.launcher.decide import AttemptVerdict, decide_attempt_end, iteration_high
-from ft_monitor.launcher.hangs import HangHandling, emit
-from ft_monitor.launcher.inprocess_watch import HANG_REASONS, INPROCESS_POLL_INTERVAL, InprocessWatch, log_back
-from ft_monitor.launcher.rdzv_delay import no_first_run_delay
-from ft_monitor.launcher.restarts import RestartTiming, all_stepping, failed_ranks, failure_restart
-from ft_monitor.launcher.rollcall import RollCaller
-from ft_monitor.launcher.rootcause import crash_error_data, write_error_file
-from ft_monitor.launcher.runtime import FtRuntime
-from ft_monitor.launcher.sealed import Sealer
-from ft_monitor.launcher.static_rdzv import fresh_worker_store, worker_store_address
-from ft_monitor.launcher.store_auth import CrashRecord
-from ft_monitor.launcher.worker_env import FR_BUFFER_ENV, TorchVersionError, store_address
-from ft_monitor.launcher.worker_env import started_with_ft_env as _worker_env
+from ft_monitor.launcher.incident.decide import AttemptVerdict, decide_attempt_end, iteration_high
+from ft_monitor.launcher.incident.restarts import RestartTiming, all_stepping, failed_ranks, failure_restart
+from ft_monitor.launcher.incident.rollcall import RollCaller
+from ft_monitor.launcher.incident.rootcause import crash_error_data, write_error_file
+from ft_monitor.launcher.rdzv.rdzv_delay import no_first_run_delay
+from ft_monitor.launcher.rdzv.rounds import rendezvous_round, rounds_apart
+from ft_monitor.launcher.rdzv.static_rdzv import fresh_worker_store, worker_store_address
+from ft_monitor.launcher.store.sealed import Sealer
+from ft_monitor.launcher.store.store_auth import CrashRecord
 
 __all__ = [
-    "FtLocalElasticAgent", "FtRuntime", "RestartTiming", "TorchVersionError", "rendezvous_round", "store_address",
+    "FtLocalElasticAgent", "FtRuntime", "RestartTiming", "TorchVersionError", "store_address",
     "ATTRIBUTION_WINDOW", "FR_BUFFER_ENV", "HANG_KEY", "HANG_REASONS", "INPROCESS_POLL_INTERVAL", "PIN_INTERVAL",
     "SHUTDOWN_ACK_KEY", "SHUTDOWN_KEY", "STORE_POLL_INTERVAL",
 ]
@@ -93,25 +94,6 @@ log = logging.getLogger("ft_monitor.launcher")
 
 PIN_INTERVAL = 1.0
 """Seconds between pinning the processes in the workers' groups (their children)."""
-
-
-def rendezvous_round(handler: Any, joined: int) -> int:
-    """The rendezvous round just joined, the same number on every node: torch's dynamic
-    handler's own (its store prefix names it too); else (a static rendezvous, whose one store
-    every attempt shares, and whose nodes all restart together) ``joined``, the count of
-    rendezvous this agent has done before."""
-    state = getattr(getattr(handler, "_state_holder", None), "state", None)
-    number = getattr(state, "round", None)
-    if isinstance(number, int) and not isinstance(number, bool) and 0 <= number < 2**31:
-        return number
-    return joined
-
-
-def rounds_apart(handler: Any) -> bool:
-    """Whether each rendezvous round has a store prefix of its own (torch's dynamic handler:
-    ``torch.rendezvous.<run id>.<round>``), so that a round's keys can be deleted once the next
-    is joined; a static rendezvous shares one prefix between every attempt, and nothing is."""
-    return isinstance(getattr(getattr(getattr(handler, "_state_holder", None), "state", None), "round", None), int)
 
 
 class FtLocalElasticAgent(HangHandling, _lea.LocalElasticAgent):

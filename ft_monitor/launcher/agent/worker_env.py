@@ -32,7 +32,7 @@ from ft_client.safefiles import private_dir_problem
 from ft_client.startup import worker_env as startup_env
 from ft_monitor.core.settings import Settings
 from ft_monitor.core.startup import dump_spec
-from ft_monitor.launcher.store_auth import SECRET_ENV, SECRET_FILE_ENV
+from ft_monitor.launcher.store.store_auth import SECRET_ENV, SECRET_FILE_ENV
 
 FR_BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"
 """torch's Flight Recorder: entries each process keeps (0 or unset: off)."""

@@ -19,11 +19,11 @@ from typing import Any
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 
 from ft_monitor.core.notices import HangNotice
-from ft_monitor.launcher.agent import FtLocalElasticAgent
-from ft_monitor.launcher.control import EventKind, LauncherEvent
-from ft_monitor.launcher.decide import HangDecision
+from ft_monitor.launcher.agent.agent import FtLocalElasticAgent
+from ft_monitor.launcher.agent.control import EventKind, LauncherEvent
+from ft_monitor.launcher.incident.decide import HangDecision
 from ft_monitor.launcher.stop_signal import reraise_stop
-from ft_monitor.launcher.telemetry import Telemetry
+from ft_monitor.launcher.telemetry.telemetry import Telemetry
 
 log = logging.getLogger("ft_monitor.launcher")
 

@@ -38,7 +38,7 @@ from ft_client.transport import TransportError, connect
 from ft_monitor.core.server_log import printable
 from ft_monitor.core.snapshot import FR_NOTE, STARTING, MonitorSnapshot, SnapshotError
 from ft_monitor.forensics.fr_digest import digest
-from ft_monitor.launcher.diagnosis import (
+from ft_monitor.launcher.incident.diagnosis import (
     ANSWERED,
     MAX_NATIVE_CHARS,
     MAX_STACK_CHARS,
@@ -51,7 +51,7 @@ from ft_monitor.launcher.diagnosis import (
     RollCallFacts,
     diagnose,
 )
-from ft_monitor.launcher.rollcall_wire import (
+from ft_monitor.launcher.incident.rollcall_wire import (
     SCAN_INTERVAL,
     VERDICT_KEY,
     answer_key,
@@ -62,10 +62,10 @@ from ft_monitor.launcher.rollcall_wire import (
     request_key,
     requests_board,
 )
-from ft_monitor.launcher.sealed import Sealer
 from ft_monitor.launcher.stop_signal import reraise_stop
-from ft_monitor.launcher.store_auth import RollCallRequest, RollCallVerdict, StoreChannel, StoreMessageError
-from ft_monitor.launcher.store_board import Board, existing, read_all
+from ft_monitor.launcher.store.sealed import Sealer
+from ft_monitor.launcher.store.store_auth import RollCallRequest, RollCallVerdict, StoreChannel, StoreMessageError
+from ft_monitor.launcher.store.store_board import Board, existing, read_all
 from ft_monitor.processes import procinfo
 
 log = logging.getLogger("ft_monitor.launcher")

@@ -28,15 +28,16 @@ from typing import Any
 from ft_client.timeouts import STEP_SECTION
 from ft_monitor.core.section_stats import SectionHistogram, median
 from ft_monitor.core.status import MonitorStatus
-from ft_monitor.launcher.events import EventLog
-from ft_monitor.launcher.goodput import Goodput, Incident, goodput
-from ft_monitor.launcher.metrics import RankView, Snapshot
-from ft_monitor.launcher.slow_ranks import MIN_SAMPLES, SlowVerdict, judge
-from ft_monitor.launcher.step_exchange import STEP_TIMES_INDEX_KEY, exchange_step_times
+from ft_monitor.launcher.rdzv.rounds import rendezvous_round
 from ft_monitor.launcher.stop_signal import reraise_stop
-from ft_monitor.launcher.store_auth import StoreChannel
-from ft_monitor.launcher.store_board import IndexReader
-from ft_monitor.launcher.torch_events import TorchMetrics
+from ft_monitor.launcher.store.step_exchange import STEP_TIMES_INDEX_KEY, exchange_step_times
+from ft_monitor.launcher.store.store_auth import StoreChannel
+from ft_monitor.launcher.store.store_board import IndexReader
+from ft_monitor.launcher.telemetry.events import EventLog
+from ft_monitor.launcher.telemetry.goodput import Goodput, Incident, goodput
+from ft_monitor.launcher.telemetry.metrics import RankView, Snapshot
+from ft_monitor.launcher.telemetry.slow_ranks import MIN_SAMPLES, SlowVerdict, judge
+from ft_monitor.launcher.telemetry.torch_events import TorchMetrics
 
 log = logging.getLogger("ft_monitor.launcher")
 
@@ -270,7 +271,7 @@ class Telemetry:
         ``timing``: the agent's `RestartTiming` of the restart that follows a failure (it fills it in);
         without one the telemetry times that restart itself. ``crash``: the agent's
         `crash.CrashVerdict` on the failure (the root, the victims), which the event carries."""
-        from ft_monitor.launcher.agent import RestartTiming
+        from ft_monitor.launcher.incident.restarts import RestartTiming
 
         now = self.clock()
         for key in [k for k in self._inprocess_hangs if k[0] == self.attempt]:  # never back in place: the
@@ -478,8 +479,6 @@ class Telemetry:
         if mono - self._exchanged_at < EXCHANGE_INTERVAL:
             return
         self._exchanged_at = mono
-        from ft_monitor.launcher.agent import rendezvous_round
-
         channel = StoreChannel(self.job_secret, wg.spec.rdzv_handler.get_run_id(),
                                rendezvous_round(wg.spec.rdzv_handler, 0))  # its step times: this round's only
         if self._step_index is None or self._step_index.nodes != wg.group_world_size:

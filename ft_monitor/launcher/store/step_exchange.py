@@ -17,8 +17,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ft_monitor.launcher.store_auth import StepTimes, StoreChannel, StoreMessageError
-from ft_monitor.launcher.store_board import IndexReader, existing, extended, first_sight, read_all
+from ft_monitor.launcher.store.store_auth import StepTimes, StoreChannel, StoreMessageError
+from ft_monitor.launcher.store.store_board import IndexReader, existing, extended, first_sight, read_all
 
 log = logging.getLogger("ft_monitor.launcher")
 

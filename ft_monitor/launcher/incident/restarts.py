@@ -15,7 +15,7 @@ from typing import Any
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from ft_monitor.core.status import MonitorStatus
-from ft_monitor.launcher.crash import CrashVerdict, FailedRank
+from ft_monitor.launcher.incident.crash import CrashVerdict, FailedRank
 
 log = logging.getLogger("ft_monitor.launcher")
 

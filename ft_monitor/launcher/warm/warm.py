@@ -89,7 +89,7 @@ class WarmStarts:
     # -- the template -------------------------------------------------------------------------
     def start(self) -> None:
         """Start the template (not waiting for its imports); one line if it cannot start."""
-        from ft_monitor.launcher.forked import set_child_subreaper
+        from ft_monitor.launcher.warm.forked import set_child_subreaper
 
         if not set_child_subreaper():
             self._say("the launcher cannot become its workers' child subreaper (prctl refused)")
@@ -103,7 +103,7 @@ class WarmStarts:
     def _launch(self, names: list[str]) -> Any:
         """A new template importing ``names`` (the script's directory first on its path), or None
         after one line saying why."""
-        from ft_monitor.launcher.forked import Template, TemplateError
+        from ft_monitor.launcher.warm.forked import Template, TemplateError
 
         try:
             return Template.start(self.directory, names, self.env, sys_path=self.sys_path)
@@ -145,7 +145,7 @@ class WarmStarts:
         """The template made again replaces the old one once it answers (waiting up to ``wait`` s);
         the old one is asked to stop without being waited for (`close` reaps it). One that exits
         or does not answer in time leaves the old one serving."""
-        from ft_monitor.launcher.forked import TemplateError
+        from ft_monitor.launcher.warm.forked import TemplateError
 
         new = self._pending
         if new is None:
@@ -173,7 +173,7 @@ class WarmStarts:
 
     def _mark_ready(self, t: Any) -> None:
         """``t`` answers: what it really imported becomes `preload` (what the summary reports)."""
-        from ft_monitor.launcher.forked import TemplateError
+        from ft_monitor.launcher.warm.forked import TemplateError
 
         self._ready = True
         try:
@@ -183,7 +183,7 @@ class WarmStarts:
 
     def _ready_now(self, wait: float) -> str | None:
         """None when a template answers; else why not (after waiting up to ``wait`` s while it imports)."""
-        from ft_monitor.launcher.forked import TemplateError
+        from ft_monitor.launcher.warm.forked import TemplateError
 
         self._adopt(wait)
         t = self.template

@@ -1,0 +1,5 @@
+"""The rendezvous as ft-launcher shapes it around torch's: which round a node is in (rounds),
+no random delay before a restart's rendezvous (rdzv_delay), a worker store of its own per
+attempt under the static rendezvous (static_rdzv).
+
+May import: the hall vocabulary (exit_codes, stop_signal), ft_client, core."""

@@ -1,0 +1,25 @@
+"""Which rendezvous round a node is in: the number every launcher message is bound to
+(store_auth.StoreChannel), and whether a round's keys can be tidied once the next is joined."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def rendezvous_round(handler: Any, joined: int) -> int:
+    """The rendezvous round just joined, the same number on every node: torch's dynamic
+    handler's own (its store prefix names it too); else (a static rendezvous, whose one store
+    every attempt shares, and whose nodes all restart together) ``joined``, the count of
+    rendezvous this agent has done before."""
+    state = getattr(getattr(handler, "_state_holder", None), "state", None)
+    number = getattr(state, "round", None)
+    if isinstance(number, int) and not isinstance(number, bool) and 0 <= number < 2**31:
+        return number
+    return joined
+
+
+def rounds_apart(handler: Any) -> bool:
+    """Whether each rendezvous round has a store prefix of its own (torch's dynamic handler:
+    ``torch.rendezvous.<run id>.<round>``), so that a round's keys can be deleted once the next
+    is joined; a static rendezvous shares one prefix between every attempt, and nothing is."""
+    return isinstance(getattr(getattr(getattr(handler, "_state_holder", None), "state", None), "round", None), int)

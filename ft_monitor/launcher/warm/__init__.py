@@ -1,0 +1,4 @@
+"""Warm restarts: the worker template that has imported torch (template, template_wire), the
+fork from the launcher (template_fork), and the workers forked from it (forked, warm).
+
+May import: the hall vocabulary, processes, core, ft_client."""

@@ -1,11 +1,13 @@
-"""What a wrapped call leaves behind (issue 24, item 5), with real processes and gloo on CPU.
+"""What a wrapped call leaves behind (issue 24, item 5; issue 39, item 3), with real
+processes and gloo on CPU.
 
-Each test runs 2 ranks of tests/workers/inprocess_hygiene.py: a first wrapped call that
-ends one way (a result, an exception, RestartInterrupt, RestartLimitError), the
-exception kept by the caller as a program that logs or stores it would, then a check
-that no ft thread is alive and that the Wrapper's store port can be listened on again,
-then a second wrapped call in the same processes, with a fault in it, that must restart
-and return.
+Each test runs 2 ranks of tests/workers/inprocess_hygiene.py (or, for the endings of issue
+39, tests/workers/inprocess_endings.py): a first wrapped call that ends one way (a result,
+an exception, RestartInterrupt out of a hook, RestartLimitError, RestartInterrupt raised by
+the function itself, Ctrl-C in the completion wait), the exception kept by the caller as a
+program that logs or stores it would, then a check that no ft thread is alive and that the
+Wrapper's store port can be listened on again, then a second wrapped call in the same
+processes, with a fault in it, that must restart and return.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from tests.procs import ROOT, WORKERS, slack
 
 pytestmark = pytest.mark.e2e
 WORKER = WORKERS / "inprocess_hygiene.py"
+ENDINGS_WORKER = WORKERS / "inprocess_endings.py"
+"""The endings that left a watcher thread blocked on the iteration's outcome (issue 39)."""
 
 
 def _free_ports() -> int:
@@ -47,6 +51,7 @@ def _free_ports() -> int:
 
 
 def _run_job(workdir: Path, ending: str, *flags: str) -> list[str]:
+    worker = ENDINGS_WORKER if ending in ENDINGS else WORKER
     port = _free_ports()
     procs, logs = [], []
     for r in (0, 1):
@@ -54,7 +59,7 @@ def _run_job(workdir: Path, ending: str, *flags: str) -> list[str]:
         env = {**os.environ, "RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(port)}
         with open(log, "w") as out:
-            procs.append(zygote.popen([sys.executable, str(WORKER), ending, *flags], env=env, cwd=ROOT,
+            procs.append(zygote.popen([sys.executable, str(worker), ending, *flags], env=env, cwd=ROOT,
                                       stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
         logs.append(log)
     try:
@@ -73,30 +78,46 @@ def _run_job(workdir: Path, ending: str, *flags: str) -> list[str]:
     return outs
 
 
-ENDED = {
+ENDED: dict[str, str | tuple[str, str]] = {
     "result": r"first returned: first done in iteration 0",
     "exception": r"first ended: HealthCheckError: ",
     "interrupt": r"first ended: RestartInterrupt: interrupted while finalizing",
     "limit": r"first ended: RestartLimitError: rank \d: max_iterations = 0",
 }
+"""How the first call ends (on every rank, or on rank 0 and rank 1)."""
+ENDINGS: dict[str, str | tuple[str, str]] = {
+    "own_interrupt": r"first ended: RestartLimitError: rank \d: max_iterations = 1 in-process restarts used; last "
+                     r"fault: rank \d: RestartInterrupt raised by the training function: raised by the function in "
+                     r"iteration 1 \(test\)",
+    "ctrl_c": (r"first ended: KeyboardInterrupt", r"first ended: (InProcessError|BarrierTimeoutError): "),
+}
+ENDED.update(ENDINGS)
 
 
 def _check_clean(outs: list[str], ending: str) -> None:
     for r, out in enumerate(outs):
-        assert re.search(f"rank {r} " + ENDED[ending], out), out[-3000:]
+        ended = ENDED[ending]
+        assert re.search(f"rank {r} " + (ended if isinstance(ended, str) else ended[r]), out), out[-3000:]
         assert f"rank {r} ft threads: []" in out, out[-3000:]
         assert f"rank {r} second returned: second done in iteration 1" in out, out[-3000:]
     assert "rank 0 store port free" in outs[0], outs[0][-3000:]
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("ending", ["exception", "interrupt", "limit"])
+@pytest.mark.parametrize("ending", ["exception", "interrupt", "limit", "own_interrupt", "ctrl_c"])
 def test_after_any_ending_no_thread_is_left_the_port_is_free_and_a_second_call_works(
         workdir: Path, ending: str) -> None:
     """The Wrapper's own store (rank 0 hosts it at MASTER_PORT + 1): on main, the kept
     exception's frames held the store, so its port stayed bound (EADDRINUSE in the second
-    call)."""
-    _check_clean(_run_job(workdir, ending), ending)
+    call). ``own_interrupt`` and ``ctrl_c`` (issue 39): the iteration ended with no outcome in
+    the store (the function's own RestartInterrupt was taken for the Wrapper's; Ctrl-C came
+    in the completion wait), so each iteration's watcher stayed blocked on it: after a 10 s
+    join each, ``the in-process ft-inprocess-watch thread is stuck; going on without it``, and
+    the threads were alive after the call."""
+    outs = _run_job(workdir, ending)
+    _check_clean(outs, ending)
+    for out in outs:
+        assert "is stuck; going on without it" not in out, out[-3000:]
 
 
 @pytest.mark.timeout(150)

@@ -26,12 +26,14 @@ from typing import Any
 __all__ = [
     "Wrapper",
     "CallWrapper",
+    "Compose",
     "RestartInterrupt",
     "InProcessError",
     "HealthCheckError",
     "RestartLimitError",
     "BarrierTimeoutError",
     "DistributedInitializedError",
+    "HookError",
     "AbortTorchDistributed",
     "events",
 ]
@@ -42,6 +44,10 @@ def __getattr__(name: str) -> Any:
         import ft_client.inprocess.events as events_module
 
         return events_module
+    if name == "Compose":  # no torch: a chain of hooks can be built before the first call
+        from ft_client.inprocess.compose import Compose
+
+        return Compose
     if name == "AbortTorchDistributed":
         from ft_client.inprocess import abort
 

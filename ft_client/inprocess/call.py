@@ -2,12 +2,13 @@
 across its iterations (the fault this rank knows of, where the main thread is, the
 phase times), shared by the main thread, the monitor and watcher threads and the
 client's control thread; and `CallWrapper`, what the function and each hook get for
-one iteration (its store, `ping()`, `atomic()`)."""
+one iteration (its store, `ping()`, `atomic()`, `disable_hang_protection()`)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 import time
 import weakref
@@ -16,7 +17,7 @@ from typing import Any
 
 from ft_client import logs
 from ft_client.inprocess import abort as aborting
-from ft_client.inprocess import events, timeline
+from ft_client.inprocess import decide, events, timeline
 from ft_client.inprocess.errors import InProcessError, RestartInterrupt
 from ft_client.inprocess.store import FaultRecord, RestartStore
 
@@ -75,16 +76,51 @@ class CallWrapper:
     @contextlib.contextmanager
     def atomic(self) -> Iterator[None]:
         """Code that must not be interrupted (e.g. writing a checkpoint): an interrupt that
-        arrives inside is raised when the block ends."""
+        arrives inside is raised when the block ends (unless the block ends with an exception:
+        the function is leaving anyway)."""
         run = self._run
         run.atomic_depth += 1
         try:
             yield
         finally:
             run.atomic_depth -= 1
-            if run.atomic_depth == 0 and run.interrupt_pending and run.interruptible:
+            if run.atomic_depth == 0 and run.interrupt_pending:
                 run.interrupt_pending = False
-                raise RestartInterrupt("in-process restart (deferred until atomic() ended)")
+                if run.interruptible and sys.exc_info()[1] is None:
+                    run.interrupted()
+                    raise RestartInterrupt("in-process restart (deferred until atomic() ended)")
+
+    def _disable_hang_protection(self) -> None:
+        """Turn the soft and hard timeouts off until the matching `_enable_hang_protection`
+        (the reference's pair; `disable_hang_protection` is the safe way to use them)."""
+        if self.iteration == self._run.iteration:
+            self._run.unprotected += 1
+
+    def _enable_hang_protection(self) -> None:
+        """Undo one `_disable_hang_protection`: when none is left, the timeouts count again
+        from now (a ping made before the block does not time out at once)."""
+        run = self._run
+        if self.iteration != run.iteration or run.unprotected == 0:
+            return
+        run.unprotected -= 1
+        if run.unprotected == 0:
+            now = time.monotonic()
+            run.protected_since = now
+            if run.last_ping is not None:
+                run.last_ping = now
+
+    @contextlib.contextmanager
+    def disable_hang_protection(self) -> Iterator[None]:
+        """No soft timeout (``ping()``) and no hard timeout inside the block: for work known to
+        take long and to end (loading a large dataset). A fault still restarts the function
+        (the interrupt is raised inside the block too); the monitor daemon's own timeouts
+        (sections, heartbeats, ``inprocess_restart_timeout``) still apply. Blocks nest; the
+        timeouts count again from the end of the outermost one."""
+        self._disable_hang_protection()
+        try:
+            yield
+        finally:
+            self._enable_hang_protection()
 
     def init_process_group(self, backend: str = "gloo", **kwargs: Any) -> None:
         """``torch.distributed.init_process_group`` on this iteration's store, rank and world size."""
@@ -102,7 +138,8 @@ class Run:
     """One call of the wrapped function across its iterations, shared by the main thread,
     the monitor and watcher threads, and the client's control thread."""
 
-    def __init__(self, store: RestartStore, rank: int, world_size: int) -> None:
+    def __init__(self, store: RestartStore, rank: int, world_size: int,
+                 reinterrupt_interval: float = decide.REINTERRUPT_INTERVAL) -> None:
         self.store = store
         self.watch = store.clone()
         """A second connection for the watcher thread; None: the monitor thread polls."""
@@ -113,6 +150,15 @@ class Run:
         self.atomic_depth = 0
         self.interruptible = False
         self.interrupt_pending = False
+        self.interrupted_at: float | None = None
+        """When the interrupt was raised into the function in this iteration (monotonic): from
+        then on the monitor thread sends the signal only every reinterrupt_interval."""
+        self.reinterrupt_interval = reinterrupt_interval
+        """The Wrapper's option (the signal's handler reads it here)."""
+        self.unprotected = 0
+        """Open `CallWrapper.disable_hang_protection` blocks (the timeouts are off while > 0)."""
+        self.protected_since = 0.0
+        """When the last of them ended (monotonic): the hard timeout counts from then at the earliest."""
         self.sockets_before: set[int] = set()
         self.lock = threading.Lock()
         self.fault: FaultRecord | None = None
@@ -144,8 +190,15 @@ class Run:
         self.wake.clear()
         self.last_ping = None
         self.interrupt_pending = False
+        self.interrupted_at = None
+        self.unprotected = 0
+        self.protected_since = 0.0
         self.times = {}
         self.sockets_before = set(aborting.socket_fds()) if sockets is None else sockets
+
+    def interrupted(self) -> None:
+        """The interrupt is being raised into the function (main thread)."""
+        self.interrupted_at = time.monotonic()
 
     def close(self) -> None:
         """Let go of the store (main thread, the call is over): every reference the Wrapper
@@ -154,7 +207,7 @@ class Run:
         exception's frames still hold this run or a CallWrapper."""
         for store in (self.store, self.watch):
             if store is not None:
-                store.base = CLOSED
+                store.close(CLOSED)
         for call in list(self.calls):
             call.store = CLOSED
         self.calls.clear()

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 from ft_client import logs
 from ft_client.inprocess import abort as aborting
-from ft_client.inprocess.errors import InProcessError
+from ft_client.inprocess import decide
+from ft_client.inprocess.errors import HookError, InProcessError
 
 if TYPE_CHECKING:
     from ft_client.inprocess.call import CallWrapper
@@ -57,6 +58,7 @@ class WrapperConfig:
         max_iterations: int | None = None,
         interrupt_signal: int = signal.SIGURG,
         interrupt_interval: Seconds = 0.1,
+        reinterrupt_interval: Seconds = decide.REINTERRUPT_INTERVAL,
         call_wrapper_arg: str = "call",
         enabled: bool = True,
         **reference_options: Any,
@@ -79,10 +81,15 @@ class WrapperConfig:
         self.barrier_timeout = seconds("barrier_timeout", barrier_timeout)
         self.completion_timeout = seconds("completion_timeout", completion_timeout)
         self.interrupt_interval = seconds("interrupt_interval", interrupt_interval)
+        self.reinterrupt_interval = seconds("reinterrupt_interval", reinterrupt_interval)
         if self.hard_timeout <= self.soft_timeout:
             raise InProcessError(f"hard_timeout = {self.hard_timeout:g} s must be above soft_timeout = "
                                  f"{self.soft_timeout:g} s: the difference is how long an interrupted rank has to "
                                  "leave the function")
+        for name, hook in (("initialize", initialize), ("abort", abort), ("finalize", finalize),
+                           ("health_check", health_check), ("store_factory", store_factory)):
+            if hook is not None and not callable(hook):
+                raise HookError(f"{name} = {hook!r}: must be a callable or None")
         if max_iterations is not None and max_iterations < 0:
             raise InProcessError(f"max_iterations = {max_iterations}: must be None or >= 0")
         self.store_factory = store_factory

@@ -31,3 +31,8 @@ class BarrierTimeoutError(InProcessError, TimeoutError):
 
 class DistributedInitializedError(InProcessError, ValueError):
     """torch.distributed was initialised before the wrapped call (a ValueError, as the reference raises)."""
+
+
+class HookError(InProcessError, TypeError):
+    """A hook given to the `Wrapper` or to `Compose` is not callable (a TypeError, as the
+    reference's type checks raise)."""

@@ -1,9 +1,10 @@
 """How a fault reaches the main thread, during an iteration: the watcher thread (blocks on
 the iteration's outcome in the store), the monitor thread (the ping timeout, the store
 poll without a watcher, the abort hook once per iteration, the interrupt signal sent
-until the main thread has left the function, the kill after ``hard_timeout``), the
-signal's handler that raises `RestartInterrupt`, and the faults the monitor daemon
-reports (ABORT, through `events`)."""
+until the interrupt was raised, the kill after ``hard_timeout``), the signal's handler
+that raises `RestartInterrupt` once per restart (never into an ``except`` or ``finally``
+block: the function's cleanup runs to its end), and the faults the monitor daemon
+reports (ABORT, through `events`). The timing rules are decide.py's."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from typing import Any
 
 from ft_client import logs
 from ft_client.inprocess import abort as aborting
-from ft_client.inprocess import events
+from ft_client.inprocess import decide, events
 from ft_client.inprocess.call import CallWrapper, Run
 from ft_client.inprocess.config import WrapperConfig
 from ft_client.inprocess.errors import RestartInterrupt
@@ -62,7 +63,8 @@ def watch(run: Run, store: RestartStore, iteration: int, stop: threading.Event) 
 
 def monitor(cfg: WrapperConfig, run: Run, call: CallWrapper, stop: threading.Event) -> None:
     """The iteration's monitor thread; its hooks (abort) get the ``call`` the function got."""
-    last_signal = fault_at = 0.0
+    last_signal: float | None = None
+    fault_at = 0.0
     grace = cfg.hard_timeout - cfg.soft_timeout
     while not stop.is_set():
         acting = run.fault is not None
@@ -74,8 +76,10 @@ def monitor(cfg: WrapperConfig, run: Run, call: CallWrapper, stop: threading.Eve
         if "torch.distributed" in sys.modules:
             aborting.hold_groups()
         now = time.monotonic()
+        protected = run.unprotected == 0
         if run.fault is None:
-            if run.last_ping is not None and now - run.last_ping > cfg.soft_timeout:
+            if decide.ping_timed_out(now, run.last_ping, cfg.soft_timeout, protected):
+                assert run.last_ping is not None
                 run.report(f"rank {run.rank}: no ping() for {now - run.last_ping:.1f} s (soft_timeout "
                            f"{cfg.soft_timeout:g} s)", run.rank, "timeout")
             elif run.watch is None:  # no watcher: poll the store
@@ -95,13 +99,14 @@ def monitor(cfg: WrapperConfig, run: Run, call: CallWrapper, stop: threading.Eve
             fault_at = now
         if run.left_function.is_set():
             return
-        if now - last_signal >= cfg.interrupt_interval:  # again until the main thread is out
-            last_signal = now
+        if decide.signal_due(now, last_signal, run.interrupted_at is not None, cfg.interrupt_interval,
+                             cfg.reinterrupt_interval):
+            last_signal = now  # until raised; then only to find a function that went on
             signal.pthread_kill(threading.main_thread().ident or 0, cfg.interrupt_signal)
-        if now - fault_at > grace:
+        if decide.must_kill(now, fault_at, run.protected_since, grace, protected):
             log.critical("rank %d: the training function did not return %.1f s after an in-process restart "
                          "was requested (hard_timeout - soft_timeout); dumping stacks and killing this process",
-                         run.rank, now - fault_at)
+                         run.rank, now - max(fault_at, run.protected_since))
             faulthandler.dump_traceback(sys.stderr, all_threads=True)
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -117,12 +122,19 @@ def on_reported_fault(run: Run, fault: events.Fault) -> None:
 
 
 def on_interrupt(run: Run, signum: int, frame: Any) -> None:
-    """The interrupt signal's handler (main thread): leave the function unless inside atomic(),
-    or while the monitor client is mid-frame or mid-request (the monitor thread sends the
-    signal again every interrupt_interval)."""
-    if not run.interruptible or not run.fault_seen.is_set() or events.busy():
-        return
-    if run.atomic_depth > 0:
+    """The interrupt signal's handler (main thread): leave the function, once per restart
+    (`decide.interrupt_action`: not inside atomic(), not while the monitor client is mid-frame
+    or mid-request, not into an except or finally block)."""
+    action = decide.interrupt_action(
+        decide.MainThread(interruptible=run.interruptible, fault_seen=run.fault_seen.is_set(),
+                          busy=events.busy() if run.interruptible and run.fault_seen.is_set() else False,
+                          atomic=run.atomic_depth > 0, unwinding=sys.exc_info()[1] is not None,
+                          raised_at=run.interrupted_at),
+        time.monotonic(), run.reinterrupt_interval)
+    if action is decide.Interrupt.DEFER:
         run.interrupt_pending = True
-        return
-    raise RestartInterrupt(f"in-process restart (iteration {run.iteration + 1})")
+    elif action is decide.Interrupt.RAISE:
+        again = run.interrupted_at is not None
+        run.interrupted()
+        raise RestartInterrupt(f"in-process restart (iteration {run.iteration + 1})"
+                               + (": raised again, the function went on after the first one" if again else ""))

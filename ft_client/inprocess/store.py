@@ -180,6 +180,13 @@ class RestartStore:
     def key(self, iteration: int, name: str) -> str:
         return f"{self.prefix}iter/{iteration}/{name}"
 
+    def close(self, closed: Any) -> None:
+        """Let go of the base store (the wrapped call ended): ``closed`` stands for it from now
+        on, in the counters too (they held the base: on the rank that hosts the store, its
+        listening port stayed bound while anything, a kept exception's frames, held this)."""
+        self.base = closed
+        self._counters = Counters(closed)
+
     def clone(self) -> RestartStore | None:
         """The same keys over a second client connection (a thread blocked in a wait holds
         its connection), or None where the store cannot be cloned."""

@@ -19,9 +19,11 @@ How a fault travels (one incident, every wait bounded):
    collective in flight fails at once instead of waiting for a peer that will
    never come, and then interrupts the main thread: a signal whose handler raises
    `RestartInterrupt` (a BaseException, so ``time.sleep``, ``select`` and socket
-   waits are interrupted too and ``except Exception`` does not swallow it), sent
-   again until the main thread has left the function, and deferred while it is
-   inside `CallWrapper.atomic()`.
+   waits are interrupted too and ``except Exception`` does not swallow it), raised
+   once per restart (never into an ``except`` or ``finally`` block: the function's
+   cleanup runs to its end; again only into a function that went on after it,
+   ``reinterrupt_interval`` later), and deferred while the main thread is inside
+   `CallWrapper.atomic()`.
 3. The main thread forgets the process groups, runs ``finalize`` and
    ``health_check`` (a failure ends the Wrapper with an `InProcessError`: the
    process exits and the process-level restart takes over), meets the others at a
@@ -29,8 +31,9 @@ How a fault travels (one incident, every wait bounded):
    instead of waiting forever) and calls the function again with ``iteration + 1``.
 
 A rank whose main thread does not leave the function (a C call holding the GIL, a
-swallowed interrupt) dumps its stacks and kills itself ``hard_timeout -
-soft_timeout`` after the fault, when its monitor thread can still run; when it
+swallowed interrupt, a cleanup that never ends) dumps its stacks and kills itself
+``hard_timeout - soft_timeout`` after the fault (or after the end of a
+`CallWrapper.disable_hang_protection` block), when its monitor thread can still run; when it
 cannot, the rank's monitor daemon (``on_hang: inprocess``) stops it after
 ``inprocess_restart_timeout``.
 """
@@ -52,6 +55,7 @@ from ft_client import exit_teardown, logs
 from ft_client.inprocess import abort as aborting
 from ft_client.inprocess import coordinate, events, interrupt, recovery
 from ft_client.inprocess.call import CallWrapper, Run
+from ft_client.inprocess.compose import Compose
 from ft_client.inprocess.config import IGNORED, UNSUPPORTED, Seconds, WrapperConfig
 from ft_client.inprocess.coordinate import HANG_SOURCES
 from ft_client.inprocess.coordinate import culprit as _culprit  # noqa: F401 - tests import it from here
@@ -59,6 +63,7 @@ from ft_client.inprocess.errors import (
     BarrierTimeoutError,
     DistributedInitializedError,
     HealthCheckError,
+    HookError,
     InProcessError,
     RestartInterrupt,
     RestartLimitError,
@@ -67,9 +72,9 @@ from ft_client.inprocess.interrupt import WATCH_CHUNK
 from ft_client.inprocess.interrupt import on_interrupt as _on_interrupt
 
 __all__ = [
-    "Wrapper", "CallWrapper", "RestartInterrupt", "InProcessError", "HealthCheckError", "RestartLimitError",
-    "BarrierTimeoutError", "DistributedInitializedError", "HANG_SOURCES", "WATCH_CHUNK", "MONITOR_JOIN_TIMEOUT",
-    "UNSUPPORTED", "IGNORED", "Seconds",
+    "Wrapper", "CallWrapper", "Compose", "RestartInterrupt", "InProcessError", "HealthCheckError",
+    "RestartLimitError", "BarrierTimeoutError", "DistributedInitializedError", "HookError", "HANG_SOURCES",
+    "WATCH_CHUNK", "MONITOR_JOIN_TIMEOUT", "UNSUPPORTED", "IGNORED", "Seconds",
 ]
 
 log = logs.logger("ft_client.inprocess")
@@ -130,7 +135,8 @@ class Wrapper(WrapperConfig):
         _refuse_initialized()
         aborting.import_group_defaults()
         rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-        run = Run(coordinate.make_store(self, rank, world, next(coordinate.calls)), rank, world)
+        run = Run(coordinate.make_store(self, rank, world, next(coordinate.calls)), rank, world,
+                  self.reinterrupt_interval)
         exit_teardown.install()  # the function's gloo group, left to the interpreter, could abort the exit
         gc.freeze()  # see recovery.collect
         previous = signal.signal(self.interrupt_signal, functools.partial(_on_interrupt, run))
@@ -175,6 +181,7 @@ class Wrapper(WrapperConfig):
                                             name="ft-inprocess-watch", daemon=True))
         for t in threads:
             t.start()
+        done = False
         try:
             try:
                 run.interruptible = True
@@ -188,6 +195,10 @@ class Wrapper(WrapperConfig):
                 run.times.setdefault("left", time.time())
         except RestartInterrupt as e:
             run.waiting = coordinate.waited(e)
+            if run.interrupted_at is None and run.report(  # not ours: the function (or a hook) raised it
+                    f"rank {run.rank}: RestartInterrupt raised by the training function: {e}", run.rank, "exception"):
+                log.warning("rank %d: the training function raised RestartInterrupt itself; every rank restarts "
+                            "in-process (iteration %d)", run.rank, run.iteration + 1)
             return _RESTART
         except BaseException as e:  # out of the training function: a fault
             run.waiting = coordinate.waited(e)  # e.g. a collective that the abort made fail
@@ -199,16 +210,25 @@ class Wrapper(WrapperConfig):
                           run.rank, type(e).__name__, run.iteration + 1, exc_info=e)
             return _RESTART
         else:
-            if coordinate.complete(self, run):  # every rank finished: the result
+            done = coordinate.complete(self, run)
+            if done:  # every rank finished: the result
                 return result
             return _RESTART  # a peer faulted while this rank was done: restart with it
         finally:
             stop.set()
             run.wake.set()
-            for t in threads:
-                t.join(MONITOR_JOIN_TIMEOUT)
-                if t.is_alive():
-                    log.error("rank %d: the in-process %s thread is stuck; going on without it", run.rank, t.name)
+            try:
+                if not done and run.fault is None:
+                    # the iteration ends on this rank with no outcome it knows of (e.g. Ctrl-C in the
+                    # completion wait): record one, so that the watchers (this rank's among them) wake up
+                    leaving = sys.exc_info()[1]
+                    run.report(f"rank {run.rank} left the Wrapper: {type(leaving).__name__}", run.rank, "exit")
+            finally:
+                for t in threads:
+                    t.join(MONITOR_JOIN_TIMEOUT)
+                    if t.is_alive():
+                        log.error("rank %d: the in-process %s thread is stuck; going on without it", run.rank,
+                                  t.name)
 
 
 _RESTART = object()

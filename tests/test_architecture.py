@@ -55,9 +55,6 @@ OVERSIZED = {
     "bench/snapshot.py",
     "ft_client/wire.py",
     "ft_monitor/daemon/monitor.py",
-    "ft_monitor/launcher/telemetry/metrics_http.py",
-    "ft_monitor/launcher/telemetry/telemetry.py",
-    "ft_monitor/launcher/warm/template.py",
 }
 
 

@@ -1,4 +1,4 @@
-"""ft-launcher's ``/metrics`` endpoint (ft_monitor/launcher/telemetry/metrics_http.py): one thread, a
+"""ft-launcher's ``/metrics`` endpoint (ft_monitor/launcher/telemetry/metrics_*.py): one thread, a
 connection cap, deadlines, a bounded request, prometheus-client's exposition.
 
 The unit tests drive a real `MetricsServer` over loopback sockets. The last test is the
@@ -40,20 +40,20 @@ from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OPEN
 from prometheus_client.parser import text_string_to_metric_families
 
 from ft_monitor.launcher import exit_codes
-from ft_monitor.launcher.telemetry.metrics_http import (
+from ft_monitor.launcher.telemetry.metrics_admission import (
     MAX_CONNECTIONS,
-    MAX_REQUEST_BYTES,
     RESTART_FD_RESERVE,
     Held,
+    connection_cap,
+    eviction_victim,
+)
+from ft_monitor.launcher.telemetry.metrics_http import MetricsServer
+from ft_monitor.launcher.telemetry.metrics_peer import PeerUids, diag_request, diag_uid
+from ft_monitor.launcher.telemetry.metrics_request import (
+    MAX_REQUEST_BYTES,
     HttpRequestError,
-    MetricsServer,
-    PeerUids,
     Request,
     _encoder,
-    connection_cap,
-    diag_request,
-    diag_uid,
-    eviction_victim,
     parse_request,
 )
 from tests.procs import slack, wait_until

@@ -1,6 +1,6 @@
 """The slow-rank exchange through the rendezvous store: each node publishes its local ranks'
 median section times (store_auth.StepTimes, signed) at its own key and reads the other
-nodes' (slow_ranks.py judges them; telemetry.py calls this every EXCHANGE_INTERVAL).
+nodes' (slow_ranks.py judges them; telemetry/slow_watch.py calls this every EXCHANGE_INTERVAL).
 
 Issue 28: it was a ``check`` and a ``get`` per other node, O(M) round trips per node and
 O(M^2) for the job. Now a node lists itself once per round in an index

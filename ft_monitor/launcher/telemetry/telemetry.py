@@ -6,12 +6,16 @@ polls the local monitors' STATUS once a second (`tick`, from the agent's monitor
 loop: no thread of its own). From that it
 
 * writes the event stream (events.py) into the run's log directory;
+* remembers each local rank's last word (local_ranks.py);
 * keeps the `metrics.Snapshot` that ``/metrics`` and the textfile export;
 * derives goodput and the time lost per incident (goodput.py);
-* flags slow ranks (slow_ranks.py), comparing with the other nodes through the
-  rendezvous store (step_exchange.py: store_auth.StepTimes, signed with the job secret);
+* flags slow ranks (slow_watch.py, judged by slow_ranks.py), comparing with the other nodes
+  through the rendezvous store (step_exchange.py: store_auth.StepTimes, signed with the job secret);
 * hands torchelastic's own events and aggregated metrics to the same stream
   (torch_events.py).
+
+Here: the restarts and incidents as the agent tells them, and what the events, the metrics
+snapshot and the summary say of them (their fields: telemetry_fields.py, pure).
 
 Nothing here is on the training hot path: the monitors already time every section,
 and the launcher only reads their summaries.
@@ -22,50 +26,24 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ft_client.timeouts import STEP_SECTION
-from ft_monitor.core.section_stats import SectionHistogram, median
 from ft_monitor.core.status import MonitorStatus
-from ft_monitor.launcher.rdzv.rounds import rendezvous_round
-from ft_monitor.launcher.stop_signal import reraise_stop
-from ft_monitor.launcher.store.step_exchange import STEP_TIMES_INDEX_KEY, exchange_step_times
-from ft_monitor.launcher.store.store_auth import StoreChannel
-from ft_monitor.launcher.store.store_board import IndexReader
 from ft_monitor.launcher.telemetry.events import EventLog
 from ft_monitor.launcher.telemetry.goodput import Goodput, Incident, goodput
-from ft_monitor.launcher.telemetry.metrics import RankView, Snapshot
-from ft_monitor.launcher.telemetry.slow_ranks import MIN_SAMPLES, SlowVerdict, judge
+from ft_monitor.launcher.telemetry.local_ranks import POLL_INTERVAL, LocalRanks
+from ft_monitor.launcher.telemetry.metrics import Snapshot
+from ft_monitor.launcher.telemetry.slow_watch import SlowRankWatch
+from ft_monitor.launcher.telemetry.telemetry_fields import culprit_notice, hang_fields, incident_rows, recent_median
 from ft_monitor.launcher.telemetry.torch_events import TorchMetrics
 
 log = logging.getLogger("ft_monitor.launcher")
 
-POLL_INTERVAL = 1.0
-"""Seconds between STATUS polls of the local monitors (more often while a restart is pending)."""
 STATS_INTERVAL = 60.0
 """Seconds between `stats` events (and torchelastic metric aggregates) while the job runs."""
 TEXTFILE_INTERVAL = 5.0
-PROGRESS_SAMPLES = 100.0
-"""`progress` events: at most one per poll while an iteration changes, and no more often than
-every ``run age / PROGRESS_SAMPLES`` seconds (a day-long run writes about a thousand, a
-ten-second one a few per second); one more, whatever the interval, when a hang is handled
-and when an attempt ends, so the report draws each rank's last progress before it."""
-EXCHANGE_INTERVAL = 10.0
-"""Seconds between publishing this node's step times in the store and reading the others'."""
-
-
-@dataclass
-class _RankMemory:
-    """What the launcher last knew of a local rank (kept while it is not connected)."""
-
-    rank: int
-    last_progress: float | None = None
-    iteration: int | None = None
-    timeouts: dict[str, Any] = field(default_factory=dict)
-    sections: dict[str, SectionHistogram] = field(default_factory=dict)
-    snapshot_held: int | None = None
-    snapshot_limit: int | None = None
 
 
 @dataclass
@@ -91,12 +69,13 @@ class Telemetry:
         self.start = clock()
         self.events = EventLog(host)
         self.torch_metrics = TorchMetrics()
-        self.job_secret = job_secret
+        self.local = LocalRanks(self.events, self.start)
+        self.slow = SlowRankWatch(config=config, events=self.events, host=host, job_secret=job_secret,
+                                  monotonic=monotonic)
         self.nproc = nproc
         self.max_restarts = max_restarts
         self.attempt = 0
         self.group_starts = 0
-        self.ranks: dict[int, _RankMemory] = {}
         self.hang_counts: dict[tuple[str, str], int] = {}
         self.restart_counts: dict[str, int] = {"process": 0, "inprocess": 0}
         self._inprocess_incidents: dict[tuple[int, int], int] = {}
@@ -112,26 +91,20 @@ class Telemetry:
         self.failed_ranks: dict[tuple[str, str], int] = {}
         """(rank, role: root or victim) -> failed attempts, as the crash verdicts said (crash.py)."""
         self._hang_this_attempt = False
-        self.flagged: set[int] = set()
-        self.verdicts: dict[int, SlowVerdict] = {}
-        self.remote_medians: dict[int, float] = {}
         self._polled_at = -1e18
         self._stats_at = monotonic()
         self._textfile_at = -1e18
-        self._exchanged_at = -1e18
-        self._bad_values: set[bytes] = set()
-        self._listed_in: Any = None
-        self._step_index: IndexReader | None = None
-        """The round's store whose step-times index lists this node (step_exchange.py)."""
         self.snapshot = Snapshot(start=self.start)
         self.metrics_url: str | None = None
         self.textfile: str | None = None
         self.write_textfile: Callable[[], None] | None = None
         self.finished_at: float | None = None
         """When `finish` recorded the job's end."""
-        self._progress_sent: dict[int, tuple[int | None, float | None]] = {}
-        """rank -> (iteration, last progress) as the last `progress` event had them."""
-        self._progress_at = -1e18
+
+    @property
+    def flagged(self) -> set[int]:
+        """The ranks flagged slow now (`SlowRankWatch`)."""
+        return self.slow.flagged
 
     # -- the agent tells ---------------------------------------------------------
     def launcher_started(self, metrics_url: str | None, textfile: str | None) -> None:
@@ -151,11 +124,8 @@ class Telemetry:
         if self.group_starts > 1:
             self.restart_counts["process"] += 1
         self._hang_this_attempt = False
-        self.remote_medians.clear()
-        for lr, rank in ranks.items():
-            mem = self.ranks.get(lr)
-            if mem is None or mem.rank != rank:
-                self.ranks[lr] = _RankMemory(rank)
+        self.slow.remote_medians.clear()
+        self.local.attempt_started(ranks)
         if self._failure_timing is not None and self._failure_timing.workers_started is None:
             self._failure_timing.workers_started = now
         self.events.emit("attempt_start", now, attempt=attempt, run_id=run_id, node_rank=node_rank,
@@ -172,18 +142,17 @@ class Telemetry:
         now = self.clock()
         self._hang_this_attempt = True
         self._count_hang(summary)
-        self.events.emit("hang", now, **_hang_fields(summary, "kill"))
+        self.events.emit("hang", now, **hang_fields(summary, "kill"))
         self._incident(summary, now)
         self._publish()
 
     def _incident(self, summary: Mapping[str, Any], now: float) -> None:
         statuses = self._poll(now)
-        self._progress(now, forced=True)
-        before = [mem.iteration for mem in self.ranks.values() if mem.iteration is not None]
+        self.local.progress(now, self.attempt, forced=True)
         medians = [m for st in statuses.values() if st is not None
-                   for m in [_recent_median(st.section_stats.get(STEP_SECTION))] if m is not None]
+                   for m in [recent_median(st.section_stats.get(STEP_SECTION))] if m is not None]
         self.incidents.append(Incident(rank=int(summary["rank"]), onset=float(summary.get("onset_time") or now),
-                                       iteration_before=max(before) if before else None,
+                                       iteration_before=self.local.highest_iteration(),
                                        step_median_s=sum(medians) / len(medians) if medians else None))
 
     def diagnosis(self, row: Mapping[str, Any]) -> None:
@@ -234,13 +203,8 @@ class Telemetry:
         notice = self._inprocess_hangs.pop(key, None)
         culprit = row.get("rank")
         if notice is not None:
-            reported_by = None
-            if culprit is not None and culprit != notice.get("rank"):  # the rank reported first waited for it
-                reported_by = {"rank": notice.get("rank"), "pid": notice.get("pid"), "message": notice.get("message"),
-                               "report": notice.get("report"), "stack_dump": notice.get("stack_dump")}
-                notice = {**notice, "rank": culprit, "pid": row.get("pid") or 0, "message": row.get("message") or "",
-                          "local_rank": None, "report": None, "stack_dump": None, "error_file": None}
-            self.events.emit("hang", now, **_hang_fields(notice, "inprocess"),
+            told, reported_by = culprit_notice(notice, row)  # reported_by: the rank reported first waited for it
+            self.events.emit("hang", now, **hang_fields(told, "inprocess"),
                              **({"reported_by": reported_by} if reported_by else {}))
         if index is not None and culprit is not None:
             self.incidents[index] = replace(self.incidents[index], rank=int(culprit))
@@ -276,10 +240,10 @@ class Telemetry:
         now = self.clock()
         for key in [k for k in self._inprocess_hangs if k[0] == self.attempt]:  # never back in place: the
             # fallback stopped the processes; the hang is the one its monitor reported
-            self.events.emit("hang", now, **_hang_fields(self._inprocess_hangs.pop(key), "inprocess"))
+            self.events.emit("hang", now, **hang_fields(self._inprocess_hangs.pop(key), "inprocess"))
         statuses = self._poll(now)
-        self._progress(now, forced=True)
-        high = max((m.iteration for m in self.ranks.values() if m.iteration is not None), default=None)
+        self.local.progress(now, self.attempt, forced=True)
+        high = self.local.highest_iteration()
         verdict = {} if crash is None else {"root": crash.root, **crash.row()}
         self.events.emit("attempt_end", now, attempt=self.attempt, state=state, iteration=high,
                          failures=[{"rank": r, "exitcode": getattr(f, "exitcode", None),
@@ -313,9 +277,9 @@ class Telemetry:
             return
         now = self.clock()
         statuses = self._poll(now)
-        self._progress(now)
+        self.local.progress(now, self.attempt)
         self._restart_progress(now, statuses)
-        self._slow_ranks(now, statuses, wg)
+        self.slow.check(now, self.local.ranks, wg)
         if mono - self._stats_at >= STATS_INTERVAL:
             self._stats(now, statuses)
         self._publish()
@@ -348,60 +312,8 @@ class Telemetry:
     def _poll(self, now: float) -> dict[int, MonitorStatus | None]:
         self._polled_at = self.monotonic()
         statuses: dict[int, MonitorStatus | None] = self.monitors.statuses()
-        for lr, st in statuses.items():
-            if st is None:
-                continue
-            rank = st.rank.rank if st.rank is not None else None
-            mem = self.ranks.get(lr)
-            if mem is None:
-                mem = self.ranks[lr] = _RankMemory(rank if rank is not None else lr)
-            elif rank is not None:
-                mem.rank = rank
-            if st.rank is not None:
-                if st.rank.since_last_progress_s is not None:
-                    mem.last_progress = now - st.rank.since_last_progress_s
-                if st.rank.iteration_now is not None:
-                    mem.iteration = st.rank.iteration_now
-            elif st.last_iteration is not None:  # gone: where its session ended, not where a poll last saw it
-                mem.iteration = st.last_iteration
-            self._timeouts_seen(now, mem, st.timeouts)
-            mem.sections = dict(st.section_stats.sections)
-            if st.snapshots is not None:
-                mem.snapshot_held, mem.snapshot_limit = st.snapshots.held, st.snapshots.limit
+        self.local.seen(now, statuses)
         return statuses
-
-    def _progress(self, now: float, forced: bool = False) -> None:
-        """A `progress` event (each local rank's iteration and last progress) when an iteration
-        changed and the interval (`PROGRESS_SAMPLES`) has passed, or ``forced`` (a hang, an
-        attempt's end) when anything changed."""
-        seen = {m.rank: (m.iteration, m.last_progress) for m in self.ranks.values() if m.last_progress is not None}
-        sent = self._progress_sent
-        moved = any(sent.get(r, (None, None))[0] != it for r, (it, _) in seen.items())
-        if forced:
-            moved = moved or any(sent.get(r) != v for r, v in seen.items())
-        elif now - self._progress_at < max(POLL_INTERVAL, (now - self.start) / PROGRESS_SAMPLES):
-            return
-        if not moved:
-            return
-        self._progress_at = now
-        self._progress_sent = dict(seen)
-        ranks = {str(m.rank): {"local_rank": lr, "iteration": m.iteration, "last_progress": m.last_progress}
-                 for lr, m in sorted(self.ranks.items()) if m.last_progress is not None}
-        self.events.emit("progress", now, attempt=self.attempt, ranks=ranks)
-
-    def _timeouts_seen(self, now: float, mem: _RankMemory, timeouts: dict[str, Any]) -> None:
-        before = mem.timeouts
-        mem.timeouts = timeouts
-        if not before or before == timeouts:
-            return
-        changed = sorted(k for k in set(before) | set(timeouts) if k != "learned" and before.get(k) != timeouts.get(k))
-        sections_before = before.get("rank_section_timeouts") or {}
-        sections_now = timeouts.get("rank_section_timeouts") or {}
-        changed += sorted(f"section:{n}" for n in set(sections_before) | set(sections_now)
-                          if sections_before.get(n) != sections_now.get(n))
-        changed = [c for c in changed if c != "rank_section_timeouts"]
-        self.events.emit("timeouts", now, rank=mem.rank, timeouts=timeouts, learned=list(timeouts.get("learned", [])),
-                         changed=changed)
 
     def _restart_progress(self, now: float, statuses: Mapping[int, MonitorStatus | None]) -> None:
         """Failure restarts: all ranks stepping again (the agent notes it for hang restarts).
@@ -436,80 +348,14 @@ class Telemetry:
         self.events.emit("restart", now, mode="process", cause=p.cause, attempt=p.attempt, rank=p.timing.rank,
                          phases=phases, lost_s=lost, redone_iterations=redone)
 
-    def _slow_ranks(self, now: float, statuses: Mapping[int, MonitorStatus | None], wg: Any) -> None:
-        threshold = self.config.slow_rank_ratio
-        if threshold is None:
-            return
-        section = self.config.slow_rank_section
-        local: dict[int, float] = {}
-        local_ranks: dict[int, int] = {}
-        for lr, mem in self.ranks.items():
-            h = mem.sections.get(section)
-            if h is not None and len(h.recent) >= MIN_SAMPLES:
-                m = h.median_recent()
-                if m is not None:
-                    local[mem.rank] = m
-                    local_ranks[mem.rank] = lr
-        self._exchange(wg, section, local)
-        medians = {**self.remote_medians, **local}
-        self.verdicts = judge(medians, threshold, frozenset(self.flagged))
-        for rank, v in self.verdicts.items():
-            if rank not in local:
-                continue
-            fields = {"rank": rank, "section": section, "median_s": v.median_s, "others_median_s": v.others_median_s,
-                      "ratio": v.ratio, "threshold": threshold}
-            if v.slow and rank not in self.flagged:
-                self.flagged.add(rank)
-                log.warning("ft-launcher: rank %d (local rank %d) is slow: median %r section %.3fs, %.2fx the "
-                            "other ranks' %.3fs (slow_rank_ratio %.2f)", rank, local_ranks[rank], section,
-                            v.median_s, v.ratio, v.others_median_s, threshold)
-                self.events.emit("slow_rank", now, **fields)
-            elif not v.slow and rank in self.flagged:
-                self.flagged.discard(rank)
-                log.warning("ft-launcher: rank %d is no longer slow: median %r section %.3fs, %.2fx the others'",
-                            rank, section, v.median_s, v.ratio)
-                self.events.emit("slow_rank_cleared", now, **fields)
-
-    def _exchange(self, wg: Any, section: str, local: dict[int, float]) -> None:
-        """Publish this node's medians and read the other nodes' (multi-node, with a job secret)."""
-        if wg is None or getattr(wg, "store", None) is None or (wg.group_world_size or 1) <= 1 \
-                or self.job_secret is None:
-            return
-        mono = self.monotonic()
-        if mono - self._exchanged_at < EXCHANGE_INTERVAL:
-            return
-        self._exchanged_at = mono
-        channel = StoreChannel(self.job_secret, wg.spec.rdzv_handler.get_run_id(),
-                               rendezvous_round(wg.spec.rdzv_handler, 0))  # its step times: this round's only
-        if self._step_index is None or self._step_index.nodes != wg.group_world_size:
-            self._step_index = IndexReader(STEP_TIMES_INDEX_KEY, wg.group_world_size)
-        try:
-            medians, listed = exchange_step_times(wg.store, channel, wg.group_rank, wg.group_world_size, section, local,
-                                                  self.host, self._bad_values, listed=self._listed_in is wg.store,
-                                                  index=self._step_index)
-            self.remote_medians.update(medians)
-            self._listed_in = wg.store if listed else None
-        except Exception as e:  # noqa: BLE001 - slow-rank comparison across nodes is best effort
-            reraise_stop(e)
-            log.debug("ft-launcher: could not exchange step times with other nodes: %s", e)
-
     def _goodput(self, now: float) -> Goodput:
-        steps = {mem.rank: h.sum_s for mem in self.ranks.values()
-                 for h in [mem.sections.get(STEP_SECTION)] if h is not None and h.count}
-        return goodput(steps, self.incidents, start=self.start, now=now)
+        return goodput(self.local.step_sums(), self.incidents, start=self.start, now=now)
 
     def _stats(self, now: float, statuses: Mapping[int, MonitorStatus | None]) -> None:
         self._stats_at = self.monotonic()
         self._flush_torch_metrics(now)
         gp = self._goodput(now)
-        ranks = {}
-        for lr, mem in sorted(self.ranks.items()):
-            ranks[str(mem.rank)] = {
-                "local_rank": lr, "iteration": mem.iteration,
-                "sections": {name: {"count": h.count, "sum_s": round(h.sum_s, 6),
-                                    "median_s": _recent_median(h)} for name, h in sorted(mem.sections.items())},
-            }
-        self.events.emit("stats", now, ranks=ranks, goodput=gp.ratio, productive_s=gp.productive_s,
+        self.events.emit("stats", now, ranks=self.local.stats_rows(), goodput=gp.ratio, productive_s=gp.productive_s,
                          wall_s=gp.wall_s, lost_s=gp.lost_s)
 
     def _flush_torch_metrics(self, now: float) -> None:
@@ -524,15 +370,9 @@ class Telemetry:
     def _publish(self) -> None:
         """A new snapshot for /metrics (replaced whole: the HTTP thread reads whichever is current)."""
         now = self.clock()
-        views = []
-        for lr, mem in sorted(self.ranks.items()):
-            v = self.verdicts.get(mem.rank)
-            views.append(RankView(rank=mem.rank, local_rank=lr, last_progress=mem.last_progress,
-                                  iteration=mem.iteration, sections=dict(mem.sections), timeouts=dict(mem.timeouts),
-                                  slow=mem.rank in self.flagged, slow_ratio=None if v is None else v.ratio,
-                                  snapshot_held=mem.snapshot_held, snapshot_limit=mem.snapshot_limit))
         self.snapshot = Snapshot(
-            start=self.start, ranks=tuple(views), hangs=dict(self.hang_counts), restarts=dict(self.restart_counts),
+            start=self.start, ranks=self.local.views(self.slow.verdicts, self.slow.flagged),
+            hangs=dict(self.hang_counts), restarts=dict(self.restart_counts),
             failures=dict(self.failed_ranks),
             restart_phases={k: tuple(v) for k, v in self.phases.items()},
             incident_lost=tuple(i.lost_s for i in self.incidents if i.lost_s is not None),
@@ -545,27 +385,4 @@ class Telemetry:
         return {"events": None if self.events.path is None else str(self.events.path),
                 "metrics_url": self.metrics_url, "metrics_textfile": self.textfile,
                 "goodput": gp.ratio, "productive_s": gp.productive_s, "wall_s": gp.wall_s, "lost_s": gp.lost_s,
-                "incidents": [{"rank": i.rank, "onset": i.onset, "running_again": i.running_again,
-                               "iteration_before": i.iteration_before, "resumed_from": i.resumed_from,
-                               "redone_iterations": i.redone_iterations, "step_median_s": i.step_median_s,
-                               "lost_s": i.lost_s} for i in self.incidents],
-                "slow_ranks": sorted(self.flagged)}
-
-
-def _recent_median(h: SectionHistogram | None) -> float | None:
-    return None if h is None else median(h.recent)
-
-
-def _hang_fields(s: Mapping[str, Any], action: str) -> dict[str, Any]:
-    """A ``hang`` event's fields from a summary row: a row whose culprit is on another node is
-    the event of this node's rank that waited for it (``waiting``), with ``victim_of``."""
-    waiting = s.get("waiting")
-    if isinstance(waiting, Mapping):
-        s = {**s, **waiting}
-    return {"attempt": int(s.get("attempt") or 0), "rank": int(s["rank"]), "local_rank": s.get("local_rank"),
-            "pid": int(s.get("pid") or 0), "reason": str(s.get("reason") or "unknown"), "section": s.get("section"),
-            "message": str(s.get("message") or ""), "elapsed_s": float(s.get("elapsed_s") or 0.0),
-            "timeout_s": float(s.get("timeout_s") or 0.0), "onset_time": float(s.get("onset_time") or 0.0),
-            "detected_time": float(s.get("detected_time") or 0.0), "iteration": s.get("iteration"),
-            "action": action, "report": s.get("report"), "stack_dump": s.get("stack_dump"),
-            "error_file": s.get("error_file"), "victim_of": s.get("victim_of")}
+                "incidents": incident_rows(self.incidents), "slow_ranks": sorted(self.slow.flagged)}

@@ -53,8 +53,6 @@ OVERSIZED = {
     "bench/sim_inprocess.py",
     "bench/sim_nodes.py",
     "bench/snapshot.py",
-    "ft_client/wire.py",
-    "ft_monitor/daemon/monitor.py",
 }
 
 

@@ -6,7 +6,7 @@ Data flow (reverse edges marked <-)::
          <-HELLO_OK (SessionInfo: the config the rank runs with)
          --UPDATE_CONFIG (learned timeouts)--> daemon.timeouts, later sessions too
          <-CONFIG_OK
-    DeadlineTimer --due--> policy.check(session, now) --Hang--> HangExecutor (executor.py)
+    DeadlineTimer --due--> HangWatch.due (hang_watch.py) --policy.check: Hang--> HangExecutor (executor.py)
          executor --HANG_NOTICE--> launcher (LauncherHandoff) <-ACK: the launcher stops the group
          executor --signals--> rank (ProcessOps: pidfds), --files--> hang report, stack dump
     observer --STATUS--> status.build_status <-STATUS_REPLY
@@ -14,10 +14,12 @@ Data flow (reverse edges marked <-)::
 
 `MonitorDaemon` owns the loop-side lifecycle (`startup`, `shutdown`, the socket
 file's watch), admits connections under a cap, holds the connected rank's
-resources (rank.py: one owner, one close), arms the deadline timer and runs
-hang and exit tasks. Every timer runs on the injected `Clock`, every process
-operation of the hang path goes through the executor's `ProcessOps`, so the
-whole daemon runs in-process in tests with a `ManualClock` and fakes.
+resources (rank.py: one owner, one close), wires the deadline timer to its watch
+(hang_watch.py arms it, judges the session when it fires and decides what a hang
+sets off: in-process restart, dump, or the executor) and runs hang and exit
+tasks. Every timer runs on the injected `Clock`, every process operation of the
+hang path goes through the executor's `ProcessOps`, so the whole daemon runs
+in-process in tests with a `ManualClock` and fakes.
 `server.run_daemon` runs it as a process (signals, `serve -- CMD`).
 """
 
@@ -34,9 +36,8 @@ from typing import Any
 from ft_client import wire
 from ft_client.safefiles import private_dir_problem
 from ft_client.timeouts import Timeouts
-from ft_monitor.core.policy import Hang, Reason, check, deadline_inputs, iteration_now, next_deadline
+from ft_monitor.core.policy import iteration_now
 from ft_monitor.core.section_stats import SectionStats
-from ft_monitor.core.server_log import printable
 from ft_monitor.core.settings import Settings
 from ft_monitor.core.state import Phase, Session
 from ft_monitor.core.status import ExitSummary, HangSummary, InprocessRestart, MonitorStatus, build_status
@@ -44,8 +45,9 @@ from ft_monitor.daemon import handlers, record_watch
 from ft_monitor.daemon.clock import Clock, SystemClock, Timer
 from ft_monitor.daemon.connection import Connection
 from ft_monitor.daemon.deadline import DeadlineTimer
-from ft_monitor.daemon.executor import HangCase, HangExecutor, PendingDump, ProcessOps, RealProcessOps
+from ft_monitor.daemon.executor import HangCase, HangExecutor, ProcessOps, RealProcessOps
 from ft_monitor.daemon.fdlimits import FdReserve, connections_that_fit, raise_fd_limit
+from ft_monitor.daemon.hang_watch import HangWatch
 from ft_monitor.daemon.launcher_link import LauncherHandoff
 from ft_monitor.daemon.listener import ListenerError, bind_unix_listener, remove_socket_file
 from ft_monitor.daemon.rank import Hold, RankResources
@@ -60,11 +62,6 @@ log = logging.getLogger("ft_monitor.server")
 SOCKET_CHECK_INTERVAL = 2.0
 """Seconds between checks that the socket file is still the daemon's."""
 MAX_LOGGED_EVICTIONS = 5
-READ_FIRST_DELAY = 0.001
-MAX_READ_FIRST = 100
-"""A deadline found passed while the rank's socket still holds unread input is judged
-again after that input is read (the daemon may have been stopped while the rank
-reported progress); at most this many times in a row."""
 
 
 class MonitorDaemon:
@@ -126,11 +123,6 @@ class MonitorDaemon:
         """Connections that are not the rank's (in handshake, or observers), least recently active first."""
         self.max_connections = config.max_connections
         self._evictions = 0
-        self._read_first = 0
-        """How many times in a row a passed deadline waited for unread rank input."""
-        self._due: tuple[float | None, tuple[object, ...]] | None = None
-        """The next deadline as `_arm` last found it, and the session it found it for
-        (`deadline_inputs`): a record tick that changed nothing need not judge again."""
         self.reserve: FdReserve | None = None
         self._hangs_in_progress = 0
         self.inprocess_restarts = 0
@@ -146,8 +138,8 @@ class MonitorDaemon:
         self.snapshot_memory = SnapshotMemory(config.snapshot_max_bytes)
         """The rank's in-memory snapshots (`snapshot` connections): kept across its sessions and
         processes, closed at shutdown."""
-        self._diagnosed: tuple[int, str, str | None, float] | None = None
-        """With ``on_hang: dump``: the hang (pid, reason, section, onset) last diagnosed and left running."""
+        self.hang_watch = HangWatch(self)
+        """Arms the deadline timer on the rank's session, judges it when due, acts on a hang."""
 
     # -- lifecycle -------------------------------------------------------------
     async def startup(self) -> None:
@@ -256,7 +248,7 @@ class MonitorDaemon:
 
     def after_batch(self, conn: Connection) -> None:
         if self.rank is not None and conn is self.rank.conn:
-            self._arm()
+            self.hang_watch.arm()
 
     def rank_connected(self, rank: RankResources) -> None:
         self.others.pop(rank.conn, None)
@@ -337,135 +329,10 @@ class MonitorDaemon:
         log.warning("rank %d pid %d disconnected without shutdown_workload_monitoring(); the process %s",
                     s.rank, s.pid, what)
 
-    # -- detection -------------------------------------------------------------
-    def _arm(self) -> None:
-        """The timer on the earliest deadline, or sooner on the progress record's tick."""
-        rank = self.rank
-        d = next_deadline(rank.session) if rank is not None else None
-        at = None if d is None else d.at
-        self._due = None if rank is None else (at, deadline_inputs(rank.session))
-        self._arm_at(at)
-
-    def _arm_at(self, at: float | None) -> None:
-        rank = self.rank
-        tick = record_watch.tick(rank) if rank is not None else None
-        if tick is not None:
-            at = self.clock.now() + tick if at is None else min(at, self.clock.now() + tick)
-        if at is None:
-            self.deadline.cancel()
-        else:
-            self.deadline.arm(at)
-
+    # -- detection (hang_watch.py) -------------------------------------------
     def _deadline_due(self) -> None:
-        rank = self.rank
-        if rank is None:
-            return
-        s = rank.session
-        record_watch.sync(self, rank)  # the rank's latest progress in its record, before judging
-        now = self.clock.now()
-        due = self._due
-        if due is not None and (due[0] is None or now < due[0]) and due[1] == deadline_inputs(s):
-            self._arm_at(due[0])  # a record tick that found nothing new: read again at the next one
-            return
-        hang = check(s, now)
-        if hang is None:
-            self._read_first = 0
-            self._arm()
-            return
-        if self._read_first < MAX_READ_FIRST and rank.conn.unread_bytes() > 0:
-            # progress the rank reported may be waiting in the socket (the daemon was
-            # stopped, frozen or starved): read it before judging
-            self._read_first += 1
-            self.deadline.arm(now + READ_FIRST_DELAY)
-            return
-        self._read_first = 0
-        if self._restart_inprocess(rank, hang):
-            return
-        if self.config.on_hang == "dump" and hang.reason not in (Reason.INPROCESS_RESTART, Reason.STARTUP):
-            self._dump_and_keep_running(rank, hang)
-            # the passed deadline is not acted on again; progress re-arms the timer, and a rank
-            # that reports through its record sends nothing that would: read it on the tick
-            self._due = (None, deadline_inputs(s))
-            self._arm_at(None)
-            return
-        s.mark_hung()
-        case = HangCase(hang, rank.process, rank.report_path(), rank.dump_path(), error_file=rank.error_file)
-        self.hangs.append(HangSummary(hang.rank, hang.pid, hang.describe(), str(case.report_path)))
-        self.spawn(self.handle_hang(case), rank.hold())
-
-    def _dump_and_keep_running(self, rank: RankResources, hang: Hang) -> None:
-        """``on_hang: dump``: report, dump and tell the launcher (it diagnoses the job), once per
-        hang; the session stays active, and the same passed deadline is not acted on again until
-        the rank makes progress past it."""
-        key = (hang.pid, hang.reason.value, hang.section, hang.onset)
-        if self._diagnosed == key:
-            return
-        self._diagnosed = key
-        case = HangCase(hang, rank.process, rank.report_path(f"-dump{len(self.hangs) + 1}"), rank.dump_path(),
-                        error_file=rank.error_file, action="dump")
-        self.hangs.append(HangSummary(hang.rank, hang.pid, hang.describe(), str(case.report_path)))
-        self.spawn(self.handle_hang(case), rank.hold())
-
-    def _restart_inprocess(self, rank: RankResources, hang: Hang) -> bool:
-        """With ``on_hang: inprocess``, ask the rank to restart in its own process (ABORT on
-        its control connection) instead of killing it; False where that is not possible:
-        the rank has no control connection, the restart budget is spent, or the hang is
-        itself a restart that did not come back, or a start-up that did not end (then today's
-        path: dump, kill)."""
-        cfg = self.config
-        if cfg.on_hang != "inprocess" or hang.reason in (Reason.INPROCESS_RESTART, Reason.STARTUP):
-            return False
-        s = rank.session
-        if rank.control is None:
-            log.warning("rank %d pid %d: on_hang is inprocess but the rank has no control connection (no "
-                        "ft_client.inprocess.Wrapper?); stopping it instead", s.rank, s.pid)
-            return False
-        if self.inprocess_restarts >= cfg.max_inprocess_restarts:
-            log.warning("rank %d pid %d: %d in-process restart(s) used, max_inprocess_restarts is %d; stopping it "
-                        "instead", s.rank, s.pid, self.inprocess_restarts, cfg.max_inprocess_restarts)
-            return False
-        self.inprocess_restarts += 1
-        now = self.clock.now()
-        s.begin_restart(now, cfg.inprocess_restart_timeout)
-        log.error("hang detected: rank=%d pid=%d reason=%s section=%s elapsed=%.3fs timeout=%.3fs: %s; restarting "
-                  "in-process (%d of at most %d), back within %.1fs or stopped", hang.rank, hang.pid,
-                  hang.reason.value, printable(hang.section), hang.elapsed, hang.timeout, hang.describe(),
-                  self.inprocess_restarts, cfg.max_inprocess_restarts, cfg.inprocess_restart_timeout)
-        case = HangCase(hang, rank.process, rank.report_path(f"-inprocess{self.inprocess_restarts}"),
-                        rank.dump_path(), error_file=rank.error_file, action="inprocess",
-                        restart_iteration=s.wrapper_iteration + 1)
-        dumping = self.executor.request_dump(case)  # the stack as it hangs, before the abort unwinds it
-        abort = wire.Abort(iteration=s.wrapper_iteration, reason=f"rank {hang.rank}: {hang.describe()}",
-                           hung_rank=hang.rank)
-        case.actions.append(f"in-process restart requested ({self.inprocess_restarts} of at most "
-                            f"{cfg.max_inprocess_restarts})")
-        case.terminated_by = "inprocess"
-        self.executor.write_report(case)
-        self.hangs.append(HangSummary(hang.rank, hang.pid, hang.describe(), str(case.report_path)))
-        self.spawn(self._abort_inprocess(rank, case, abort, dumping), rank.hold())
-        self._arm()
-        return True
-
-    async def _abort_inprocess(self, rank: RankResources, case: HangCase, abort: wire.Abort,
-                               dumping: PendingDump | None) -> None:
-        """Push ABORT once the stack dump is written (faulthandler reads every thread's frames
-        without the GIL: a rank whose threads start running, as an ABORT makes them, while it
-        dumps can crash), then tell the launcher (it records the restart; its restart budget
-        is untouched)."""
-        if dumping is not None:
-            await self.executor.await_dump(case, dumping)
-            self.executor.write_report(case)
-        if rank.control is not None:
-            rank.control.send(abort)
-        else:
-            log.warning("rank %d: its control connection closed before the ABORT could be pushed; it is stopped "
-                        "if it does not come back within inprocess_restart_timeout", case.hang.rank)
-        if self.executor.handoff is None:
-            return
-        try:
-            await self.executor.handoff.notify(case)
-        except Exception:  # the launcher being gone does not stop an in-process restart
-            log.exception("rank %d: telling the launcher of the in-process restart failed", case.hang.rank)
+        """The deadline timer fired: the watch judges the rank's session."""
+        self.hang_watch.due()
 
     async def handle_hang(self, case: HangCase) -> None:
         """Act on a hang (the executor), with the reserved descriptors free while it runs."""

@@ -7,13 +7,18 @@ launcher test's rendezvous; etcd is issue 43's."""
 
 from __future__ import annotations
 
+import importlib.util
+import shutil
+import subprocess
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from ft_monitor.launcher import exit_codes
 from tests.launchers import JOB_SECRET, Launcher
-from tests.procs import free_port
+from tests.procs import free_port, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -50,6 +55,75 @@ def test_two_launchers_with_node_ranks_and_a_master_port_restart_after_a_hang(wo
         for node in nodes:
             node.kill()
     _finished(*nodes)
-    hangs = nodes[0].summary()["hangs"] + nodes[1].summary()["hangs"]
+    hangs = [h for n in nodes for h in n.summary()["hangs"]]
     assert {h["rank"] for h in hangs} == {3}, hangs
     assert all(len(n.summary()["attempts"]) == 2 for n in nodes)
+
+
+class Etcd:
+    """A real etcd (Debian's etcd-server, installed by scripts/setup-env), its v2 API on, listening
+    on loopback ports in a private folder; started and stopped by the test."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.port, peer = free_port(), free_port()
+        self.log = open(workdir / "etcd.log", "w")
+        self.proc = subprocess.Popen(
+            ["etcd", "--data-dir", str(workdir / "etcd-data"), "--name", "ft-test",
+             "--listen-client-urls", f"http://127.0.0.1:{self.port}",
+             "--advertise-client-urls", f"http://127.0.0.1:{self.port}",
+             "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+             "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+             "--initial-cluster", f"ft-test=http://127.0.0.1:{peer}", "--enable-v2=true"],
+            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        wait_until(self._answers, 60, "etcd answering on its client port")
+
+    def _answers(self) -> bool:
+        assert self.proc.poll() is None, (Path(self.log.name).read_text())
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/v2/keys", timeout=2) as r:
+                return bool(r.status == 200)
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.log.close()
+
+
+@pytest.fixture
+def etcd(workdir: Path) -> Iterator[Etcd]:
+    if shutil.which("etcd") is None:
+        pytest.skip("no etcd here (scripts/setup-env installs Debian's etcd-server where it runs as root with apt)")
+    if importlib.util.find_spec("etcd") is None:
+        pytest.skip("no python-etcd (torch's client for the etcd rendezvous; the test extra installs it)")
+    server = Etcd(workdir)
+    yield server
+    server.stop()
+
+
+@pytest.mark.parametrize("launchers", [1, 2])
+@pytest.mark.parametrize("backend", ["etcd", "etcd-v2"])
+def test_launchers_on_a_real_etcd_restart_after_a_hang(workdir: Path, etcd: Etcd, backend: str, launchers: int) -> None:
+    """torch's two etcd rendezvous (the classic one, whose state is JSON, and the dynamic one over
+    etcd's v2 API) with a rank that starts its process group late after the restart."""
+    rdzv = ("--nnodes", str(launchers), "--rdzv-backend", backend, "--rdzv-endpoint", f"127.0.0.1:{etcd.port}",
+            "--rdzv-id", f"ft-etcd-{backend}")
+    rank = 2 * launchers - 1
+    nodes = [Launcher(workdir, "--max-restarts", "2", train_args=(
+                 "--hang", f"rank={rank},step=12,attempt=0", "--late-init", f"rank={rank},s=2"),
+                      name=f"node{g}", env=JOB_SECRET, warm=g == 0, launcher_flags=rdzv)
+             for g in range(launchers)]
+    try:
+        for node in nodes:
+            assert node.wait() == exit_codes.SUCCESS, node.output()
+    finally:
+        for node in nodes:
+            node.kill()
+    _finished(*nodes)
+    hangs = [h for n in nodes for h in n.summary()["hangs"]]
+    assert {h["rank"] for h in hangs} == {rank}, hangs

@@ -140,6 +140,18 @@ def resolve_loop(name: str) -> str:
     return "uvloop"
 
 
+def end_by_stdin(proc: subprocess.Popen[Any], timeout: float) -> None:
+    """End a child whose cue to exit is the end of its stdin: close it, wait up to ``timeout``
+    seconds, then SIGKILL it (and wait 10 s more)."""
+    if proc.stdin is not None:
+        proc.stdin.close()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+
+
 def wait_until(predicate: Any, timeout: float, what: str, interval: float = 0.001) -> Any:
     return testing.wait_until(predicate, timeout, what, interval, error=RuntimeError)
 

@@ -36,7 +36,7 @@ def machine_info(loops: list[str]) -> dict[str, Any]:
         "loop": loops[0],
         "loops": loops,
         "loadavg_start": loadavg(),
-        "git_commit": _git("rev-parse", "HEAD"),
+        "git_commit": git("rev-parse", "HEAD"),
         "git_dirty": _git_dirty(),
     }
 
@@ -59,7 +59,7 @@ def loadavg() -> list[float] | None:
         return None
 
 
-def _git(*args: str) -> str | None:
+def git(*args: str) -> str | None:
     try:  # read-only; --no-optional-locks: never touch the index
         out = subprocess.run(["git", "--no-optional-locks", *args], capture_output=True, text=True, cwd=ROOT,
                              timeout=10)
@@ -69,7 +69,7 @@ def _git(*args: str) -> str | None:
 
 
 def _git_dirty() -> bool | None:
-    out = _git("status", "--porcelain", "--untracked-files=no")
+    out = git("status", "--porcelain", "--untracked-files=no")
     return None if out is None else bool(out)
 
 

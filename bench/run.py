@@ -38,6 +38,7 @@ from bench import (  # noqa: E402
     ingest,
     rdzv_restart,
     restart,
+    restart_warm,
     sim_inprocess,
     sim_nodes,
     snapshot,
@@ -58,7 +59,7 @@ BENCHMARKS: dict[str, tuple[bool, Callable[..., list[Figure]]]] = {
     "detection": (False, detection.run),
     "restart": (False, lambda mode, loop: restart.run(mode)),  # the launcher's daemons pick their own loop
     # cold vs --ft-warm-restart side by side (issue 27); the launcher's daemons pick their own loop
-    "warm_restart": (False, lambda mode, loop: restart.run_warm(mode)),
+    "warm_restart": (False, lambda mode, loop: restart_warm.run_warm(mode)),
     # a restart's rendezvous with and without torch's first-run delay (ft_monitor/launcher/rdzv/rdzv_delay.py)
     "rdzv_restart": (False, lambda mode, loop: rdzv_restart.run(mode)),
     "step_overhead": (False, step_overhead.run),

@@ -26,7 +26,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.restart import _warm_one  # noqa: E402
+from bench.restart_warm import _warm_one  # noqa: E402
 
 CONFIGS = ("cold", "auto", "heavy_cold", "heavy_auto")
 HANG_STEP = 12

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from torch.distributed import HashStore
 
-from bench.sim_inprocess import Pool, Sim
+from bench.sim_inprocess_sim import Pool, Sim
 from ft_client.inprocess.store import RestartStore
 from ft_client.signed import Signer
 

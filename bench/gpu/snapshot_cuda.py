@@ -148,6 +148,7 @@ def d2h_bandwidth(nbytes: int) -> dict[str, float]:
 def single_save(gib: float, expect_file: str) -> int:
     import torch
 
+    from bench.snapshot_worker import tensors_of
     from ft_client.snapshot import Snapshotter
 
     s = Snapshotter()
@@ -156,7 +157,7 @@ def single_save(gib: float, expect_file: str) -> int:
                expect_file)
     nbytes = state["big"].numel() * 4
     say("INFO", json.dumps({"rank": 0, "state_GiB": round(sum(
-        t.numel() * t.element_size() for t in _tensors(plain(state))) / 2**30, 4), "big_GiB": nbytes / 2**30}))
+        t.numel() * t.element_size() for t in tensors_of(plain(state))) / 2**30, 4), "big_GiB": nbytes / 2**30}))
     rows = []
     for step in (1, 2, 3):
         state["step"] = step
@@ -195,18 +196,6 @@ def single_save(gib: float, expect_file: str) -> int:
     say("TRAINED_ON_AFTER_RESTORE ok")
     s.close()
     return 0 if step == 3 and not diffs else 1
-
-
-def _tensors(tree: Any) -> list[Any]:
-    import torch
-
-    if isinstance(tree, torch.Tensor):
-        return [tree]
-    if isinstance(tree, dict):
-        return [t for v in tree.values() for t in _tensors(v)]
-    if isinstance(tree, (list, tuple)):
-        return [t for v in tree for t in _tensors(v)]
-    return []
 
 
 def single_restore(gib: float, expect_file: str) -> int:

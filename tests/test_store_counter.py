@@ -152,3 +152,25 @@ def test_a_hash_store_counts_as_a_store_of_its_own() -> None:
     store = HashStore()
     counters = Counters(store)
     assert counters.add("n", 2) == 2 and counters.add("n", 0) == 2
+
+
+@pytest.fixture(scope="module")
+def shared_port() -> Iterator[int]:
+    master = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    yield master.port
+    del master
+
+
+@settings(max_examples=10, deadline=None)
+@given(value=st.one_of(st.binary(max_size=40),
+                       st.integers(min_value=-(2**70), max_value=2**70).map(lambda n: str(n).encode()),
+                       st.sampled_from([b"x", b"", b" 3", b"1.5", b"-", b"99999999999999999999999", b"\x00"])))
+def test_any_value_someone_sets_at_a_counter_gives_a_count_or_none_and_spares_the_store(shared_port: int,
+                                                                                         value: bytes) -> None:
+    """Issue 38: a counter holding anything (another user's ``set``) is a number or None; the
+    store's own connection is never the one the server closes."""
+    store, attacker = client(shared_port), client(shared_port)
+    attacker.set("bell", value)
+    got = Counters(store, Clock()).add("bell", 0)
+    assert got is None or isinstance(got, int)
+    assert store.check(["bell"])  # the caller's own connection still answers

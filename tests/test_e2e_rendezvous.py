@@ -11,7 +11,7 @@ import importlib.util
 import shutil
 import subprocess
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -31,6 +31,27 @@ def _finished(*nodes: Launcher) -> str:
     return out
 
 
+def _run_to_the_end(workdir: Path, flags_of: Callable[[int], tuple[str, ...]], launchers: int) -> list[Launcher]:
+    """``launchers`` ft-launchers (node g with ``flags_of(g)``), the job's last rank hanging in attempt 0
+    and starting its process group 2 s late after the restart; every one must succeed, and the
+    hung rank is the only one named."""
+    rank = 2 * launchers - 1
+    nodes = [Launcher(workdir, "--max-restarts", "2", train_args=(
+                 "--hang", f"rank={rank},step=12,attempt=0", "--late-init", f"rank={rank},s=2"),
+                      name=f"node{g}", env=JOB_SECRET, warm=g == 0, launcher_flags=flags_of(g))
+             for g in range(launchers)]
+    try:
+        for node in nodes:
+            assert node.wait() == exit_codes.SUCCESS, node.output()
+    finally:
+        for node in nodes:
+            node.kill()
+    _finished(*nodes)
+    hangs = [h for n in nodes for h in n.summary()["hangs"]]
+    assert {h["rank"] for h in hangs} == {rank}, hangs
+    return nodes
+
+
 @pytest.mark.parametrize("warm", [False, True], ids=["new interpreters", "forked"])
 def test_one_launcher_with_a_master_port_restarts_after_a_hang(workdir: Path, warm: bool) -> None:
     la = Launcher(workdir, "--max-restarts", "2", train_args=HANG, warm=warm,
@@ -43,20 +64,8 @@ def test_one_launcher_with_a_master_port_restarts_after_a_hang(workdir: Path, wa
 
 def test_two_launchers_with_node_ranks_and_a_master_port_restart_after_a_hang(workdir: Path) -> None:
     port = str(free_port())
-    nodes = [Launcher(workdir, "--max-restarts", "2", train_args=("--hang", "rank=3,step=12,attempt=0", "--late-init", "rank=3,s=2"),
-                      name=f"node{g}", env=JOB_SECRET, warm=g == 0,
-                      launcher_flags=("--nnodes", "2", "--node-rank", str(g), "--master-addr", "127.0.0.1",
-                                      "--master-port", port))
-             for g in range(2)]
-    try:
-        for node in nodes:
-            assert node.wait() == exit_codes.SUCCESS, node.output()
-    finally:
-        for node in nodes:
-            node.kill()
-    _finished(*nodes)
-    hangs = [h for n in nodes for h in n.summary()["hangs"]]
-    assert {h["rank"] for h in hangs} == {3}, hangs
+    nodes = _run_to_the_end(workdir, lambda g: ("--nnodes", "2", "--node-rank", str(g), "--master-addr", "127.0.0.1",
+                                                "--master-port", port), 2)
     assert all(len(n.summary()["attempts"]) == 2 for n in nodes)
 
 
@@ -113,17 +122,4 @@ def test_launchers_on_a_real_etcd_restart_after_a_hang(workdir: Path, etcd: Etcd
     etcd's v2 API) with a rank that starts its process group late after the restart."""
     rdzv = ("--nnodes", str(launchers), "--rdzv-backend", backend, "--rdzv-endpoint", f"127.0.0.1:{etcd.port}",
             "--rdzv-id", f"ft-etcd-{backend}")
-    rank = 2 * launchers - 1
-    nodes = [Launcher(workdir, "--max-restarts", "2", train_args=(
-                 "--hang", f"rank={rank},step=12,attempt=0", "--late-init", f"rank={rank},s=2"),
-                      name=f"node{g}", env=JOB_SECRET, warm=g == 0, launcher_flags=rdzv)
-             for g in range(launchers)]
-    try:
-        for node in nodes:
-            assert node.wait() == exit_codes.SUCCESS, node.output()
-    finally:
-        for node in nodes:
-            node.kill()
-    _finished(*nodes)
-    hangs = [h for n in nodes for h in n.summary()["hangs"]]
-    assert {h["rank"] for h in hangs} == {rank}, hangs
+    _run_to_the_end(workdir, lambda g: rdzv, launchers)

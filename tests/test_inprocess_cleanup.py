@@ -27,6 +27,7 @@ import pytest
 from ft_client.inprocess.decide import Interrupt, MainThread, interrupt_action, must_kill, ping_timed_out, signal_due
 from tests import zygote
 from tests.procs import ROOT, WORKERS, free_port, slack
+from tests.test_inprocess_hygiene import run_two_ranks
 
 WORKER = WORKERS / "inprocess_cleanup.py"
 
@@ -116,30 +117,7 @@ def test_an_interrupt_deferred_by_atomic_is_raised_at_its_end_unless_the_block_e
 
 
 def _run_job(workdir: Path, where: str, *flags: str) -> list[str]:
-    port = free_port(2)
-    procs, logs = [], []
-    for r in (0, 1):
-        log = workdir / f"{where}-rank{r}.log"
-        env = {**os.environ, "RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "FT_KEY_DIR": str(workdir / "keys")}
-        with open(log, "w") as out:
-            procs.append(zygote.popen([sys.executable, str(WORKER), where, *flags], env=env, cwd=ROOT, stdout=out,
-                                      stderr=subprocess.STDOUT, start_new_session=True))
-        logs.append(log)
-    try:
-        for p in procs:
-            p.wait(60 * slack())
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait(10)
-    outs = [log.read_text(errors="replace") for log in logs]
-    codes = [p.returncode for p in procs]
-    assert codes == [0, 0], f"exit codes {codes}:\n" + "\n---\n".join(o[-3000:] for o in outs)
-    return outs
+    return run_two_ranks(workdir, WORKER, where, flags, free_port(2), 60, env={"FT_KEY_DIR": str(workdir / "keys")})
 
 
 @pytest.mark.e2e

@@ -50,21 +50,22 @@ def _free_ports() -> int:
     raise AssertionError("no three free consecutive ports")
 
 
-def _run_job(workdir: Path, ending: str, *flags: str) -> list[str]:
-    worker = ENDINGS_WORKER if ending in ENDINGS else WORKER
-    port = _free_ports()
+def run_two_ranks(workdir: Path, worker: Path, name: str, flags: tuple[str, ...], port: int, timeout: float,
+                  env: dict[str, str] | None = None) -> list[str]:
+    """Ranks 0 and 1 of ``worker`` (gloo through MASTER_PORT ``port``), run to their end within
+    ``timeout`` seconds (then killed); their outputs. Both must exit 0."""
     procs, logs = [], []
     for r in (0, 1):
-        log = workdir / f"{ending}-rank{r}.log"
-        env = {**os.environ, "RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port)}
+        log = workdir / f"{name}-rank{r}.log"
+        rank_env = {**os.environ, "RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(port), **(env or {})}
         with open(log, "w") as out:
-            procs.append(zygote.popen([sys.executable, str(worker), ending, *flags], env=env, cwd=ROOT,
+            procs.append(zygote.popen([sys.executable, str(worker), name, *flags], env=rank_env, cwd=ROOT,
                                       stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
         logs.append(log)
     try:
         for p in procs:
-            p.wait(90 * slack())
+            p.wait(timeout * slack())
     except subprocess.TimeoutExpired:
         pass
     finally:
@@ -76,6 +77,10 @@ def _run_job(workdir: Path, ending: str, *flags: str) -> list[str]:
     codes = [p.returncode for p in procs]
     assert codes == [0, 0], f"exit codes {codes}:\n" + "\n---\n".join(o[-3000:] for o in outs)
     return outs
+
+
+def _run_job(workdir: Path, ending: str, *flags: str) -> list[str]:
+    return run_two_ranks(workdir, ENDINGS_WORKER if ending in ENDINGS else WORKER, ending, flags, _free_ports(), 90)
 
 
 ENDED: dict[str, str | tuple[str, str]] = {

@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import sys
 import threading
 import time
 
 import torch.distributed as dist
+from inprocess_hygiene import first_call_and_leftovers, second_call  # beside this script
 
 from ft_client.inprocess import CallWrapper, RestartInterrupt, Wrapper
 
@@ -82,42 +82,9 @@ def main() -> int:
             time.sleep(0.05)
         return "rank 1 never learned that rank 0 left"
 
-    kept: BaseException | None = None
-    try:
-        say(f"rank {rank} first returned: {first()}")
-    except BaseException as e:  # noqa: BLE001 - the ending under test
-        kept = e
-        say(f"rank {rank} first ended: {type(e).__name__}: {e}")
-    threads = sorted(t.name for t in threading.enumerate() if t.name.startswith("ft-"))
-    say(f"rank {rank} ft threads: {threads}")
-    if rank == 0:
-        with socket.socket() as s:  # as the store's listener binds: address reuse (a TIME_WAIT is no listener)
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                s.bind(("", port))
-                s.listen()
-                say(f"rank {rank} store port free")
-            except OSError as e:
-                say(f"rank {rank} store port busy: {e}")
+    kept = first_call_and_leftovers(first, rank, port)
 
-    @Wrapper(soft_timeout=30, hard_timeout=60, barrier_timeout=30, completion_timeout=30,
-             monitor_thread_interval=0.01)
-    def second(call: CallWrapper) -> str:
-        call.init_process_group("gloo")
-        dist.barrier()
-        if call.iteration == 0 and rank == 1:
-            raise ValueError("fault in the second call (test)")
-        if call.iteration == 0:  # rank 0 waits in a collective until the abort frees it
-            dist.barrier()
-        dist.destroy_process_group()
-        return f"second done in iteration {call.iteration}"
-
-    code = 0
-    try:
-        say(f"rank {rank} second returned: {second()}")
-    except BaseException as e:  # noqa: BLE001
-        say(f"rank {rank} second ended: {type(e).__name__}: {e}")
-        code = 3
+    code = second_call(rank, barrier_timeout=30, completion_timeout=30)
     del kept
     return code
 

@@ -21,7 +21,9 @@ import os
 import socket
 import sys
 import threading
+from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 
@@ -30,6 +32,52 @@ from ft_client.inprocess import CallWrapper, RestartInterrupt, Wrapper
 
 def say(*parts: object) -> None:
     print(" ".join(map(str, parts)), flush=True)
+
+
+def first_call_and_leftovers(first: Callable[[], str], rank: int, port: int) -> BaseException | None:
+    """Run the first wrapped call, say how it ended, the ft threads left, and (rank 0) whether the
+    store's port is free again; the exception it ended with, if any."""
+    kept: BaseException | None = None
+    try:
+        say(f"rank {rank} first returned: {first()}")
+    except BaseException as e:  # noqa: BLE001 - the ending under test
+        kept = e
+        say(f"rank {rank} first ended: {type(e).__name__}: {e}")
+    threads = sorted(t.name for t in threading.enumerate() if t.name.startswith("ft-"))
+    say(f"rank {rank} ft threads: {threads}")
+    if rank == 0:
+        with socket.socket() as s:  # as the store's listener binds: address reuse (a TIME_WAIT is no listener)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("", port))
+                s.listen()
+                say(f"rank {rank} store port free")
+            except OSError as e:
+                say(f"rank {rank} store port busy: {e}")
+    return kept
+
+
+def second_call(rank: int, **options: Any) -> int:
+    """A second wrapped call in the same process, with a fault in its first iteration: it must work
+    whatever the first call's ending left (0), else 3."""
+
+    @Wrapper(soft_timeout=30, hard_timeout=60, monitor_thread_interval=0.01, **options)
+    def second(call: CallWrapper) -> str:
+        call.init_process_group("gloo")
+        dist.barrier()
+        if call.iteration == 0 and rank == 1:
+            raise ValueError("fault in the second call (test)")
+        if call.iteration == 0:  # rank 0 waits in a collective until the abort frees it
+            dist.barrier()
+        dist.destroy_process_group()
+        return f"second done in iteration {call.iteration}"
+
+    try:
+        say(f"rank {rank} second returned: {second()}")
+    except BaseException as e:  # noqa: BLE001
+        say(f"rank {rank} second ended: {type(e).__name__}: {e}")
+        return 3
+    return 0
 
 
 def main() -> int:
@@ -66,42 +114,9 @@ def main() -> int:
         dist.destroy_process_group()
         return f"first done in iteration {call.iteration}"
 
-    kept: BaseException | None = None
-    try:
-        say(f"rank {rank} first returned: {first()}")
-    except BaseException as e:  # noqa: BLE001 - the ending under test
-        kept = e
-        say(f"rank {rank} first ended: {type(e).__name__}: {e}")
-    threads = sorted(t.name for t in threading.enumerate() if t.name.startswith("ft-"))
-    say(f"rank {rank} ft threads: {threads}")
-    if rank == 0:
-        with socket.socket() as s:  # as the store's listener binds: address reuse (a TIME_WAIT is no listener)
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                s.bind(("", port))
-                s.listen()
-                say(f"rank {rank} store port free")
-            except OSError as e:
-                say(f"rank {rank} store port busy: {e}")
+    kept = first_call_and_leftovers(first, rank, port)
 
-    @Wrapper(soft_timeout=30, hard_timeout=60, barrier_timeout=20, completion_timeout=20,
-             monitor_thread_interval=0.01, store_factory=factory)
-    def second(call: CallWrapper) -> str:
-        call.init_process_group("gloo")
-        dist.barrier()
-        if call.iteration == 0 and rank == 1:
-            raise ValueError("fault in the second call (test)")
-        if call.iteration == 0:  # rank 0 waits in a collective until the abort frees it
-            dist.barrier()
-        dist.destroy_process_group()
-        return f"second done in iteration {call.iteration}"
-
-    code = 0
-    try:
-        say(f"rank {rank} second returned: {second()}")
-    except BaseException as e:  # noqa: BLE001
-        say(f"rank {rank} second ended: {type(e).__name__}: {e}")
-        code = 3
+    code = second_call(rank, barrier_timeout=20, completion_timeout=20, store_factory=factory)
     if shared is not None:  # its host (rank 0) stays until every rank is done with it, as torchrun's agent does
         if shared.add("test/bye", 1) == 2:
             shared.set("test/bye_done", b"1")

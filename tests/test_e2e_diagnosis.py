@@ -145,7 +145,9 @@ def test_two_launchers_a_counter_added_to_by_another_user_misses_no_node(workdir
     doc = json.loads(Path(row["diagnosis"]).read_text())
     _check_document(doc, 4)  # every rank of both nodes answered, none missing
     assert len(doc["roll_call"]["nodes_answered"]) == 2 and doc["verdict"]["behind"] == [3]
-    assert "roll call 1 from" in (a.output() + b.output())
+    both = a.output() + b.output()
+    assert "roll call 1 from" in both
+    assert "could have written" in both and "does not hold a number" in both  # the grown index and the spoiled bell
 
 
 def _launcher(workdir: Path, *args: str, scenario: str) -> tuple[Any, Path, Path]:

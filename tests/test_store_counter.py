@@ -2,8 +2,8 @@
 torch's store server closes the connection of an ``add`` to it; ft's counters are added to on a
 connection of their own (ft_client.store_counter), so the launcher's rendezvous connection and
 the Wrapper's store (which its process group shares) live on. Every test runs against a real
-TCPStore on a real socket; the attacker is tests/workers/store_ops.py, another process (another
-user where the tests run as root)."""
+TCPStore on a real socket, the attacker another client of it; test_e2e_diagnosis.py's runs as
+another user (tests/workers/store_ops.py)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ from ft_client.store_counter import SPOILED_RETRY, Counters, counters_of
 from ft_monitor.launcher.store.store_board import INDEX_RETRY, Board, IndexReader, index_limit, parse_index
 from tests.test_inprocess_parts import SIGNER
 from tests.test_rollcall import FakeStore
-from tests.test_rollcall_attacks import forge
 
 PREFIX = "torch.rendezvous.run.0"
 
@@ -38,6 +37,15 @@ def client(port: int) -> PrefixStore:
                                         timeout=timedelta(seconds=30)))
 
 
+def plant(port: int, key: str, value: bytes) -> None:
+    """Someone else sets ``key``, through a client of their own (the store knows no users; the
+    end-to-end test in test_e2e_diagnosis.py writes as uid 65534). A ``set`` has no reply: the
+    ``check`` after it waits until the server has it."""
+    other = client(port)
+    other.set(key, value)
+    assert other.check([key])
+
+
 class Clock:
     def __init__(self) -> None:
         self.now = 100.0
@@ -51,7 +59,7 @@ def test_a_spoiled_counter_costs_a_private_connection_and_never_the_stores_own(p
     clock = Clock()
     counters = Counters(store, clock)
     assert counters.add("bell", 1) == 1
-    forge(port, [["set", f"{PREFIX}/bell", "x"]])
+    plant(port, "bell", b"x")
     with pytest.raises(RuntimeError):  # what the plain store does: its connection is closed
         client(port).add("bell", 0)
     assert counters.add("bell", 0) is None and counters.losses == 1
@@ -59,7 +67,7 @@ def test_a_spoiled_counter_costs_a_private_connection_and_never_the_stores_own(p
     assert counters.add("bell", 0) is None and counters.losses == 1  # left alone: no connection per poll
     assert counters.add("other", 2) == 2  # the private connection was reopened for the rest
     clock.now += SPOILED_RETRY
-    forge(port, [["set", f"{PREFIX}/bell", "7"]])
+    plant(port, "bell", b"7")
     assert counters.add("bell", 1) == 8 and counters.losses == 1  # trusted again once it holds a number
 
 
@@ -91,7 +99,7 @@ def test_a_board_whose_bell_is_spoiled_still_finds_every_value_and_keeps_its_con
     board = Board("askers", "bell", "request/{}".format, 4)
     board.publish(writer, 2, b"two")
     assert Board("askers", "bell", "request/{}".format, 4).look(reader, [1, 2, 3]) == {2: b"two"}
-    forge(port, [["set", f"{PREFIX}/bell", "x"]])
+    plant(port, "bell", b"x")
     board.publish(writer, 3, b"three")  # its count is spoiled: published and listed all the same
     fresh = Board("askers", "bell", "request/{}".format, 4)
     assert fresh.look(reader, [1, 2, 3]) == {2: b"two", 3: b"three"}
@@ -104,7 +112,7 @@ def test_an_index_grown_by_another_user_is_read_once_and_the_keys_one_by_one_aft
     writer, reader = client(port), client(port)
     board = Board("askers", "bell", "request/{}".format, 4)
     board.publish(writer, 1, b"one")
-    forge(port, [["fill", f"{PREFIX}/askers", 8 << 20]])  # 8 MiB of "0,"
+    plant(port, "askers", b"0," * (4 << 20))  # 8 MiB
     gets: list[int] = []
 
     class Watched:
@@ -130,7 +138,7 @@ def test_a_restart_barrier_whose_count_is_spoiled_still_completes(port: int) -> 
     """The Wrapper's barrier counts on its own connection; a spoiled count makes each rank check the
     signed arrivals, and the last one to arrive ends the barrier."""
     stores = [RestartStore(client(port), 2, SIGNER, rank=r, prefix="t/", attempt_id="0") for r in range(2)]
-    forge(port, [["set", f"{PREFIX}/{stores[0].key(1, 'completed')}", "x"]])
+    plant(port, stores[0].key(1, "completed"), b"x")
     stores[0].complete(1)
     assert stores[0].outcome(1) is None
     stores[1].complete(1)
@@ -171,6 +179,7 @@ def test_any_value_someone_sets_at_a_counter_gives_a_count_or_none_and_spares_th
     store's own connection is never the one the server closes."""
     store, attacker = client(shared_port), client(shared_port)
     attacker.set("bell", value)
+    assert attacker.check(["bell"])  # a set has no reply: this waits until the server has it
     got = Counters(store, Clock()).add("bell", 0)
     assert got is None or isinstance(got, int)
     assert store.check(["bell"])  # the caller's own connection still answers

@@ -19,22 +19,17 @@ from torch.distributed import HashStore, PrefixStore, TCPStore
 from ft_client.inprocess.store import RestartStore
 from ft_client.store_counter import SPOILED_RETRY, Counters, counters_of
 from ft_monitor.launcher.store.store_board import INDEX_RETRY, Board, IndexReader, index_limit, parse_index
+from tests import test_rollcall_attacks as attacks
 from tests.test_inprocess_parts import SIGNER
 from tests.test_rollcall import FakeStore
 
 PREFIX = "torch.rendezvous.run.0"
-
-
-@pytest.fixture
-def port() -> Iterator[int]:
-    master = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
-    yield master.port
-    del master
+"""Round 0's prefix of test_rollcall_attacks' stores (its ``client``)."""
+port = attacks.port  # the store fixture, the same
 
 
 def client(port: int) -> PrefixStore:
-    return PrefixStore(PREFIX, TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
-                                        timeout=timedelta(seconds=30)))
+    return attacks.client(port, 0)
 
 
 def plant(port: int, key: str, value: bytes) -> None:

@@ -501,6 +501,29 @@ def test_notices_of_ranks_that_waited_for_the_hung_one_are_one_inprocess_hang(tm
     assert len(tel.incidents) == 1 and tel.incidents[0].rank == 1
 
 
+def test_an_inprocess_hang_notice_that_comes_after_its_restart_row_is_named_after_the_culprit(
+        tmp_path: Path) -> None:
+    """Under load the ledger's row (read from the monitors' status) can close the restart before the
+    launcher has handled the hang notice of the waiting rank that reported first: the hang event
+    named that waiting rank (rank 0), once, when the attempt ended (seen in one full-suite run)."""
+    clock = {"t": 50.0}
+    tel = Telemetry(config=Settings(), monitors=FakeMonitors(), host="h", nproc=2, max_restarts=1,
+                    clock=lambda: clock["t"], monotonic=lambda: clock["t"])
+    tel.attempt_started(0, "run", 0, {0: 0, 1: 1}, {0: 100, 1: 101}, str(tmp_path))
+    tel.inprocess_restart({"kind": "inprocess", "attempt": 0, "iteration": 1, "rank": 1, "reason": "section",
+                           "message": "m", "report": "/r.json", "detected_time": 50.0, "phases": {"total": 0.22}})
+    base = {"reason": "section", "section": "step", "message": "m", "elapsed_s": 2.0, "timeout_s": 2.0,
+            "detected_time": 50.0, "iteration": 12, "attempt": 0, "report": "/r.json", "restart_iteration": 1}
+    clock["t"] = 51.0
+    tel.inprocess_hang({**base, "rank": 0, "pid": 100, "onset_time": 48.3})  # the waiting rank, reported first
+    tel.inprocess_hang({**base, "rank": 1, "pid": 101, "onset_time": 48.0})  # part of the same restart
+    tel.attempt_ended("SUCCEEDED", {}, 1)
+    tel.close(None)
+    hangs = [e for e in read_events(tmp_path / "events.jsonl") if e["kind"] == "hang"]
+    assert [(h["rank"], h.get("reported_by", {}).get("rank")) for h in hangs] == [(1, 0)], hangs
+    assert len(tel.incidents) == 1 and tel.incidents[0].rank == 1 and tel.snapshot.hangs == {("section", "step"): 1}
+
+
 def test_an_inprocess_hang_whose_ranks_never_come_back_is_still_an_event(tmp_path: Path) -> None:
     # the fallback to the process restart: the row never completes, so the hang event (which waits
     # for the ranks' word on the culprit) is emitted when the attempt ends

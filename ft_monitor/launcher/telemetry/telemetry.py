@@ -83,6 +83,11 @@ class Telemetry:
         self._inprocess_hangs: dict[tuple[int, int], dict[str, Any]] = {}
         """The earliest hang notice of each in-process restart under way: its "hang" event is emitted
         once the ranks are back and the row names the culprit (`inprocess_restart`)."""
+        self._inprocess_done: dict[tuple[int, int], Mapping[str, Any]] = {}
+        """The ledger's rows of the in-process restarts over, by (attempt, iteration): a hang notice
+        that comes after its restart's row (read from the monitors' status first) is settled at once."""
+        self._inprocess_told: set[tuple[int, int]] = set()
+        """The in-process restarts whose hang event was emitted: a later notice is part of them."""
         self.phases: dict[tuple[str, str], list[float]] = {}
         """(restart kind, phase) -> seconds, one per restart."""
         self.incidents: list[Incident] = []
@@ -172,6 +177,8 @@ class Telemetry:
         hung rank's), as `InprocessLedger.on_notice` does."""
         now = self.clock()
         key = (int(notice.get("attempt") or 0), int(notice.get("restart_iteration") or 0))
+        if key in self._inprocess_told:  # a waiting rank's monitor, after the restart was told
+            return
         index = self._inprocess_incidents.get(key)
         if index is not None:
             inc = self.incidents[index]
@@ -184,6 +191,9 @@ class Telemetry:
         self._incident(notice, now)
         self._inprocess_incidents[key] = len(self.incidents) - 1
         self._inprocess_hangs[key] = dict(notice)  # its "hang" event waits for the ranks' word on the culprit
+        done = self._inprocess_done.get(key)
+        if done is not None:  # the ranks' word came first (read from the monitors' status): settled now
+            self._settle_inprocess(key, done, now)
         self._publish()
 
     def inprocess_restart(self, row: Mapping[str, Any]) -> None:
@@ -197,26 +207,38 @@ class Telemetry:
         for phase, value in phases.items():
             if value is not None:
                 self.phases.setdefault(("inprocess", phase), []).append(value)
-        lost = None
         key = (int(row.get("attempt") or 0), int(row.get("iteration") or 0))
-        index = self._inprocess_incidents.pop(key, None)
-        notice = self._inprocess_hangs.pop(key, None)
-        culprit = row.get("rank")
-        if notice is not None:
-            told, reported_by = culprit_notice(notice, row)  # reported_by: the rank reported first waited for it
-            self.events.emit("hang", now, **hang_fields(told, "inprocess"),
-                             **({"reported_by": reported_by} if reported_by else {}))
-        if index is not None and culprit is not None:
-            self.incidents[index] = replace(self.incidents[index], rank=int(culprit))
-        if index is not None and phases.get("total") is not None and row.get("detected_time") is not None:
-            inc = replace(self.incidents[index], running_again=float(row["detected_time"]) + float(phases["total"]))
-            self.incidents[index] = inc
-            lost = inc.lost_s
-        cause = "hang" if row.get("report") or notice is not None else str(row.get("reason") or "fault")
+        self._inprocess_done[key] = row
+        hang = key in self._inprocess_hangs
+        lost = self._settle_inprocess(key, row, now)
+        cause = "hang" if row.get("report") or hang else str(row.get("reason") or "fault")
         self.events.emit("restart", now, mode="inprocess", cause=cause, attempt=int(row.get("attempt") or 0),
                          rank=row.get("rank"), phases=phases, lost_s=lost if lost is not None else phases.get("total"),
                          redone_iterations=None)
         self._publish()
+
+    def _settle_inprocess(self, key: tuple[int, int], row: Mapping[str, Any], now: float) -> float | None:
+        """The in-process restart ``key`` is over (``row``, the ledger's, names the culprit): the hang
+        event of its notice, named after the culprit, and its incident's culprit and end, whichever of
+        the notice and the row came first. The time lost, when known."""
+        index = self._inprocess_incidents.pop(key, None)
+        notice = self._inprocess_hangs.pop(key, None)
+        culprit = row.get("rank")
+        if notice is not None:
+            self._inprocess_told.add(key)
+            told, reported_by = culprit_notice(notice, row)  # reported_by: the rank reported first waited for it
+            self.events.emit("hang", now, **hang_fields(told, "inprocess"),
+                             **({"reported_by": reported_by} if reported_by else {}))
+        if index is None:
+            return None
+        if culprit is not None:
+            self.incidents[index] = replace(self.incidents[index], rank=int(culprit))
+        phases = row.get("phases") or {}
+        if phases.get("total") is None or row.get("detected_time") is None:
+            return None
+        inc = replace(self.incidents[index], running_again=float(row["detected_time"]) + float(phases["total"]))
+        self.incidents[index] = inc
+        return inc.lost_s
 
     def workers_stopping(self) -> None:
         if self._failure_timing is not None and self._failure_timing.stop_began is None:

@@ -17,8 +17,7 @@ class EventCounter:
         self.sent = 0
 
     def install(self) -> EventCounter:
-        from ft_client import transport
-
+        from ft_client.wire import transport
         real = transport.Transport.send_event
         counter = self
 

@@ -9,7 +9,7 @@ last, `ft-monitor status --json` must count exactly the events the client sent
 (bench/events.py counts them on the client side).
 
 The client never blocks on a slow daemon: unsent bytes wait in its buffer,
-bounded by ft_client.transport.MAX_PENDING, past which it gives up on the
+bounded by ft_client.wire.transport.MAX_PENDING, past which it gives up on the
 daemon. A burst of a million events outruns any daemon, so the worker applies
 back-pressure a training loop never needs: when more than FLOW_BYTES wait
 unsent, it calls `Transport.flush()` (a blocking send).

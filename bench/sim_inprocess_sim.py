@@ -82,7 +82,7 @@ class Sim:
         import logging
 
         from ft_client.inprocess.config import WrapperConfig
-        from ft_client.signed import Signer
+        from ft_client.store.signed import Signer
 
         logging.getLogger("ft_client.inprocess").setLevel(logging.ERROR)  # one restart line per rank otherwise
         if 2 * n > len(pool.clients):

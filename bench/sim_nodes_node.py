@@ -60,6 +60,19 @@ LAUNCHER_ROOMS = {
     "agent": ("agent", "hangs", "observed", "runtime", "worker_env", "secret_env", "monitors", "groups", "control",
               "inprocess", "inprocess_watch", "torch_support"),
 }
+CLIENT_MOVED = {
+    # ft_client's modules that issue 40 moved into rooms (docs/migration.md, its changelog), as
+    # the old launcher modules import them
+    "client_link": "client.link", "client_state": "client.state", "client_progress": "client.progress",
+    "client_learning": "client.learning", "client_restart": "client.restart", "control": "client.control",
+    "exiting": "client.exiting", "stackdump": "client.stackdump", "flight_recorder": "client.flight_recorder",
+    "wire_messages": "wire.messages", "wire_decode": "wire.decode", "transport": "wire.transport",
+    "peer": "wire.peer", "record_open": "record.mapped", "record_read": "record.read",
+    "timeouts_calc_compat": "learning.compat", "state_dict": "learning.state_dict", "sync": "learning.sync",
+    "jobkey": "store.jobkey", "signed": "store.signed", "store_counter": "store.counter",
+    "loaded_modules": "startup.loaded_modules", "parent_death": "startup.parent_death",
+    "exit_teardown": "startup.exit_teardown",
+}
 
 
 def protocol_before(ref: str = BEFORE) -> Protocol | None:
@@ -76,6 +89,7 @@ def protocol_before(ref: str = BEFORE) -> Protocol | None:
     # load, the names they import (ft_monitor.launcher.<module>) lead to where those modules live now.
     moved = {f"ft_monitor.launcher.{m}": f"ft_monitor.launcher.{room}.{m}" for room, mods in LAUNCHER_ROOMS.items()
              for m in mods if m not in LAUNCHER_ROOMS}  # agent, telemetry, warm: the packages keep those names
+    moved |= {f"ft_client.{old}": f"ft_client.{new}" for old, new in CLIENT_MOVED.items()}
     saved = {old: sys.modules.get(old) for old in moved}
     try:
         now = {old: importlib.import_module(new) for old, new in moved.items()}

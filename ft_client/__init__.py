@@ -62,11 +62,10 @@ def __getattr__(name: str) -> Any:  # the client and the calculator are loaded o
 
         return process_group_timeout
     if name == "NotEnoughDataError":
-        from ft_client.timeouts_calc import NotEnoughDataError
+        from ft_client.learning.calc import NotEnoughDataError
 
         return NotEnoughDataError
     if name in ("TimeoutsCalc", "TimeoutsCalcError", "TimeoutsCalcNotReadyError", "SectionAction"):
-        from ft_client import timeouts_calc_compat
-
+        from ft_client.learning import compat as timeouts_calc_compat
         return getattr(timeouts_calc_compat, name)
     raise AttributeError(f"module 'ft_client' has no attribute {name!r}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from ft_client import wire
-from ft_client.transport import TransportError, connect
+from ft_client.wire.transport import TransportError, connect
 
 
 def _ask(path: str, timeout: float, request: wire.Message) -> wire.Message:

@@ -327,7 +327,7 @@ def _run_checked(spec: ServeSpec) -> int:
     if spec.parent_pid is not None:
         import signal
 
-        from ft_client.parent_death import die_with_parent
+        from ft_client.startup.parent_death import die_with_parent
 
         die_with_parent(signal.SIGTERM)
         if os.getppid() != spec.parent_pid:  # gone before the prctl took effect
@@ -355,7 +355,7 @@ def _run_checked(spec: ServeSpec) -> int:
 
 def _status(args: argparse.Namespace) -> int:
     from ft_client.observer import status
-    from ft_client.transport import TransportError
+    from ft_client.wire.transport import TransportError
 
     try:
         st = status(args.socket, args.timeout)

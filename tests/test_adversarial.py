@@ -25,7 +25,7 @@ import pytest
 
 from ft_client import RankMonitorClient, RankMonitorClientError, wire
 from ft_client.safefiles import UnsafeFileError, open_append, read_bounded
-from ft_client.transport import TransportError, resolve_socket_path
+from ft_client.wire.transport import TransportError, resolve_socket_path
 from ft_monitor.config import ConfigError, load_config
 from ft_monitor.launcher.agent.control import EventKind, LauncherServer
 from ft_monitor.launcher.incident.rootcause import read_stack
@@ -400,7 +400,7 @@ def test_client_request_timeout_is_what_the_kernel_enforces_also_after_reconnect
 def test_progress_calls_return_while_reconnecting_blocks(monkeypatch: pytest.MonkeyPatch, workdir: Path) -> None:
     """A stalled daemon's backlog makes every reconnect attempt wait; those waits happen on
     the client's background thread, never inside send_heartbeat()/section()."""
-    from ft_client import client_link  # the reconnection lives there
+    from ft_client.client import link as client_link
 
     d = Daemon(workdir).wait_ready()
     c = RankMonitorClient(str(d.socket))

@@ -2,7 +2,8 @@
 core imports nothing above it, and no module of the project (bench/ included) imports itself
 back through others. Read from the source with `ast` (every import counts: those under
 TYPE_CHECKING and inside functions too), so a circle cannot hide behind a lazy import.
-Issue 40: ft_client/snapshot/ imports downwards too, and no module grows over 500 lines."""
+Issue 40: ft-launcher's and ft_client's modules are in rooms that import downwards too, and no
+module grows over 500 lines."""
 
 from __future__ import annotations
 
@@ -31,8 +32,8 @@ ENTRY_POINTS = {
 }
 CLIENT_VOCABULARY = {
     # what the pure core may take from ft_client: words shared by both sides, no connection
-    "ft_client.errors", "ft_client.timeouts", "ft_client.timeouts_calc", "ft_client.names",
-    "ft_client.record", "ft_client.record_read", "ft_client.collectives", "ft_client.startup",
+    "ft_client.errors", "ft_client.timeouts", "ft_client.learning.calc", "ft_client.names",
+    "ft_client.record", "ft_client.record.read", "ft_client.collectives", "ft_client.startup",
     "ft_client.session_info",
 }
 
@@ -46,6 +47,28 @@ SNAPSHOT_ROOM = [
     "ft_client.snapshot.peer",
     "ft_client.snapshot.snapshotter",
 ]
+CLIENT_ROOMS_BELOW: dict[str, set[str]] = {
+    # ft_client's rooms (issue 40), and the client rooms each may import (besides itself and
+    # the hall's words)
+    "wire": set(),
+    "record": set(),
+    "store": set(),
+    "learning": set(),
+    "startup": set(),
+    "snapshot": {"wire", "record", "store"},
+    "inprocess": {"wire", "record", "store", "startup", "snapshot"},
+    "client": {"wire", "record", "store", "learning", "startup", "inprocess"},
+}
+CLIENT_WORDS = {
+    # ft_client's hall: the words both sides share; each imports only other words
+    "ft_client.errors", "ft_client.env", "ft_client.names", "ft_client.logs", "ft_client.workload",
+    "ft_client.process_group", "ft_client.timeouts", "ft_client.session_info", "ft_client.safefiles",
+    "ft_client.collectives",
+}
+CLIENT_DOORS = {
+    # ft_client's public façade and the doors kept for documented paths: they may import any room
+    "ft_client", "ft_client.observer", "ft_client.timeouts_calc",
+}
 MAX_LINES = 500
 OVERSIZED: set[str] = set()
 """Modules still to be split (issue 40 split the last of them)."""
@@ -175,7 +198,7 @@ def test_the_pure_core_imports_nothing_of_the_client_but_its_vocabulary(graph: d
 def test_the_clients_vocabulary_does_not_reach_the_connection(graph: dict[str, set[str]]) -> None:
     """The words the core borrows from ft_client stay words: none of them imports the client's
     connection, transport or the in-process restart."""
-    heavy = {"ft_client.client", "ft_client.transport", "ft_client.inprocess"}
+    heavy = {"ft_client.client", "ft_client.wire.transport", "ft_client.inprocess"}
     wrong = sorted((m, d) for m in CLIENT_VOCABULARY for d in graph.get(m, set())
                    if any(d == h or d.startswith(h + ".") for h in heavy))
     assert wrong == []
@@ -251,6 +274,34 @@ def test_the_launchers_rooms_import_only_downwards(graph: dict[str, set[str]]) -
                 continue
             other = _launcher_room(dep) or dep.removeprefix("ft_monitor.launcher.")
             if other != room and other not in LAUNCHER_ROOMS_BELOW[room]:
+                upward.append((mod, dep))
+    assert sorted(upward) == []
+
+
+def _client_room(mod: str) -> str | None:
+    parts = mod.split(".")
+    return parts[1] if len(parts) >= 2 and parts[0] == "ft_client" and parts[1] in CLIENT_ROOMS_BELOW else None
+
+
+def test_every_client_module_lives_in_a_room_or_the_hall(graph: dict[str, set[str]]) -> None:
+    loose = sorted(m for m in graph if m.startswith("ft_client") and _client_room(m) is None
+                   and m not in CLIENT_WORDS | CLIENT_DOORS)
+    assert loose == []
+
+
+def test_the_clients_rooms_import_only_downwards(graph: dict[str, set[str]]) -> None:
+    """A client room imports its own modules, the rooms below it and the hall's words; a word
+    imports only words. Never a door (the façade above every room), nor a room beside or above."""
+    upward = []
+    for mod, deps in graph.items():
+        if not mod.startswith("ft_client") or mod in CLIENT_DOORS:
+            continue
+        room = _client_room(mod)
+        for dep in deps:
+            if not dep.startswith("ft_client") or dep in CLIENT_WORDS:
+                continue
+            other = _client_room(dep)
+            if room is None or other is None or (other != room and other not in CLIENT_ROOMS_BELOW[room]):
                 upward.append((mod, dep))
     assert sorted(upward) == []
 

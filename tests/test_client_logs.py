@@ -11,7 +11,7 @@ from tests.procs import ROOT
 
 SCRIPT = """
 import logging
-import ft_client.control  # any client module that logs installs the handler
+import ft_client.client.control  # any client module that logs installs the handler
 logging.getLogger("ft_client.inprocess").warning("the monitor asks for an in-process restart")
 logging.getLogger("ft_client").info("not shown: below WARNING, as Python's own last resort")
 logging.basicConfig(format="SCRIPT %(name)s %(message)s")

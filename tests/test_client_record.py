@@ -15,8 +15,8 @@ from ft_client import RankMonitorClient, wire
 from ft_client.client import ConnState
 from ft_client.inprocess import events
 from ft_client.record import words_for
-from ft_client.record_read import RecordView, decode
-from ft_client.transport import Transport
+from ft_client.record.read import RecordView, decode
+from ft_client.wire.transport import Transport
 from ft_monitor.daemon import record_watch
 from tests.procs import wait_until
 from tests.test_client_states import QUIET, ThreadDaemon
@@ -130,7 +130,7 @@ def test_nothing_is_stored_while_unwinding_and_reentry_sends_reentered_before_st
 
 def test_a_monitor_that_dies_is_noticed_without_any_send(sock: Path, daemons: list[ThreadDaemon],
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    import ft_client.client_link as client_link
+    import ft_client.client.link as client_link
 
     monkeypatch.setattr(client_link, "RECONNECT_INTERVAL", 0.05)
     first = ThreadDaemon(sock, **QUIET)

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-import ft_client.client_link as client_link  # the reconnection (its interval) lives there
+import ft_client.client.link as client_link  # the reconnection (its interval) lives there
 from ft_client import RankMonitorClient, RankMonitorClientError
 from ft_client.client import ConnState
 from ft_monitor.config import FaultToleranceConfig

@@ -55,8 +55,8 @@ FR_OFF = {"comm_lib_version": "", "nccl_comm_state": {}, "pg_config": {}, "pg_st
 STACK_SLEEPING = """\
 # ft-monitor stack dump of pid 4242 (signal SIGUSR2): roll call 1
 Thread 0x00007f5d691566c0 (most recent call first):
-  File "/work/ft_client/transport.py", line 295 in _recv_exact_blocking
-  File "/work/ft_client/control.py", line 31 in _run
+  File "/work/ft_client/wire/transport.py", line 295 in _recv_exact_blocking
+  File "/work/ft_client/client/control.py", line 31 in _run
   File "/usr/lib/python3.11/threading.py", line 975 in run
 
 Current thread 0x00007f5d6a1c9740 (most recent call first):

@@ -21,7 +21,7 @@ from ft_client import (
     RankMonitorClient,
     RankMonitorClientError,
 )
-from ft_client.transport import ConnectTimeoutError, Transport, TransportBrokenError, TransportClosedError
+from ft_client.wire.transport import ConnectTimeoutError, Transport, TransportBrokenError, TransportClosedError
 from ft_monitor.config import ConfigError, load_config
 from tests.procs import Daemon
 
@@ -63,12 +63,13 @@ BUILTIN_RAISES_ALLOWED = {
     ("ft_monitor/config_text.py", "ValueError"),  # the text-form parsers, the same way
     ("ft_client/env.py", "ValueError"),  # RankMonitorClient() re-raises it as RankMonitorClientError
     ("ft_client/__init__.py", "AttributeError"),  # a module's __getattr__ must raise it
-    ("ft_client/inprocess/__init__.py", "AttributeError"), ("ft_monitor/__init__.py", "AttributeError"),
+    ("ft_client/inprocess/__init__.py", "AttributeError"), ("ft_client/client/__init__.py", "AttributeError"),
+    ("ft_monitor/__init__.py", "AttributeError"),
     ("ft_monitor/daemon/__init__.py", "AttributeError"),
     # Wrapper(**options) given an option nvidia-resiliency-ext does not have either: what Python
     # itself raises for a keyword a function does not take
     ("ft_client/inprocess/config.py", "TypeError"),
-    ("ft_client/wire.py", "TypeError"),  # encode() of something that is not a message: a bug, not input
+    ("ft_client/wire/__init__.py", "TypeError"),  # encode() of something that is not a message: a bug, not input
     ("ft_monitor/launcher/agent/control.py", "EOFError"),  # the socket reader's, caught beside it
 }
 
@@ -103,7 +104,7 @@ def test_the_public_names_and_their_bases() -> None:
 
 def test_bad_values_given_to_public_functions_raise_ft_errors_that_are_value_errors() -> None:
     from ft_client import Timeouts, TimeoutsCalc, WorkloadAction
-    from ft_client.timeouts_calc import Observations, sections_not_ready
+    from ft_client.learning.calc import Observations, sections_not_ready
 
     current = Timeouts(rank_section_timeouts={"step": 10.0})
     for call in [

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from ft_client import exit_teardown
+from ft_client.startup import exit_teardown
 from tests import procs, zygote
 
 REPO = Path(__file__).resolve().parents[1]

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from ft_client.transport import TransportError
+from ft_client.wire.transport import TransportError
 from tests.procs import WORKERS, Daemon, Rank, cleanup_dir, pid_alive, short_tmpdir, status, wait_until
 
 pytestmark = pytest.mark.e2e

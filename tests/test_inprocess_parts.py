@@ -14,7 +14,7 @@ from torch.distributed import HashStore
 from ft_client import RankMonitorClient
 from ft_client.inprocess import events, timeline
 from ft_client.inprocess.store import FaultRecord, RestartStore, namespace
-from ft_client.signed import Signer
+from ft_client.store.signed import Signer
 from ft_monitor.core.notices import HangNotice
 from ft_monitor.core.status import InprocessRestart
 from ft_monitor.launcher.agent.inprocess import InprocessLedger

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ft_client.errors import FtError
-from ft_client.loaded_modules import loaded_modules
+from ft_client.startup.loaded_modules import loaded_modules
 from ft_monitor.core.preload import PreloadError, modules_from_file, parse_preload
 
 
@@ -32,5 +32,5 @@ def test_a_workers_file_keeps_dotted_names_only() -> None:
 
 def test_a_worker_reports_its_submodules_but_not_main() -> None:
     names = loaded_modules()
-    assert "ft_client.loaded_modules" in names and "pytest" in names and "__main__" not in names
+    assert "ft_client.startup.loaded_modules" in names and "pytest" in names and "__main__" not in names
     assert names == sorted(names)

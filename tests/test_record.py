@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 
 from ft_client import record
 from ft_client.record import RecordError, RecordWriter, words_for
-from ft_client.record_open import open_record
-from ft_client.record_read import Heartbeats, RecordView, SlotState, decode
+from ft_client.record.mapped import open_record
+from ft_client.record.read import Heartbeats, RecordView, SlotState, decode
 from ft_client.session_info import RecordInfo
 from ft_monitor.daemon.record_map import RecordMap, create_record
 

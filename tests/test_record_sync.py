@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from ft_client import record
 from ft_client.record import RecordError, RecordWriter
-from ft_client.record_read import RecordView, decode
+from ft_client.record.read import RecordView, decode
 from ft_client.timeouts import Timeouts
 from ft_monitor.core.policy import Reason, check, deadlines
 from ft_monitor.core.policy import iteration_now as policy_iteration_now

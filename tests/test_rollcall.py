@@ -272,7 +272,7 @@ def test_the_rank_writes_its_trace_or_why_there_is_none(tmp_path: Path) -> None:
     code = ("import sys, torch, torch.distributed as dist\n"
             f"dist.init_process_group('gloo', init_method='file://{tmp_path / 'rdzv'}', rank=0, world_size=1)\n"
             "dist.all_reduce(torch.ones(2)); dist.barrier()\n"
-            "from ft_client.flight_recorder import write_trace\n"
+            "from ft_client.client.flight_recorder import write_trace\n"
             f"print(write_trace({str(with_torch)!r}))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
                          env={**os.environ, "TORCH_FR_BUFFER_SIZE": "16"})
@@ -280,7 +280,7 @@ def test_the_rank_writes_its_trace_or_why_there_is_none(tmp_path: Path) -> None:
     d = digest(json.loads(with_torch.read_text()))
     assert d.recording and d.groups["0"].last_enqueued == 2 and d.groups["0"].last_op == "barrier"
     without = tmp_path / "none.json"
-    code = f"from ft_client.flight_recorder import write_trace; print(write_trace({str(without)!r}))"
+    code = f"from ft_client.client.flight_recorder import write_trace; print(write_trace({str(without)!r}))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.stdout.strip() == "torch is not imported in this process", out.stderr
     assert json.loads(without.read_text()) == {"ft_error": "torch is not imported in this process"}

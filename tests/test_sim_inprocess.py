@@ -15,7 +15,7 @@ from torch.distributed import HashStore
 
 from bench.sim_inprocess_sim import Pool, Sim
 from ft_client.inprocess.store import RestartStore
-from ft_client.signed import Signer
+from ft_client.store.signed import Signer
 
 CALLS_PER_RANK = 20
 """Bound on one rank's store calls per incident, whatever N (today 9-11 on average, the

@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from ft_client.state_dict import (
+from ft_client.learning.calc import Observations, TimeoutsRecorder, learn_hb_timeouts, learn_section_timeouts
+from ft_client.learning.state_dict import (
     FORMAT_VERSION,
     LoadedState,
     StateDictError,
@@ -22,7 +23,6 @@ from ft_client.timeouts import (
     Timeouts,
     learned_section_key,
 )
-from ft_client.timeouts_calc import Observations, TimeoutsRecorder, learn_hb_timeouts, learn_section_timeouts
 
 CONFIG = Timeouts(
     initial_rank_heartbeat_timeout=600.0,

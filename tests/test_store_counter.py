@@ -1,6 +1,6 @@
 """Issue 38 (high): a counter in the rendezvous store that another user `set` to a non-number.
 torch's store server closes the connection of an ``add`` to it; ft's counters are added to on a
-connection of their own (ft_client.store_counter), so the launcher's rendezvous connection and
+connection of their own (ft_client.store.counter), so the launcher's rendezvous connection and
 the Wrapper's store (which its process group shares) live on. Every test runs against a real
 TCPStore on a real socket, the attacker another client of it; test_e2e_diagnosis.py's runs as
 another user (tests/workers/store_ops.py)."""
@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from torch.distributed import HashStore, PrefixStore, TCPStore
 
 from ft_client.inprocess.store import RestartStore
-from ft_client.store_counter import SPOILED_RETRY, Counters, counters_of
+from ft_client.store.counter import SPOILED_RETRY, Counters, counters_of
 from ft_monitor.launcher.store.store_board import INDEX_RETRY, Board, IndexReader, index_limit, parse_index
 from tests import test_rollcall_attacks as attacks
 from tests.test_inprocess_parts import SIGNER

@@ -24,10 +24,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.distributed import HashStore
 
-from ft_client import jobkey
 from ft_client.inprocess import store as ipstore
 from ft_client.inprocess.store import FaultRecord, RestartStore
-from ft_client.signed import Signer, StoreMessageError, derive_key
+from ft_client.store import jobkey
+from ft_client.store.signed import Signer, StoreMessageError, derive_key
 from ft_monitor.launcher.incident.decide import triage_hang
 from ft_monitor.launcher.main import max_nodes
 from ft_monitor.launcher.store.store_auth import (
@@ -263,7 +263,7 @@ def test_the_inprocess_key_on_each_path(tmp_path: Path, caplog: pytest.LogCaptur
     assert jobkey.inprocess_key(one_node, "r1") == got
     assert jobkey.inprocess_key({**one_node, "MASTER_PORT": "1236"}, "r1").key != got.key  # another job
     # several nodes, no secret: warned once, naming the fix; typed and bound, not authenticated
-    with caplog.at_level(logging.WARNING, "ft_client.jobkey"):
+    with caplog.at_level(logging.WARNING, "ft_client.store.jobkey"):
         a = jobkey.inprocess_key(two_nodes, "r-multi")
         b = jobkey.inprocess_key(two_nodes, "r-multi")
     assert a == b and not a.authenticated
@@ -293,7 +293,7 @@ def test_the_key_directory_must_be_private(tmp_path: Path) -> None:
         jobkey.local_job_key(d, "job")
 
 
-KEY_OF = ("import os, sys; from ft_client import jobkey; "
+KEY_OF = ("import os, sys; from ft_client.store import jobkey; "
           "print(jobkey.inprocess_key(os.environ, os.environ.get('TORCHELASTIC_RUN_ID', 'local')).key.hex())")
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ft_client.sync import device_type_for_backend, max_across_ranks
+from ft_client.learning.sync import device_type_for_backend, max_across_ranks
 from tests import zygote
 
 REPO = Path(__file__).resolve().parents[1]
@@ -71,7 +71,7 @@ def test_without_process_group_values_are_returned_unchanged() -> None:
 @pytest.mark.timeout(60)
 def test_torch_is_not_imported_when_never_used() -> None:
     code = (
-        "import sys; from ft_client.sync import max_across_ranks; "
+        "import sys; from ft_client.learning.sync import max_across_ranks; "
         "assert max_across_ranks([1.0, -1.0]) == [1.0, -1.0]; "
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )

@@ -4,14 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ft_client.timeouts import (
-    LEARNED_HB,
-    LEARNED_INITIAL_HB,
-    LEARNED_OUT_OF_SECTION,
-    Timeouts,
-    learned_section_key,
-)
-from ft_client.timeouts_calc import (
+from ft_client.learning.calc import (
     MISSING,
     NotEnoughDataError,
     Observations,
@@ -20,6 +13,13 @@ from ft_client.timeouts_calc import (
     learn_hb_timeouts,
     learn_section_timeouts,
     sections_not_ready,
+)
+from ft_client.timeouts import (
+    LEARNED_HB,
+    LEARNED_INITIAL_HB,
+    LEARNED_OUT_OF_SECTION,
+    Timeouts,
+    learned_section_key,
 )
 
 CONFIG = Timeouts(

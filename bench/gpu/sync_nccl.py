@@ -1,4 +1,4 @@
-"""Device check: the cross-rank MAX of learned-timeout observations (ft_client.sync) on an
+"""Device check: the cross-rank MAX of learned-timeout observations (ft_client.learning.sync) on an
 NCCL group, world size 1: `TimeoutsCalc.synchronize_all` and the client's
 `calculate_and_set_hb_timeouts` (beside a real `ft-monitor serve`) must all_reduce a float64
 tensor on the CUDA device, and leave the values as they were (the MAX over one rank).
@@ -32,7 +32,7 @@ def main() -> int:
     import torch.distributed as dist
 
     from ft_client import RankMonitorClient, SectionAction, TimeoutsCalc
-    from ft_client.sync import max_across_ranks
+    from ft_client.learning.sync import max_across_ranks
     from ft_monitor.testing import ServeProcess
 
     backend = os.environ.get("FT_DEVCHECK_BACKEND", "nccl")
@@ -47,7 +47,7 @@ def main() -> int:
         seen.append({"device": str(tensor.device), "dtype": str(tensor.dtype), "n": tensor.numel()})
         return real(tensor, *a, **k)
 
-    dist.all_reduce = spy  # ft_client.sync calls dist.all_reduce through the module
+    dist.all_reduce = spy  # ft_client.learning.sync calls dist.all_reduce through the module
     failures: list[str] = []
 
     def one_group(be: str, expect_device: str) -> None:

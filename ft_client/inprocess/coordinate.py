@@ -11,14 +11,15 @@ import time
 import traceback
 from dataclasses import replace
 
-from ft_client import jobkey, logs
+from ft_client import logs
 from ft_client.collectives import waits_for_peers
 from ft_client.inprocess import abort as aborting
 from ft_client.inprocess.call import Run
 from ft_client.inprocess.config import WrapperConfig
 from ft_client.inprocess.errors import BarrierTimeoutError, InProcessError
 from ft_client.inprocess.store import FaultRecord, RestartStore, base_store, namespace, run_id
-from ft_client.signed import Signer
+from ft_client.store import jobkey
+from ft_client.store.signed import Signer
 
 log = logs.logger("ft_client.inprocess")
 

@@ -22,11 +22,11 @@ After the restart barrier each rank deletes its own keys of the iteration and ra
 shared ones (`RestartStore.forget`): an incident costs each rank a constant number of
 store calls whatever the job's size, and leaves two keys (docs/architecture.md, "Scale").
 
-Every value but the counts is signed (ft_client.signed) with the job's in-process key
-(ft_client.jobkey) and bound to its key, run, attempt and iteration; anything else
+Every value but the counts is signed (ft_client.store.signed) with the job's in-process key
+(ft_client.store.jobkey) and bound to its key, run, attempt and iteration; anything else
 found there (the store has no authentication) is refused, logged once, and never acted
 on. Counts are not trusted: they only tell a rank when to check the signed keys. They are
-added to on a connection of their own (ft_client.store_counter): torch's store server closes the
+added to on a connection of their own (ft_client.store.counter): torch's store server closes the
 connection of an ``add`` to a value someone ``set`` to a non-number, and that must not be the
 connection the process group's store shares; a spoiled count makes every arriving rank check.
 * ``user/``: the `CallWrapper.store` of the iteration (e.g. for ``init_process_group``).
@@ -54,9 +54,9 @@ from typing import Any, TypeVar
 
 from ft_client import env, logs
 from ft_client.errors import FtError
-from ft_client.signed import Signer, StoreMessageError
-from ft_client.signed import rank_field as _rank_field
-from ft_client.store_counter import Counters
+from ft_client.store.counter import Counters
+from ft_client.store.signed import Signer, StoreMessageError
+from ft_client.store.signed import rank_field as _rank_field
 
 log = logs.logger("ft_client.inprocess")
 
@@ -75,7 +75,7 @@ MAX_REFUSALS_LOGGED = 100
 
 OUTCOME, ARRIVAL, ALL_ARRIVED, OUTSIDE = "inprocess_outcome", "inprocess_arrival", "inprocess_all_arrived", \
     "inprocess_outside"
-"""The kinds of signed value (ft_client.signed) the Wrapper stores."""
+"""The kinds of signed value (ft_client.store.signed) the Wrapper stores."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,7 +151,7 @@ class RestartStore:
     """The keys of one Wrapper call over a base store (one client connection).
 
     Every value that decides something is signed (``signer``: the job's in-process key,
-    ft_client.jobkey) and bound to its key, the run, the attempt and the iteration; a value
+    ft_client.store.jobkey) and bound to its key, the run, the attempt and the iteration; a value
     that is not (forged, replayed, garbage) is refused, logged once, and never acted on: a
     reader waits for an authentic value to replace it, a writer replaces it (compare-and-set).
     """

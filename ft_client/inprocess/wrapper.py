@@ -51,7 +51,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from ft_client import exit_teardown, logs
+from ft_client import logs
 from ft_client.inprocess import abort as aborting
 from ft_client.inprocess import coordinate, events, interrupt, recovery
 from ft_client.inprocess.call import CallWrapper, Run
@@ -70,6 +70,7 @@ from ft_client.inprocess.errors import (
 )
 from ft_client.inprocess.interrupt import WATCH_CHUNK
 from ft_client.inprocess.interrupt import on_interrupt as _on_interrupt
+from ft_client.startup import exit_teardown
 
 __all__ = [
     "Wrapper", "CallWrapper", "Compose", "RestartInterrupt", "InProcessError", "HealthCheckError",

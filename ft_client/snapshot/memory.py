@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from ft_client import env, wire
 from ft_client.errors import MemorySnapshotError
-from ft_client.record_open import map_sealed
+from ft_client.record.mapped import map_sealed
 from ft_client.snapshot import format as fmt
 from ft_client.snapshot.format import HEADER_SIZE, Header, SnapshotFormatError
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ft_client.record import SLOTS, RecordError
-from ft_client.record_read import Heartbeats, RecordView, SlotState
+from ft_client.record.read import Heartbeats, RecordView, SlotState
 from ft_client.timeouts import STEP_SECTION, Timeouts
 from ft_monitor.core.state import Phase, Session, SessionError
 

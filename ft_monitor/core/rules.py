@@ -16,9 +16,9 @@ import signal
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ft_client.learning.calc import SAFETY_FACTOR_RULE, safety_factor_ok
 from ft_client.names import section_name_problem
 from ft_client.timeouts import MAX_SECTIONS, Timeouts, TimeoutsError, check_timeout, check_wire_size
-from ft_client.timeouts_calc import SAFETY_FACTOR_RULE, safety_factor_ok
 
 MAX_WHOLE = 2**63 - 1
 """Whole-number settings travel in msgpack as signed 64-bit integers."""

@@ -1,7 +1,7 @@
 """`ft-monitor serve -- CMD`: the command the daemon starts, watches and stops.
 
 CMD runs in its own session with the daemon's socket in its environment (and, with
-``startup_timeout``, the start-up hook: ft_client/startup.py); the daemon times its
+``startup_timeout``, the start-up hook: ft_client/startup/__init__.py); the daemon times its
 start-up from here (startup_watch.py). Its
 exit status is published to the daemon (`MonitorDaemon.children`) so the rank's
 disconnect is logged with it; stopping it is the one TERM -> grace -> KILL

@@ -266,7 +266,7 @@ def _goodbye(d: HandlerHost, r: RankResources, msg: wire.Goodbye) -> None:
     if s.open_sections:
         log.warning("rank %d pid %d shut down with section(s) still open: %s",
                     s.rank, s.pid, ", ".join(map(printable, s.open_sections)))
-    else:  # shutdown_workload_monitoring(), or the client's at a normal exit (ft_client.exiting)
+    else:  # shutdown_workload_monitoring(), or the client's at a normal exit (ft_client.client.exiting)
         log.info("rank %d pid %d shut down monitoring; no longer timed", s.rank, s.pid)
     _end_session(d, r)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ft_client.record import words_for
-from ft_client.record_read import decode
+from ft_client.record.read import decode
 from ft_monitor.core.record_sync import Applied, RecordSync
 from ft_monitor.core.state import Phase, Session
 from ft_monitor.daemon.record_map import RecordSource

@@ -13,7 +13,7 @@ progress goes through the socket.
 
 `RecordMap.read` is the seqlock's reader: three copies in a row (the sequence
 words are taken from the first and the third, the data from the second; see
-ft_client.record). Everything else about a read is pure (record_read.decode,
+ft_client.record). Everything else about a read is pure (ft_client.record.read.decode,
 record_sync.RecordSync).
 """
 

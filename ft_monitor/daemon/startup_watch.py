@@ -12,7 +12,7 @@ exits (its launcher sees the exit).
 When the deadline passes first, the hang takes the daemon's usual path (executor.py):
 report (reason ``startup``), stack dump, hand-off to the launcher, termination. The
 dump comes from the faulthandler that the start-up hook armed in the worker
-(ft_client/startup.py), in the file both compute from the same spec; a worker without a
+(ft_client/startup/__init__.py), in the file both compute from the same spec; a worker without a
 handler for the dump signal (not started through the hook, or not Python yet) is not
 sent it, since its default action would end the process before anything is known.
 

@@ -3,7 +3,7 @@
 A rank's Flight Recorder (torch.distributed, on when ``TORCH_FR_BUFFER_SIZE`` > 0 in its
 environment; ft-launcher sets it from ``flight_recorder_entries``) keeps the last N
 collectives it enqueued. ``torch._C._distributed_c10d._dump_fr_trace_json()`` returns
-it as JSON (the rank writes it when its monitor asks: ft_client/flight_recorder.py).
+it as JSON (the rank writes it when its monitor asks: ft_client/client/flight_recorder.py).
 What torch 2.13 writes on gloo, checked on the real thing:
 
 * ``pg_status``: per process group id (``"0"`` is the default group), the sequence

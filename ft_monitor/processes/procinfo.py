@@ -21,7 +21,7 @@ import signal
 from collections.abc import Collection
 
 from ft_client.errors import FtError
-from ft_client.peer import PeerCred, peer_credentials, peer_pidfd
+from ft_client.wire.peer import PeerCred, peer_credentials, peer_pidfd
 
 __all__ = ["PeerCred", "peer_credentials", "ProcessHandle", "PinnedGroup", "descendants", "group_members",
            "describe_wait_status", "peer_pidfd", "parent_pid", "signal_group", "start_time", "zombie_exit_status",

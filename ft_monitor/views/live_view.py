@@ -61,7 +61,7 @@ def monitor_sockets(directory: str | os.PathLike[str]) -> list[Path]:
 
 def gather(directory: str | os.PathLike[str], timeout: float = 2.0) -> list[Row]:
     from ft_client.observer import status
-    from ft_client.transport import TransportError
+    from ft_client.wire.transport import TransportError
 
     rows = []
     for sock in monitor_sockets(directory):

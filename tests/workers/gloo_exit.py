@@ -18,7 +18,7 @@ warnings.simplefilter("ignore")  # torch's import-time warnings (the test reads 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from ft_client import exit_teardown  # noqa: E402
+from ft_client.startup import exit_teardown  # noqa: E402
 
 
 def leave(rank: int, world: int, init: str, install: bool, how: str) -> None:

@@ -13,7 +13,7 @@ warnings.simplefilter("ignore")  # torch's import-time warnings
 
 import torch.distributed as dist  # noqa: E402
 
-from ft_client.sync import max_across_ranks  # noqa: E402
+from ft_client.learning.sync import max_across_ranks  # noqa: E402
 
 rank, world, init = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)

@@ -30,7 +30,7 @@ torch_support.py checks each of them (and the others the launcher uses) at start
 refuses a torch that lacks one, before any worker starts.
 
 With ``startup_timeout``, `_start_workers` also gives each worker the start-up hook
-(ft_client/startup.py) and tells each daemon its worker's pid (`FtRuntime.announce_workers`).
+(ft_client/startup/__init__.py) and tells each daemon its worker's pid (`FtRuntime.announce_workers`).
 
 This module is the agent's overrides and its attempt bookkeeping; the jobs they hand work
 to have their own modules: runtime.py (`FtRuntime`), worker_env.py (the workers'

@@ -20,8 +20,8 @@ from pathlib import Path
 
 from ft_client import wire
 from ft_client.observer import ping, try_status
-from ft_client.parent_death import die_with_parent
-from ft_client.transport import TransportError, connect
+from ft_client.startup.parent_death import die_with_parent
+from ft_client.wire.transport import TransportError, connect
 from ft_monitor.core.serve_argv import RUN_CHECKED
 from ft_monitor.core.settings import ServeSpec, Settings
 from ft_monitor.core.status import MonitorStatus, StatusError

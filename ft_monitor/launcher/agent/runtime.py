@@ -9,8 +9,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from ft_client.jobkey import launcher_inprocess_key
-from ft_client.loaded_modules import MODULES_FILE_ENV
+from ft_client.startup.loaded_modules import MODULES_FILE_ENV
+from ft_client.store.jobkey import launcher_inprocess_key
 from ft_monitor.core.settings import Settings
 from ft_monitor.launcher.agent.control import LauncherServer
 from ft_monitor.launcher.agent.groups import WorkerGroups

@@ -18,7 +18,7 @@ import logging
 import os
 from collections.abc import MutableMapping
 
-from ft_client.jobkey import SECRET_ENV, SECRET_FILE_ENV
+from ft_client.store.jobkey import SECRET_ENV, SECRET_FILE_ENV
 
 log = logging.getLogger("ft_monitor.launcher")
 

@@ -26,10 +26,10 @@ from torch.distributed.elastic.agent.server import local_elastic_agent as _lea
 
 from ft_client import env as ft_env
 from ft_client.errors import FtError
-from ft_client.jobkey import INPROCESS_KEY_ENV
 from ft_client.process_group import PROCESS_GROUP_TIMEOUT_ENV
 from ft_client.safefiles import private_dir_problem
 from ft_client.startup import worker_env as startup_env
+from ft_client.store.jobkey import INPROCESS_KEY_ENV
 from ft_monitor.core.settings import Settings
 from ft_monitor.core.startup import dump_spec
 from ft_monitor.launcher.store.store_auth import SECRET_ENV, SECRET_FILE_ENV

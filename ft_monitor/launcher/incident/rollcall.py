@@ -32,9 +32,9 @@ from pathlib import Path
 from typing import Any
 
 from ft_client import wire
-from ft_client.flight_recorder import ERROR_KEY
+from ft_client.client.flight_recorder import ERROR_KEY
 from ft_client.safefiles import read_bounded, read_span, write_json_atomic
-from ft_client.transport import TransportError, connect
+from ft_client.wire.transport import TransportError, connect
 from ft_monitor.core.server_log import printable
 from ft_monitor.core.snapshot import FR_NOTE, STARTING, MonitorSnapshot, SnapshotError
 from ft_monitor.forensics.fr_digest import digest

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, overload
 
-from ft_client.jobkey import (
+from ft_client.store.jobkey import (
     MAX_SECRET_BYTES,
     MIN_SECRET_BYTES,
     SECRET_ENV,
@@ -31,8 +31,8 @@ from ft_client.jobkey import (
     SecretError,
     load_job_secret,
 )
-from ft_client.signed import FORMAT_VERSION, MAX_MESSAGE_BYTES, Signer, StoreMessageError
-from ft_client.signed import rank_field as _rank
+from ft_client.store.signed import FORMAT_VERSION, MAX_MESSAGE_BYTES, Signer, StoreMessageError
+from ft_client.store.signed import rank_field as _rank
 
 __all__ = ["CrashRecord", "FORMAT_VERSION", "MAX_MESSAGE_BYTES", "MAX_SECRET_BYTES", "MIN_SECRET_BYTES",
            "SECRET_ENV", "SECRET_FILE_ENV", "HangRecord", "Message", "RollCallAnswer", "RollCallRequest",
@@ -248,7 +248,7 @@ Message = ShutdownRequest | HangRecord | StepTimes | RollCallRequest | RollCallA
 
 class StoreChannel:
     """Signs and checks launcher messages for one job (secret) and rendezvous run (run_id),
-    through ft_client.signed (the envelope, the HMAC and its total parser). ``bind``: further
+    through ft_client.store.signed (the envelope, the HMAC and its total parser). ``bind``: further
     fields a message is bound to (a round, an incident), checked on decode."""
 
     def __init__(self, secret: bytes, run_id: str, round: int | None = None) -> None:

@@ -22,7 +22,7 @@ until its next forced look (``look(force=True)`` reads the index whatever the co
 `parse_index` is total: any bytes give a set of group ranks below ``nodes``.
 
 Issue 38: anyone who reaches the store can spoil both hints. The counter is added to on a
-private connection (ft_client.store_counter: torch's server closes the connection of an
+private connection (ft_client.store.counter: torch's server closes the connection of an
 ``add`` to a value that is not a number, and the agent's own connection must never be the
 one closed); a spoiled counter makes every look a forced one. The index may be grown by
 another user to any size (40 MiB in the review: each launcher split all of it every second,
@@ -45,7 +45,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ft_client.store_counter import counters_of
+from ft_client.store.counter import counters_of
 
 log = logging.getLogger("ft_monitor.launcher")
 
@@ -166,7 +166,7 @@ class Board:
         return key
 
     def count(self, store: Any) -> int | None:
-        """The counter, or None when it does not hold a number (store_counter)."""
+        """The counter, or None when it does not hold a number (ft_client.store.counter)."""
         return counters_of(store).add(self.count_key, 0)
 
     def look(self, store: Any, wanted: Iterable[int], force: bool = False) -> dict[int, bytes]:

@@ -60,7 +60,7 @@ import os
 import signal
 import sys
 
-from ft_client.parent_death import die_with_parent
+from ft_client.startup.parent_death import die_with_parent
 from ft_monitor.launcher.warm.template_preload import ignored_signals, preload, say
 from ft_monitor.launcher.warm.template_server import Server
 from ft_monitor.launcher.warm.template_worker import pythonpath_dirs, run_worker

@@ -148,7 +148,7 @@ def script_dirs(args: argparse.Namespace) -> list[str]:
 
 def _become_template(log_path: Path, parent: int) -> None:
     """In the child: what the exec'd template gets from its start (`forked.Template.start`)."""
-    from ft_client.parent_death import die_with_parent
+    from ft_client.startup.parent_death import die_with_parent
 
     os.setsid()
     if not die_with_parent(signal.SIGKILL) or os.getppid() != parent:

@@ -16,7 +16,7 @@ import sys
 import types
 from typing import Any
 
-from ft_client.peer import peer_credentials
+from ft_client.wire.peer import peer_credentials
 from ft_monitor.core import template_argv
 from ft_monitor.core.template_argv import Plan, Refusal
 from ft_monitor.core.template_request import SpawnRequest, StatusRequest, parse_request

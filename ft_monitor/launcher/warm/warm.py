@@ -35,8 +35,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from ft_client import loaded_modules
 from ft_client.safefiles import read_bounded
+from ft_client.startup import loaded_modules
 from ft_monitor.core.preload import modules_from_file
 
 log = logging.getLogger("ft_monitor.launcher")

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import threading
 
-from ft_client import flight_recorder, logs, wire
+from ft_client import logs, wire
+from ft_client.client import flight_recorder
 from ft_client.inprocess import events
-from ft_client.transport import Transport, TransportError, connect
+from ft_client.wire.transport import Transport, TransportError, connect
 
 log = logs.logger("ft_client")
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import msgpack
 
-from ft_client.wire_messages import (
+from ft_client.wire.messages import (
     GOODBYE,
     HEADER,
     HEADER_SIZE,

@@ -12,15 +12,16 @@ import time
 import weakref
 from typing import TYPE_CHECKING, Any, cast
 
-from ft_client import env, exit_teardown, exiting, loaded_modules, record, wire
-from ft_client.client_state import CONNECT_TIMEOUT, ClientState, ConnState
-from ft_client.client_state import UNSENT as _UNSENT
+from ft_client import env, record, wire
+from ft_client.client import exiting
+from ft_client.client.state import CONNECT_TIMEOUT, ClientState, ConnState
+from ft_client.client.state import UNSENT as _UNSENT
 from ft_client.errors import MonitorBrokenError, MonitorClosedError, RankMonitorClientError
-from ft_client.parent_death import die_with_parent
 from ft_client.session_info import SessionInfo, SessionInfoError
-from ft_client.timeouts import WARMUP_SECTION, Timeouts
-from ft_client.timeouts_calc import TimeoutsRecorder
-from ft_client.transport import Transport, TransportBrokenError, TransportError, connect
+from ft_client.startup import exit_teardown, loaded_modules
+from ft_client.startup.parent_death import die_with_parent
+from ft_client.timeouts import Timeouts
+from ft_client.wire.transport import Transport, TransportBrokenError, TransportError, connect
 
 if TYPE_CHECKING:  # loaded when first used
     import logging
@@ -121,14 +122,11 @@ class ClientLink(ClientState):
                 raise RankMonitorClientError(f"cannot connect to the monitor at {path}: {e}") from e
             self._path = transport.path  # resolved once: reconnections cannot be redirected
             configured = self._adopt(transport, hello, asked)
-            self._calc = TimeoutsRecorder(
-                (n for n in configured.rank_section_timeouts if n != WARMUP_SECTION), self._safety_factor
-            )
-            self._calc.start(self._clock())
-            if self._to_load is not None:  # load_state_dict() came first: push at the handshake
-                from ft_client.state_dict import overlay_learned
+            self._calc = self._learner.recorder(configured, self._clock())
+            loaded, self._learner.pending = self._learner.pending, None
+            if loaded is not None:  # load_state_dict() came first: push at the handshake
+                from ft_client.learning.state_dict import overlay_learned
 
-                loaded, self._to_load = self._to_load, None
                 self.set_timeouts(overlay_learned(self._timeouts, loaded))
             from ft_client.inprocess import events
 
@@ -158,8 +156,7 @@ class ClientLink(ClientState):
         self._request_timeout = info.client_request_timeout
         transport.set_timeout(self._request_timeout)
         self._take_record(transport, info, fd, asked_ns)
-        self._safety_factor = info.safety_factor
-        self._min_learned = info.min_learned_timeout
+        self._learner.adopt(info.safety_factor, info.min_learned_timeout)
         self._set_timeouts(configured)
         if info.stack_dump_path:
             try:
@@ -176,7 +173,7 @@ class ClientLink(ClientState):
         self._slots = {}
         if info.record is None and fd is None:
             return
-        from ft_client.record_open import open_record
+        from ft_client.record.mapped import open_record
 
         if fd is None:
             problem = "HELLO_OK describes a progress record but no descriptor came with it"
@@ -233,7 +230,7 @@ class ClientLink(ClientState):
             self._control = None
         if info.on_hang != "inprocess" and not info.flight_recorder:
             return
-        from ft_client.control import ControlLink
+        from ft_client.client.control import ControlLink
 
         try:
             self._control = ControlLink(self._path, self.rank, self._request_timeout)
@@ -268,7 +265,7 @@ class ClientLink(ClientState):
                 try:
                     configured = self._adopt(transport, hello, asked)  # re-sends opens the monitor must know about
                     if mine.learned:
-                        from ft_client.state_dict import overlay_learned
+                        from ft_client.learning.state_dict import overlay_learned
 
                         self.set_timeouts(overlay_learned(configured, mine))
                     if self._transport is not None:
@@ -351,7 +348,7 @@ class ClientLink(ClientState):
         exiting.unwatch(self)
 
     def _exit_shutdown(self) -> None:
-        """The interpreter exits normally with this client still connected (ft_client.exiting):
+        """The interpreter exits normally with this client still connected (ft_client.client.exiting):
         what `shutdown_workload_monitoring` does, unless a thread holds the client's lock for
         EXITING_LOCK_WAIT (then the monitor learns of the exit when the connection closes)."""
         if self._state is not ConnState.CONNECTED or not self._lock.acquire(timeout=EXITING_LOCK_WAIT):
@@ -362,7 +359,7 @@ class ClientLink(ClientState):
             self._lock.release()
 
     def _exiting(self, reason: str) -> None:
-        """An uncaught exception ends the process (ft_client.exiting): the monitor stops timing it.
+        """An uncaught exception ends the process (ft_client.client.exiting): the monitor stops timing it.
         Bounded: a thread that holds the client's lock (a reconnection) never keeps the process
         from exiting; then the monitor learns of the exit when the connection closes."""
         if not self._lock.acquire(timeout=EXITING_LOCK_WAIT):

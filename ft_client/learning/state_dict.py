@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ft_client.errors import FtError
+from ft_client.learning.calc import DEFAULT_SAFETY_FACTOR, Observations, check_safety_factor
 from ft_client.timeouts import (
     LEARNED_HB,
     LEARNED_INITIAL_HB,
@@ -35,7 +36,6 @@ from ft_client.timeouts import (
     check_timeout,
     learned_section_key,
 )
-from ft_client.timeouts_calc import DEFAULT_SAFETY_FACTOR, Observations, check_safety_factor
 
 FORMAT_VERSION = 1
 NVRX_STATE_KEY = "current_timeouts"

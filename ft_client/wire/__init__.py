@@ -56,10 +56,10 @@ either. docs/protocol.md, "Snapshots (role snapshot)", is the normative text.
 Nothing here unpickles or evaluates anything: msgpack with ``raw=False`` and
 ``strict_map_key=True`` yields only None, bool, int, float, str, bytes, list, dict.
 
-The protocol lives in three modules: the vocabulary (`ft_client.wire_messages`: constants, types,
+The protocol lives in three modules: the vocabulary (`ft_client.wire.messages`: constants, types,
 roles, error codes, `ProtocolError`, the message dataclasses), the encoder (here: the
 client's hot path, `HEARTBEAT_FRAME`, `section_open_frame`, `encode`, one table lookup per
-message) and the decoder (`ft_client.wire_decode`: total validation, `FrameDecoder`). This
+message) and the decoder (`ft_client.wire.decode`: total validation, `FrameDecoder`). This
 module re-exports both others' public names (each imported ``X as X``): import
 ``ft_client.wire``, not its parts.
 """
@@ -70,56 +70,56 @@ from typing import Any
 
 import msgpack
 
-from ft_client.wire_decode import FrameDecoder as FrameDecoder
-from ft_client.wire_decode import decode_body as decode_body
-from ft_client.wire_decode import frame_length as frame_length
-from ft_client.wire_decode import read_frame_blocking as read_frame_blocking
-from ft_client.wire_messages import GOODBYE as GOODBYE
-from ft_client.wire_messages import HEADER, check_name
-from ft_client.wire_messages import HEADER_SIZE as HEADER_SIZE
-from ft_client.wire_messages import HEARTBEAT as HEARTBEAT
-from ft_client.wire_messages import MAX_FRAME as MAX_FRAME
-from ft_client.wire_messages import MAX_NAME_BYTES as MAX_NAME_BYTES
-from ft_client.wire_messages import MAX_TIMES as MAX_TIMES
-from ft_client.wire_messages import PING as PING
-from ft_client.wire_messages import PONG as PONG
-from ft_client.wire_messages import PROTOCOL_VERSION as PROTOCOL_VERSION
-from ft_client.wire_messages import SECTION_CLOSE_ALL as SECTION_CLOSE_ALL
-from ft_client.wire_messages import STATUS as STATUS
-from ft_client.wire_messages import Abort as Abort
-from ft_client.wire_messages import Ack as Ack
-from ft_client.wire_messages import ConfigOk as ConfigOk
-from ft_client.wire_messages import Control as Control
-from ft_client.wire_messages import DumpReply as DumpReply
-from ft_client.wire_messages import DumpRequest as DumpRequest
-from ft_client.wire_messages import Error as Error
-from ft_client.wire_messages import ErrorCode as ErrorCode
-from ft_client.wire_messages import Exiting as Exiting
-from ft_client.wire_messages import FrDump as FrDump
-from ft_client.wire_messages import Goodbye as Goodbye
-from ft_client.wire_messages import HangNotice as HangNotice
-from ft_client.wire_messages import Heartbeat as Heartbeat
-from ft_client.wire_messages import Hello as Hello
-from ft_client.wire_messages import HelloOk as HelloOk
-from ft_client.wire_messages import Iteration as Iteration
-from ft_client.wire_messages import Message as Message
-from ft_client.wire_messages import MsgType as MsgType
-from ft_client.wire_messages import Ping as Ping
-from ft_client.wire_messages import Pong as Pong
-from ft_client.wire_messages import ProtocolError as ProtocolError
-from ft_client.wire_messages import RecordDeclined as RecordDeclined
-from ft_client.wire_messages import RecordRefused as RecordRefused
-from ft_client.wire_messages import Reentered as Reentered
-from ft_client.wire_messages import Restarting as Restarting
-from ft_client.wire_messages import Role as Role
-from ft_client.wire_messages import SectionClose as SectionClose
-from ft_client.wire_messages import SectionCloseAll as SectionCloseAll
-from ft_client.wire_messages import SectionOpen as SectionOpen
-from ft_client.wire_messages import SectionSlot as SectionSlot
-from ft_client.wire_messages import Status as Status
-from ft_client.wire_messages import StatusReply as StatusReply
-from ft_client.wire_messages import UpdateConfig as UpdateConfig
-from ft_client.wire_messages import WorkerStarted as WorkerStarted
+from ft_client.wire.decode import FrameDecoder as FrameDecoder
+from ft_client.wire.decode import decode_body as decode_body
+from ft_client.wire.decode import frame_length as frame_length
+from ft_client.wire.decode import read_frame_blocking as read_frame_blocking
+from ft_client.wire.messages import GOODBYE as GOODBYE
+from ft_client.wire.messages import HEADER, check_name
+from ft_client.wire.messages import HEADER_SIZE as HEADER_SIZE
+from ft_client.wire.messages import HEARTBEAT as HEARTBEAT
+from ft_client.wire.messages import MAX_FRAME as MAX_FRAME
+from ft_client.wire.messages import MAX_NAME_BYTES as MAX_NAME_BYTES
+from ft_client.wire.messages import MAX_TIMES as MAX_TIMES
+from ft_client.wire.messages import PING as PING
+from ft_client.wire.messages import PONG as PONG
+from ft_client.wire.messages import PROTOCOL_VERSION as PROTOCOL_VERSION
+from ft_client.wire.messages import SECTION_CLOSE_ALL as SECTION_CLOSE_ALL
+from ft_client.wire.messages import STATUS as STATUS
+from ft_client.wire.messages import Abort as Abort
+from ft_client.wire.messages import Ack as Ack
+from ft_client.wire.messages import ConfigOk as ConfigOk
+from ft_client.wire.messages import Control as Control
+from ft_client.wire.messages import DumpReply as DumpReply
+from ft_client.wire.messages import DumpRequest as DumpRequest
+from ft_client.wire.messages import Error as Error
+from ft_client.wire.messages import ErrorCode as ErrorCode
+from ft_client.wire.messages import Exiting as Exiting
+from ft_client.wire.messages import FrDump as FrDump
+from ft_client.wire.messages import Goodbye as Goodbye
+from ft_client.wire.messages import HangNotice as HangNotice
+from ft_client.wire.messages import Heartbeat as Heartbeat
+from ft_client.wire.messages import Hello as Hello
+from ft_client.wire.messages import HelloOk as HelloOk
+from ft_client.wire.messages import Iteration as Iteration
+from ft_client.wire.messages import Message as Message
+from ft_client.wire.messages import MsgType as MsgType
+from ft_client.wire.messages import Ping as Ping
+from ft_client.wire.messages import Pong as Pong
+from ft_client.wire.messages import ProtocolError as ProtocolError
+from ft_client.wire.messages import RecordDeclined as RecordDeclined
+from ft_client.wire.messages import RecordRefused as RecordRefused
+from ft_client.wire.messages import Reentered as Reentered
+from ft_client.wire.messages import Restarting as Restarting
+from ft_client.wire.messages import Role as Role
+from ft_client.wire.messages import SectionClose as SectionClose
+from ft_client.wire.messages import SectionCloseAll as SectionCloseAll
+from ft_client.wire.messages import SectionOpen as SectionOpen
+from ft_client.wire.messages import SectionSlot as SectionSlot
+from ft_client.wire.messages import Status as Status
+from ft_client.wire.messages import StatusReply as StatusReply
+from ft_client.wire.messages import UpdateConfig as UpdateConfig
+from ft_client.wire.messages import WorkerStarted as WorkerStarted
 
 _HEADER = HEADER
 """Bound here, not imported: CPython compiles ``name.method(...)`` on an imported name as an

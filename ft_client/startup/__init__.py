@@ -5,7 +5,7 @@ A worker that hangs before ``init_workload_monitoring()`` (in ``import``, in
 registered faulthandler for the monitor's dump signal. When ``startup_timeout`` is
 set, ft-launcher and ``ft-monitor serve -- CMD`` start every worker with
 
-* ``PYTHONPATH`` led by `HOOK_DIR` (``ft_client/startup_hook``, whose only module is a
+* ``PYTHONPATH`` led by `HOOK_DIR` (``ft_client/startup/hook``, whose only module is a
   ``sitecustomize``, which Python imports at start-up, before the script), and
 * `STARTUP_DUMP_ENV` (``FT_STARTUP_DUMP``): this `StartupDump` spec as JSON.
 
@@ -19,6 +19,14 @@ file when the directories agree); nothing else changes for the script.
 
 Stdlib only: this runs in every worker before its script, so it must be cheap and
 must never stop the worker from starting (the hook catches everything).
+
+The room ``ft_client/startup/`` holds what runs in a worker around its script, apart from
+the client: this contract (the package itself, which the daemon and the launcher import
+for the spec and the file names), ``hook/`` (the ``sitecustomize``), `loaded_modules` (the
+modules report for warm restarts), `parent_death` (dying with the launcher) and
+`exit_teardown` (a bounded torch.distributed teardown at exit). It imports only the hall
+(``ft_client.env``, ``errors``, ``safefiles``, ``logs``): nothing of the client, the wire or
+torch, so a worker that never connects pays for none of them.
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ from ft_client.safefiles import open_append, private_dir_problem
 
 STARTUP_DUMP_ENV = "FT_STARTUP_DUMP"
 """JSON `StartupDump`: set by the launcher (or `serve -- CMD`) for each worker, removed by the hook."""
-HOOK_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "startup_hook")
+HOOK_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hook")
 """The directory put first on the worker's PYTHONPATH: its ``sitecustomize`` arms the dump."""
 
 

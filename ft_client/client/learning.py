@@ -1,36 +1,33 @@
 """The client's timeouts: those in force (sent to the monitor, and which sections it must be
 told about), learning them from what the run observed (a collective across ranks), and
-keeping them in the checkpoint (`state_dict`, `load_state_dict`)."""
+keeping them in the checkpoint (`state_dict`, `load_state_dict`).
+
+The timeouts in force stay a part of the client (a mixin, see `ft_client.client.state`): putting
+new ones in force re-routes the open sections, which are the hot path's. Learning them is a
+collaborator's job, `ft_client.learning.learner.Learner` (the agreed observations, the
+monitor's factor and floor, a checkpoint's timeouts, the rules): this part takes the lock, does
+the cross-rank reduction and talks to the monitor, and asks the learner for the rest."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 from typing import Any
 
 from ft_client import wire
-from ft_client.client_state import SOCKET as _SOCKET
-from ft_client.client_state import UNSENT as _UNSENT
-from ft_client.client_state import ClientState, ConnState
+from ft_client.client.state import SOCKET as _SOCKET
+from ft_client.client.state import UNSENT as _UNSENT
+from ft_client.client.state import ClientState, ConnState
 from ft_client.errors import MonitorBrokenError, RankMonitorClientError
-from ft_client.sync import max_across_ranks
+from ft_client.learning.calc import NotEnoughDataError
+from ft_client.learning.sync import max_across_ranks
 from ft_client.timeouts import (
-    WARMUP_SECTION,
     HeartbeatTimeouts,
     SectionTimeouts,
     Timeouts,
     TimeoutsError,
     section_needs_ipc,
 )
-from ft_client.timeouts_calc import (
-    NotEnoughDataError,
-    Observations,
-    hb_not_ready,
-    learn_hb_timeouts,
-    learn_section_timeouts,
-    sections_not_ready,
-)
-from ft_client.transport import TransportError
+from ft_client.wire.transport import TransportError
 
 _now_ns = time.monotonic_ns
 
@@ -51,12 +48,14 @@ class ClientLearning(ClientState):
     def loaded_hb_timeouts(self) -> HeartbeatTimeouts | None:
         """The heartbeat timeouts the last `load_state_dict()` read (None before one); in
         force once there is a monitor (`hb_timeouts`)."""
-        return None if self._loaded is None else self._loaded.hb
+        loaded = self._learner.loaded
+        return None if loaded is None else loaded.hb
 
     @property
     def loaded_section_timeouts(self) -> SectionTimeouts | None:
         """As `loaded_hb_timeouts`, for the section timeouts."""
-        return None if self._loaded is None else self._loaded.sections
+        loaded = self._learner.loaded
+        return None if loaded is None else loaded.sections
 
     @property
     def timeouts(self) -> Timeouts:
@@ -113,14 +112,10 @@ class ClientLearning(ClientState):
         Returns False when there is not enough data and ``skip_if_not_ready``;
         otherwise raises NotEnoughDataError saying what is missing.
         """
-        obs = self._reduce_observations()
-        reason = hb_not_ready(obs)
-        if reason is not None:
-            if skip_if_not_ready:
-                return False
-            raise NotEnoughDataError(reason)
-        self._apply_learned(learn_hb_timeouts(self._timeouts, obs, self._safety_factor, self._min_learned))
-        return True
+        self._reduce_observations()
+        with self._lock:
+            learned = self._learner.hb_timeouts(self._timeouts)
+        return self._apply_learned(learned, skip_if_not_ready)
 
     def calculate_and_set_section_timeouts(
         self,
@@ -131,67 +126,57 @@ class ClientLearning(ClientState):
         """Learn section timeouts (all listed ones, or ``selected_sections``) and, with
         ``calc_out_of_section``, the out-of-section timeout. Collective, like
         calculate_and_set_hb_timeouts."""
-        obs = self._reduce_observations()
-        try:
-            reason = sections_not_ready(self._timeouts, obs, selected_sections, calc_out_of_section)
-        except ValueError as e:
-            raise RankMonitorClientError(str(e)) from e
-        if reason is not None:
-            if skip_if_not_ready:
-                return False
-            raise NotEnoughDataError(reason)
-        self._apply_learned(
-            learn_section_timeouts(self._timeouts, obs, self._safety_factor, selected_sections, calc_out_of_section,
-                                   self._min_learned)
-        )
-        return True
+        self._reduce_observations()
+        with self._lock:
+            try:
+                learned = self._learner.section_timeouts(self._timeouts, selected_sections, calc_out_of_section)
+            except ValueError as e:
+                raise RankMonitorClientError(str(e)) from e
+        return self._apply_learned(learned, skip_if_not_ready)
 
-    def _reduce_observations(self) -> Observations:
+    def _reduce_observations(self) -> None:
         if not self.is_initialized:
             raise self._not_connected_error()
         with self._lock:
-            vector = self._calc.export_vector(self._clock())
+            recorder = self._calc
+            vector = recorder.export_vector(self._clock())
         reduced = max_across_ranks(vector)  # outside the lock: other threads keep reporting
         with self._lock:
-            self._observed = self._calc.import_vector(reduced)
-            return self._observed
+            self._learner.agree(recorder, reduced)
 
-    def _apply_learned(self, timeouts: Timeouts) -> None:
+    def _apply_learned(self, learned: Timeouts | str, skip_if_not_ready: bool) -> bool:
+        if isinstance(learned, str):  # not enough data: why
+            if skip_if_not_ready:
+                return False
+            raise NotEnoughDataError(learned)
         if self._transport is None:  # monitor lost (and on_monitor_lost=warn): keep them locally
-            self._set_timeouts(timeouts)
-            return
-        self.set_timeouts(timeouts)
+            with self._lock:
+                self._set_timeouts(learned)
+        else:
+            self.set_timeouts(learned)
+        return True
 
     def state_dict(self) -> dict[str, Any]:
         """Learned timeouts and the observations behind them: plain JSON data, the same
         on every rank after a calculate_and_set_* call. Put it in the checkpoint."""
-        from ft_client.state_dict import to_state_dict
-
         with self._lock:
-            # every listed section appears (null until observed), so the layout is known
-            # from the config alone: torch.distributed.checkpoint loads into this layout
-            listed = {n: None for n in self._timeouts.rank_section_timeouts if n != WARMUP_SECTION}
-            observed = replace(self._observed, sections={**listed, **self._observed.sections})
-            return to_state_dict(self._timeouts, observed, self._safety_factor, self._iteration)
+            return self._learner.state_dict(self._timeouts, self._iteration)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Put learned timeouts from a checkpoint in force (before or after
         init_workload_monitoring()). Accepts this client's format and the
         ``{"current_timeouts": ...}`` dict of nvidia-resiliency-ext."""
-        from ft_client.state_dict import from_state_dict, overlay_learned  # checkpoints only: loaded when used
+        from ft_client.learning.state_dict import overlay_learned  # checkpoints only: loaded when used
 
-        try:
-            loaded = from_state_dict(state)
-        except ValueError as e:
-            raise RankMonitorClientError(f"cannot load the ft state_dict: {e}") from e
         with self._lock:
-            self._loaded = loaded.timeouts
-            self._observed = loaded.observations
-            self._iteration = loaded.iteration
+            try:
+                loaded, self._iteration = self._learner.load(state)
+            except ValueError as e:
+                raise RankMonitorClientError(f"cannot load the ft state_dict: {e}") from e
             if self._transport is None:
                 if self._state is ConnState.LOST:
-                    self._set_timeouts(overlay_learned(self._timeouts, loaded.timeouts))
+                    self._set_timeouts(overlay_learned(self._timeouts, loaded))
                 else:
-                    self._to_load = loaded.timeouts
+                    self._learner.pending = loaded
                 return
-            self.set_timeouts(overlay_learned(self._timeouts, loaded.timeouts))
+            self.set_timeouts(overlay_learned(self._timeouts, loaded))

@@ -38,16 +38,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from enum import Enum
 
 from ft_client.errors import FtError
-from ft_client.timeouts import (
-    LEARNED_HB,
-    LEARNED_INITIAL_HB,
-    LEARNED_OUT_OF_SECTION,
-    HeartbeatTimeouts,
-    SectionTimeouts,
-    Timeouts,
-    learned_section_key,
-)
-from ft_client.timeouts_calc import (
+from ft_client.learning.calc import (
     DEFAULT_SAFETY_FACTOR,
     MISSING,
     NotEnoughDataError,
@@ -57,6 +48,15 @@ from ft_client.timeouts_calc import (
     learn_hb_timeouts,
     learn_section_timeouts,
     sections_not_ready,
+)
+from ft_client.timeouts import (
+    LEARNED_HB,
+    LEARNED_INITIAL_HB,
+    LEARNED_OUT_OF_SECTION,
+    HeartbeatTimeouts,
+    SectionTimeouts,
+    Timeouts,
+    learned_section_key,
 )
 
 __all__ = ["SectionAction", "TimeoutsCalc", "TimeoutsCalcError", "TimeoutsCalcNotReadyError"]
@@ -167,7 +167,7 @@ class TimeoutsCalc:
                 "synchronize_all() needs an initialized torch.distributed process group: "
                 "call torch.distributed.init_process_group() first"
             )
-        from ft_client.sync import max_across_ranks
+        from ft_client.learning.sync import max_across_ranks
 
         self._rec.import_vector(max_across_ranks(self._rec.export_vector(None)))
 

@@ -7,7 +7,7 @@ item 7: a rank that exited right after ``init_workload_monitoring()`` was stoppe
 first heartbeat" under load, where its exit took 2.8-3.1 s against a 3 s timeout). Measured
 on this machine from the first ``atexit`` handler to the process's end for a 2-rank gloo
 script: 0.35 s median quiet, 1.0 s beside three busy loops; the gloo teardown in it is
-bounded by ft_client.exit_teardown (10 s, then status 1). The session then ends as a
+bounded by ft_client.startup.exit_teardown (10 s, then status 1). The session then ends as a
 well-behaved script's does after its own ``shutdown_workload_monitoring()``.
 
 An uncaught exception ends the process, but not at once: the interpreter prints the

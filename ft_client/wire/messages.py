@@ -2,7 +2,7 @@
 error codes, `ProtocolError`, and one frozen dataclass per message (the `Message` union).
 
 Pure data: no I/O, no msgpack. `ft_client.wire` is the module to import (it re-exports
-these names, and encodes); `ft_client.wire_decode` reads frames back into these
+these names, and encodes); `ft_client.wire.decode` reads frames back into these
 messages. The protocol itself, frame by frame, is described in `ft_client.wire`'s
 docstring and, normatively, in docs/protocol.md.
 """

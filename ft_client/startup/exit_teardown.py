@@ -55,7 +55,7 @@ TIMEOUT_ENV = "FT_EXIT_TEARDOWN_TIMEOUT"
 """Seconds the exit teardown may take before the process ends with status 1; 0 or off: no teardown."""
 DEFAULT_TIMEOUT = 10.0
 
-log = logs.logger("ft_client.exit_teardown")
+log = logs.logger("ft_client.startup.exit_teardown")
 
 _lock = threading.Lock()
 _installed = False

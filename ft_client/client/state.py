@@ -1,9 +1,24 @@
 """What a `RankMonitorClient` holds: its fields and their first values, written once for the
-parts the client is made of (`client_link`, `client_progress`, `client_learning`,
-`client_restart`), which read and write them as the one object they make up.
+parts the client is made of (`link`, `progress`, `learning`, `restart`), which read and
+write them as the one object they make up.
 
 The calls one part makes into another are declared here for the type checker only; at run
 time a client's methods are looked up on its class, as in one class.
+
+Why `progress`, `link` and `restart` are mixins of one class, and `learning`'s state is a
+collaborator (`ft_client.learning.learner.Learner`): not speed. A call through a collaborator
+costs what a call into a mixin does (`bench/run.py --only client_cost`, rows "a locked store
+through a mixin / a collaborator": 0.19 and 0.19-0.20 us, the same lock and store). It is what
+the parts share. The three mixins read and write one state under one lock, on every call:
+a progress call takes the lock, reads the connection's state and transport (`link`'s), the
+open sections and the record (its own, which `link` replaces at each handshake and
+`restart` resets at each re-entry) and the restart under way (`restart`'s), and reports a
+loss back to `link`. As collaborators each would hold the others, and the lock, the transport
+and the record would be passed around or read through each other: the same sharing, behind
+more names. The learning's state (observations agreed, the monitor's factor and floor, a
+checkpoint's timeouts) is its own: nothing on the hot path reads it, so it lives in the
+learner, which the client calls under its lock; the recorder the hot path feeds stays here
+(`_calc`), one attribute away.
 """
 
 from __future__ import annotations
@@ -15,15 +30,16 @@ from enum import Enum
 from typing import TYPE_CHECKING, Literal
 
 from ft_client import env, record
+from ft_client.client.stackdump import StackDumper
 from ft_client.errors import RankMonitorClientError
-from ft_client.stackdump import StackDumper
+from ft_client.learning.calc import TimeoutsRecorder
+from ft_client.learning.learner import Learner
 from ft_client.timeouts import Timeouts
-from ft_client.timeouts_calc import DEFAULT_SAFETY_FACTOR, Observations, TimeoutsRecorder
 
 if TYPE_CHECKING:
-    from ft_client.control import ControlLink
+    from ft_client.client.control import ControlLink
     from ft_client.inprocess import events
-    from ft_client.transport import Transport, TransportError
+    from ft_client.wire.transport import Transport, TransportError
 
 CONNECT_TIMEOUT = 10.0
 ITERATION_REPORT_INTERVAL = 0.2
@@ -80,11 +96,11 @@ class ClientState:
         self._raise_on_lost = False
         self._dumper = StackDumper()
         self._calc = TimeoutsRecorder()
-        self._observed = Observations()  # as agreed by the last cross-rank reduction
-        self._safety_factor = DEFAULT_SAFETY_FACTOR
-        self._min_learned = 0.0
-        self._to_load: Timeouts | None = None  # learned values loaded before init
-        self._loaded: Timeouts | None = None  # what the last load_state_dict() loaded
+        """What the hot path feeds on every progress call (made anew at each handshake by the
+        learner, and held here so that it is one attribute away)."""
+        self._learner = Learner()
+        """The learning's collaborator: observations agreed, the monitor's factor and floor, a
+        checkpoint's timeouts."""
         self._num_warmup_iters: int | None = None
         self._iteration = 0  # completed `step` sections, across runs (kept in state_dict)
         self._iteration_sent_at = -ITERATION_REPORT_INTERVAL
@@ -97,25 +113,25 @@ class ClientState:
         self.rank = rank
 
     _restart_hook: events.RestartListener
-    """Set by `RankMonitorClient` (a `client_restart.RestartHook`)."""
+    """Set by `RankMonitorClient` (a `restart.RestartHook`)."""
 
     if TYPE_CHECKING:  # one part's calls into another; defined there
         @property
         def is_initialized(self) -> bool: ...
 
-        # client_link
+        # link
         def _event(self, t: Transport, frame: bytes) -> None: ...
         def _confirm(self) -> None: ...
         def _not_connected(self) -> Transport | None: ...
         def _not_connected_error(self) -> RankMonitorClientError: ...
         def _lost(self, e: TransportError, raising: bool = True) -> None: ...
 
-        # client_progress
+        # progress
         def _register_slot(self, name: str) -> int | None: ...
 
-        # client_learning
+        # learning
         def set_timeouts(self, timeouts: Timeouts) -> Timeouts: ...
         def _set_timeouts(self, timeouts: Timeouts) -> None: ...
 
-        # client_restart
+        # restart
         def _restart_gate(self, t: Transport | None) -> bool: ...

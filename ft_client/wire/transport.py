@@ -34,7 +34,7 @@ import time
 
 from ft_client import wire
 from ft_client.errors import FtError
-from ft_client.peer import peer_credentials
+from ft_client.wire.peer import peer_credentials
 
 MAX_PENDING = 1 << 20
 """Bytes of events kept while the daemon does not read, before giving up on it."""

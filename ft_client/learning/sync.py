@@ -3,7 +3,7 @@
 Owns the only torch.distributed call in ft_client. torch is imported lazily,
 inside the call, and not at all when the process never imported
 torch.distributed (then no process group can exist). Must not choose what is
-reduced (see `ft_client.timeouts_calc`) nor create or destroy process groups.
+reduced (see `ft_client.learning.calc`) nor create or destroy process groups.
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ architectures reorder, so the record is used only on x86-64 (`supported`), and
 the socket carries progress elsewhere.
 
 Pure except `RecordWriter`, which stores into a mapping it is given. Reading (the
-seqlock's reader side, `decode`) is ft_client.record_read: the monitor's, not the rank's.
+seqlock's reader side, `decode`) is ft_client.record.read: the monitor's, not the rank's.
 """
 
 from __future__ import annotations

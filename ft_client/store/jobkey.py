@@ -31,9 +31,9 @@ from pathlib import Path
 from ft_client import logs
 from ft_client.errors import FtError
 from ft_client.safefiles import UnsafeFileError, read_bounded
-from ft_client.signed import derive_key
+from ft_client.store.signed import derive_key
 
-log = logs.logger("ft_client.jobkey")
+log = logs.logger("ft_client.store.jobkey")
 
 SECRET_ENV = "FT_JOB_SECRET"
 SECRET_FILE_ENV = "FT_JOB_SECRET_FILE"

@@ -9,11 +9,11 @@ import weakref
 from typing import TYPE_CHECKING
 
 from ft_client import wire
-from ft_client.client_state import ClientState
+from ft_client.client.state import ClientState
 
 if TYPE_CHECKING:
     from ft_client.inprocess import events
-    from ft_client.transport import Transport
+    from ft_client.wire.transport import Transport
 
 _now_ns = time.monotonic_ns
 

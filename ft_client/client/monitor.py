@@ -35,10 +35,10 @@ In a forked child (a data-loader worker) the client is detached: it sends nothin
 and every progress call does nothing, so a child can neither keep a dead or hung
 rank's session alive nor speak for it.
 
-The client is made of parts, each a module (mixins of one class, so that each call is one
-method looked up on the class, as before the split): `client_progress` the hot path,
-`client_link` the connection's lifecycle, `client_learning` the timeouts and the state
-dict, `client_restart` the in-process restart gate, and `client_state` the fields they share.
+The client is made of parts, each a module of this room (``ft_client/client/``, listed in
+its ``__init__``): `progress` the hot path, `link` the connection's lifecycle, `learning` the
+timeouts and the state dict, `restart` the in-process restart gate, and `state` the fields
+they share (which says why the parts are mixins of this one class).
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ import time
 from collections.abc import Callable
 
 from ft_client import env, wire
-from ft_client.client_learning import ClientLearning
-from ft_client.client_link import (
+from ft_client.client.learning import ClientLearning
+from ft_client.client.link import (
     EXITING_LOCK_WAIT,
     RECONNECT_INTERVAL,
     RECONNECT_MAX_INTERVAL,
@@ -57,11 +57,11 @@ from ft_client.client_link import (
     ClientLink,
     track_forks,
 )
-from ft_client.client_progress import ClientProgress
-from ft_client.client_restart import ClientRestart, RestartHook
-from ft_client.client_state import CONNECT_TIMEOUT, ITERATION_REPORT_INTERVAL, ConnState
+from ft_client.client.progress import ClientProgress
+from ft_client.client.restart import ClientRestart, RestartHook
+from ft_client.client.state import CONNECT_TIMEOUT, ITERATION_REPORT_INTERVAL, ConnState
 from ft_client.errors import RankMonitorClientError
-from ft_client.transport import TransportError, connect
+from ft_client.wire.transport import TransportError, connect
 from ft_client.workload import WorkloadAction, WorkloadControlRequest
 
 __all__ = [

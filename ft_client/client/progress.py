@@ -14,9 +14,9 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from ft_client import record, wire
-from ft_client.client_state import ITERATION_REPORT_INTERVAL, ClientState
-from ft_client.client_state import SOCKET as _SOCKET
-from ft_client.client_state import UNSENT as _UNSENT
+from ft_client.client.state import ITERATION_REPORT_INTERVAL, ClientState
+from ft_client.client.state import SOCKET as _SOCKET
+from ft_client.client.state import UNSENT as _UNSENT
 from ft_client.errors import RankMonitorClientError
 from ft_client.timeouts import STEP_SECTION
 

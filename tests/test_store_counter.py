@@ -7,6 +7,7 @@ another user (tests/workers/store_ops.py)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -74,6 +75,22 @@ def test_a_counter_of_a_store_that_is_gone_raises(port: int) -> None:
     del master
     with pytest.raises(RuntimeError):
         counters.add("bell", 1)
+
+
+def test_a_counter_whose_server_left_raises_without_waiting_out_a_connect_timeout() -> None:
+    """The job's store host exited (a rank that gave up): the add's error is raised, not
+    followed by a new connection that waits out its timeout (the Wrapper's store: 30 s, then a
+    retry) before it raises too. A rank outlived its store host by 47-66 s that way."""
+    timeout = 120.0
+    master = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout))
+    counters = Counters(PrefixStore(PREFIX, TCPStore("127.0.0.1", master.port, is_master=False,
+                                                     wait_for_workers=False, timeout=timedelta(seconds=timeout))))
+    assert counters.add("bell", 1) == 1
+    del master
+    start = time.monotonic()
+    with pytest.raises(RuntimeError):
+        counters.add("bell", 1)
+    assert time.monotonic() - start < timeout / 2  # not a connect timeout (any load leaves this far apart)
 
 
 def test_a_store_without_clone_adds_on_itself_and_a_bad_value_is_none() -> None:

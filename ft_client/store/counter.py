@@ -93,10 +93,13 @@ class Counters:
             except RuntimeError:  # torch's DistNetworkError (the server closed it), or DistStoreError
                 if not self._own:
                     raise
-                self._conn = None
+                self._conn = None  # the next add opens another
                 self.losses += 1
-                fresh = self._private()
-                fresh.check([key])  # raises (the first error's cause is the same) when the server is gone
+                # Is the server still there? Asked on the caller's own connection, which an add
+                # never touched: it raises at once when the server is gone (the job's store host
+                # exited), where a new connection would wait out its connect timeout first (30 s
+                # and a retry: a rank outlived a store host by 47-66 s)
+                self._store().check([key])
                 self._spoil(key)
                 return None
 

@@ -81,7 +81,9 @@ def placements() -> dict[str, tuple[int, int] | None]:
 
 
 def run(mode: Mode, loop: str) -> list[Figure]:
-    out: list[Figure] = []
+    from bench import call_shape
+
+    out: list[Figure] = call_shape.run(mode, loop)  # in-process: the loop is only its figures' tag
     for progress in MODES:
         for name, cpus in placements().items():
             out += run_placed(mode, loop, name, cpus, progress)

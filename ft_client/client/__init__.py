@@ -25,6 +25,7 @@ from `flight_recorder` without the client.
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -37,21 +38,17 @@ if TYPE_CHECKING:
     from ft_client.client.state import ITERATION_REPORT_INTERVAL as ITERATION_REPORT_INTERVAL
     from ft_client.client.state import ConnState as ConnState
 
-__all__ = [
-    "RankMonitorClient",
-    "ConnState",
-    "CONNECT_TIMEOUT",
-    "REFUSAL_POLL",
-    "RECONNECT_INTERVAL",
-    "RECONNECT_MAX_INTERVAL",
-    "ITERATION_REPORT_INTERVAL",
-    "EXITING_LOCK_WAIT",
-]
+_HOMES = {
+    # each public name, and the part that defines it
+    "RankMonitorClient": "monitor", "ConnState": "state", "CONNECT_TIMEOUT": "state",
+    "ITERATION_REPORT_INTERVAL": "state", "REFUSAL_POLL": "link", "RECONNECT_INTERVAL": "link",
+    "RECONNECT_MAX_INTERVAL": "link", "EXITING_LOCK_WAIT": "link",
+}
+__all__ = list(_HOMES)
 
 
 def __getattr__(name: str) -> Any:
-    if name in __all__:
-        from ft_client.client import monitor
-
-        return getattr(monitor, name)
-    raise AttributeError(f"module 'ft_client.client' has no attribute {name!r}")
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'ft_client.client' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"ft_client.client.{home}"), name)

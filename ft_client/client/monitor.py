@@ -49,31 +49,15 @@ from collections.abc import Callable
 
 from ft_client import env, wire
 from ft_client.client.learning import ClientLearning
-from ft_client.client.link import (
-    EXITING_LOCK_WAIT,
-    RECONNECT_INTERVAL,
-    RECONNECT_MAX_INTERVAL,
-    REFUSAL_POLL,
-    ClientLink,
-    track_forks,
-)
+from ft_client.client.link import ClientLink, track_forks
 from ft_client.client.progress import ClientProgress
 from ft_client.client.restart import ClientRestart, RestartHook
-from ft_client.client.state import CONNECT_TIMEOUT, ITERATION_REPORT_INTERVAL, ConnState
+from ft_client.client.state import CONNECT_TIMEOUT
 from ft_client.errors import RankMonitorClientError
 from ft_client.wire.transport import TransportError, connect
 from ft_client.workload import WorkloadAction, WorkloadControlRequest
 
-__all__ = [
-    "RankMonitorClient",
-    "ConnState",
-    "CONNECT_TIMEOUT",
-    "REFUSAL_POLL",
-    "RECONNECT_INTERVAL",
-    "RECONNECT_MAX_INTERVAL",
-    "ITERATION_REPORT_INTERVAL",
-    "EXITING_LOCK_WAIT",
-]
+__all__ = ["RankMonitorClient"]
 
 
 class RankMonitorClient(ClientProgress, ClientLearning, ClientRestart, ClientLink):

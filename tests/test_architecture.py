@@ -58,6 +58,7 @@ CLIENT_ROOMS_BELOW: dict[str, set[str]] = {
     "snapshot": {"wire", "record", "store"},
     "inprocess": {"wire", "record", "store", "startup", "snapshot"},
     "client": {"wire", "record", "store", "learning", "startup", "inprocess"},
+    "integrations": {"client", "inprocess", "snapshot", "wire", "record", "store", "learning", "startup"},
 }
 CLIENT_WORDS = {
     # ft_client's hall: the words both sides share; each imports only other words
@@ -304,6 +305,23 @@ def test_the_clients_rooms_import_only_downwards(graph: dict[str, set[str]]) -> 
             if room is None or other is None or (other != room and other not in CLIENT_ROOMS_BELOW[room]):
                 upward.append((mod, dep))
     assert sorted(upward) == []
+
+
+def test_no_framework_is_imported_but_by_its_integration() -> None:
+    """``import ft_client`` loads no framework: only ft_client/integrations/ imports Lightning,
+    transformers or accelerate, and nothing of ft_client imports that room."""
+    frameworks = ("lightning", "pytorch_lightning", "transformers", "accelerate")
+    found = []
+    for path in (ROOT / "ft_client").rglob("*.py"):
+        rel = path.relative_to(ROOT).as_posix()
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            for n in names:
+                if (n.split(".")[0] in frameworks and not rel.startswith("ft_client/integrations/")) or \
+                        (n.startswith("ft_client.integrations") and not rel.startswith("ft_client/integrations/")):
+                    found.append((rel, n))
+    assert found == []
 
 
 def test_no_module_is_over_500_lines_but_those_still_to_be_split() -> None:

@@ -132,6 +132,38 @@ def test_stacks_find_the_main_thread_and_the_users_frame() -> None:
     assert stacks.parse("garbage\n\x00") == [] and stacks.where(None) is None
 
 
+SP = "/venv/lib/python3.11/site-packages"
+STACK_LIGHTNING_STEP = f"""Current thread 0x00007f07ffc72b80 (most recent call first):
+  File "/usr/lib/python3.11/threading.py", line 320 in wait
+  File "/job/train.py", line 40 in write_metrics_to_stuck_filesystem
+  File "/job/train.py", line 54 in training_step
+  File "{SP}/lightning/pytorch/strategies/strategy.py", line 634 in wrapped_forward
+  File "{SP}/torch/nn/modules/module.py", line 1789 in _call_impl
+  File "{SP}/torch/nn/parallel/distributed.py", line 1715 in _run_ddp_forward
+  File "{SP}/torch/nn/parallel/distributed.py", line 1890 in forward
+  File "{SP}/lightning/pytorch/loops/optimization/automatic.py", line 319 in _training_step
+  File "/job/train.py", line 94 in main
+"""
+STACK_LIGHTNING_BACKWARD = f"""Current thread 0x00007fef0ec82b80 (most recent call first):
+  File "{SP}/torch/autograd/graph.py", line 979 in _engine_run_backward
+  File "{SP}/torch/autograd/__init__.py", line 395 in backward
+  File "{SP}/lightning/pytorch/core/module.py", line 1137 in backward
+  File "{SP}/torch/optim/sgd.py", line 116 in step
+  File "/job/train.py", line 94 in main
+"""
+
+
+def test_a_step_hung_inside_ddps_forward_is_not_waiting_and_its_peer_in_backward_is() -> None:
+    """Lightning runs training_step from inside DDP's forward: the hung rank's stack has DDP's
+    frames further out. The innermost frame that is torch's waiting code or the user's decides
+    (before: any DDP frame counted, both ranks read as waiting, and the verdict fell back to
+    the rank reported first, the waiting one: a real 2-rank Lightning run named rank 0)."""
+    hung = stacks.main_thread(stacks.parse(STACK_LIGHTNING_STEP))
+    waiting = stacks.main_thread(stacks.parse(STACK_LIGHTNING_BACKWARD))
+    assert not stacks.in_collective(hung) and stacks.where(hung) == "train.py:40 in write_metrics_to_stuck_filesystem"
+    assert stacks.in_collective(waiting) and stacks.collective_call(waiting) == "backward"
+
+
 # -- the verdict -----------------------------------------------------------------------------------
 def test_flight_recorder_names_the_rank_that_never_entered_the_collective() -> None:
     evidence = [ev(0, trace(5, 4)), ev(1, trace(4, 4), STACK_SLEEPING), ev(2, trace(5, 4)), ev(3, trace(5, 4))]

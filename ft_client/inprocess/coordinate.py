@@ -119,7 +119,8 @@ def leave(cfg: WrapperConfig, run: Run, finished: bool) -> None:
 def waited(e: BaseException) -> bool:
     """Whether the exception that ended the function was raised while waiting for other ranks
     (inside torch.distributed or backward: the interrupt, or a collective the abort failed)."""
-    return waits_for_peers(f.f_code.co_filename for f, _ in traceback.walk_tb(e.__traceback__))
+    frames = [f.f_code.co_filename for f, _ in traceback.walk_tb(e.__traceback__)]
+    return waits_for_peers(reversed(frames))  # innermost first
 
 
 def culprit(fault: FaultRecord, outside: int | None) -> FaultRecord:

@@ -110,7 +110,8 @@ def innermost(thread: Thread | None) -> str | None:
 
 
 def in_collective(thread: Thread | None) -> bool:
-    """Inside torch.distributed (or autograd's backward or DDP, where gradients are all-reduced)."""
+    """Inside torch.distributed (or autograd's backward or DDP, where gradients are all-reduced),
+    judged by the innermost frames (`waits_for_peers`: frames are innermost first here)."""
     return thread is not None and waits_for_peers(f.file for f in thread.frames)
 
 

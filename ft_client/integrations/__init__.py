@@ -1,0 +1,9 @@
+"""The room of integrations with the frameworks people train with (docs/integrations.md).
+
+- `lightning`: callbacks for PyTorch Lightning (``lightning`` or ``pytorch_lightning``),
+  ours and nvidia-resiliency-ext's ``ptl_resiliency`` names.
+
+Each module imports its framework when it is imported, never before: ``import ft_client``
+imports none of them. May import the client (``ft_client.client``), the hall and every room
+below the client; nothing imports this room but the user's script.
+"""

@@ -1,0 +1,375 @@
+"""ft-monitor in a PyTorch Lightning run: a `Callback` that reports the run's progress to the
+rank's monitor, learns its timeouts, and keeps them in Lightning's own checkpoint.
+
+    from ft_client.integrations.lightning import FtCallback
+
+    trainer = L.Trainer(..., callbacks=[FtCallback(), ModelCheckpoint(save_last=True, ...)])
+    trainer.fit(model, ckpt_path="last")        # under ft-launcher
+
+What it does, in the ``fit`` stage (other stages are left alone):
+
+- ``setup`` connects the client (`RankMonitorClient.init_workload_monitoring`) and opens the
+  ``setup`` section, which the first batch closes: start-up, checkpoint loading, the first
+  data-loader fetch;
+- each training batch is the ``step`` section (from ``on_train_batch_start`` to
+  ``on_train_batch_end``: its forward, backward and optimizer step), so the monitor counts the
+  framework's steps; each validation batch is the ``validation`` section where the monitor's
+  config lists one (else it is timed by the heartbeats and the out-of-section timeout);
+- the strategy's ``save_checkpoint`` and ``remove_checkpoint`` run in the ``checkpointing``
+  section (the write itself, which no Lightning hook brackets);
+- every batch also sends a heartbeat (a store into the progress record), so a config with
+  heartbeat timeouts works with sections too;
+- with ``calculate_timeouts``, the section timeouts are learned after each checkpoint the run
+  saves (every rank at the same step: it is a collective) and at the end, the out-of-section
+  timeout with them; they go into the checkpoint (`state_dict`, under the callback's state key)
+  and are put in force again when Lightning restores it;
+- with ``autoresume``, rank 0 touches ``$FAULT_TOL_FINISHED_FLAG_FILE`` when the run has
+  reached ``max_steps`` or ``max_epochs``, for an autoresume loop that resubmits the job until
+  the file appears.
+
+A section the monitor's config does not list costs no IPC (ft_client's rule), so the callback
+works with any config; the monitor acts on those it lists. nvidia-resiliency-ext's
+``ptl_resiliency`` names, `FaultToleranceCallback` (heartbeats only) and
+`FaultToleranceSectionsCallback` (sections ``setup``, ``step`` and ``checkpointing``), take
+their constructor arguments: the migration is the import. Where ours differs from theirs,
+docs/integrations.md says so.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pathlib
+import random
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+try:
+    from lightning.pytorch.callbacks import Callback
+except ImportError:  # the older package name
+    try:
+        from pytorch_lightning.callbacks import Callback  # type: ignore[assignment]
+    except ImportError as e:
+        raise ImportError("ft_client.integrations.lightning needs Lightning: pip install 'ft-monitor[lightning]' "
+                          "(or pytorch_lightning)") from e
+
+from ft_client.client import RankMonitorClient
+from ft_client.errors import FtError, RankMonitorClientError
+from ft_client.workload import WorkloadAction, WorkloadControlRequest
+
+SETUP, STEP, VALIDATION, CHECKPOINTING = "setup", "step", "validation", "checkpointing"
+FINISHED_FLAG_ENV = "FAULT_TOL_FINISHED_FLAG_FILE"
+"""Where ``autoresume`` says the training is finished (nvidia-resiliency-ext's variable)."""
+TIMEOUTS_FILENAME = "_ft_state_.json"
+"""The learned timeouts' file in ``exp_dir``, where one is given (the reference's name)."""
+
+
+class LightningIntegrationError(FtError, ValueError):
+    """The callback cannot work as configured (its message says why)."""
+
+
+@dataclass
+class SimulatedFaultParams:
+    """A fault to simulate (testing and debugging, as nvidia-resiliency-ext's): ``fault_type``
+    ``rank_killed`` (SIGKILL), ``rank_hung`` (SIGSTOP) or ``random``, after ``base_delay`` +
+    up to ``rand_delay`` seconds from ``setup``, on ``rank_to_fail`` (None: a rank drawn the
+    same way on every rank, from the run id)."""
+
+    fault_type: str
+    base_delay: float
+    rand_delay: float = 0.0
+    rank_to_fail: int | None = None
+
+
+def _fault_params(value: SimulatedFaultParams | dict[str, Any] | None) -> SimulatedFaultParams | None:
+    if value is None or isinstance(value, SimulatedFaultParams):
+        return value
+    try:
+        params = SimulatedFaultParams(**dict(value))
+    except TypeError as e:
+        raise LightningIntegrationError(f"simulated_fault_params = {value!r:.200}: {e}") from e
+    if params.fault_type not in ("rank_killed", "rank_hung", "random"):
+        raise LightningIntegrationError(f"simulated_fault_params.fault_type = {params.fault_type!r}: must be "
+                                        "'rank_killed', 'rank_hung' or 'random'")
+    return params
+
+
+def _simulate_fault(params: SimulatedFaultParams, rank: int, world: int) -> None:
+    rng = random.Random(os.environ.get("TORCHELASTIC_RUN_ID", "ft"))  # the same draw on every rank
+    target = params.rank_to_fail if params.rank_to_fail is not None else rng.randrange(max(world, 1))
+    if rank != target:
+        return
+    kind = params.fault_type if params.fault_type != "random" else rng.choice(["rank_killed", "rank_hung"])
+    delay = params.base_delay + params.rand_delay * rng.random()
+
+    def fault() -> None:
+        time.sleep(delay)
+        print(f"ft_client: simulating a fault on rank {rank}: {kind}", flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP if kind == "rank_hung" else signal.SIGKILL)
+
+    threading.Thread(target=fault, name="ft-simulated-fault", daemon=True).start()
+
+
+class FtCallback(Callback):
+    """Progress, learned timeouts and the finished flag of a Lightning ``fit`` (the module's
+    docstring says what each hook does).
+
+    ``sections``: time batches and checkpoint writes as sections (False: heartbeats only);
+    ``calculate_timeouts``: learn the section timeouts after each checkpoint and at the end;
+    ``autoresume``: touch ``$FAULT_TOL_FINISHED_FLAG_FILE`` (which must be set) when training
+    is done; ``exp_dir``: also keep the learned timeouts in ``exp_dir/_ft_state_.json``, as the
+    reference does, read back at ``setup``; ``exc_handling_policy``: called with an exception
+    that ends ``fit`` on this rank, returns the `WorkloadControlRequest` to send to ft-launcher
+    (for instance, to exclude this node); ``simulated_fault_params``: see
+    `SimulatedFaultParams`.
+    """
+
+    def __init__(self, *, sections: bool = True, calculate_timeouts: bool = True, autoresume: bool = False,
+                 exp_dir: str | pathlib.Path | None = None,
+                 exc_handling_policy: Callable[[BaseException], WorkloadControlRequest] | None = None,
+                 simulated_fault_params: SimulatedFaultParams | dict[str, Any] | None = None,
+                 logger_name: str | None = "ft_client.lightning") -> None:
+        if autoresume and not os.environ.get(FINISHED_FLAG_ENV):
+            raise LightningIntegrationError(f"autoresume=True needs {FINISHED_FLAG_ENV}: the file an autoresume "
+                                            "loop watches (set it in the job script)")
+        self.sections = sections
+        self.calculate_timeouts = calculate_timeouts
+        self.autoresume = autoresume
+        self.exp_dir = pathlib.Path(exp_dir) if exp_dir is not None else None
+        self.exc_handling_policy = exc_handling_policy
+        self.simulated_fault_params = _fault_params(simulated_fault_params)
+        self.logger = logging.getLogger(logger_name)
+        self.client: RankMonitorClient | None = None
+        self._open: set[str] = set()
+        self._saved_at: int | None = None  # global step of the last checkpoint written, not yet learned from
+        self._failed = False
+        self._pending_state: dict[str, Any] | None = None
+        self._resumed = False  # this run loaded a checkpoint
+        self.batches = 0
+
+    # -- the reference's attribute names ------------------------------------------------------
+    @property
+    def fault_tol_client(self) -> RankMonitorClient | None:
+        return self.client
+
+    @property
+    def is_initialized(self) -> bool:
+        return self.client is not None
+
+    # -- sections -----------------------------------------------------------------------------
+    def _start(self, name: str) -> None:
+        if self.client is not None and name not in self._open:
+            self._open.add(name)
+            self.client.start_section(name)
+
+    def _end(self, name: str) -> None:
+        if self.client is not None and name in self._open:
+            self._open.discard(name)
+            self.client.end_section(name)
+
+    def _beat(self) -> None:
+        if self.client is not None:
+            self.client.send_heartbeat()
+
+    def _wrap(self, owner: Any, method: str) -> None:
+        original = getattr(owner, method, None)
+        if original is None or getattr(original, "_ft_wrapped", False):
+            return
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            nested = CHECKPOINTING in self._open  # a removal inside a save: one section
+            if self.sections and not nested:
+                self._start(CHECKPOINTING)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                if self.sections and not nested:
+                    self._end(CHECKPOINTING)
+                self._beat()
+
+        timed._ft_wrapped = True  # type: ignore[attr-defined]
+        setattr(owner, method, timed)
+
+    # -- Lightning's hooks ----------------------------------------------------------------------
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if stage != "fit" or self.client is not None:
+            return
+        self.client = RankMonitorClient()
+        self.client.init_workload_monitoring()
+        if self.calculate_timeouts and self.exp_dir is not None:
+            path = self.exp_dir / TIMEOUTS_FILENAME
+            if path.is_file():
+                self.client.load_state_dict(json.loads(path.read_text()))
+        if self._pending_state is not None:
+            self.load_state_dict(self._pending_state)
+        for method in ("save_checkpoint", "remove_checkpoint"):
+            self._wrap(trainer.strategy, method)
+        if self.sections:
+            self._start(SETUP)
+        if self.simulated_fault_params is not None:
+            _simulate_fault(self.simulated_fault_params, trainer.global_rank, trainer.world_size)
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self._beat()
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self.sections:
+            self._end(SETUP)
+            self._start(STEP)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.sections:
+            self._end(STEP)
+        self.batches += 1
+        self._beat()
+        if self._saved_at is not None and self.calculate_timeouts:
+            self._learn(final=False)
+
+    def on_validation_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int,
+                                  dataloader_idx: int = 0) -> None:
+        if self.sections and self.client is not None:
+            self._end(SETUP)
+            self._start(VALIDATION)
+
+    def on_validation_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int,
+                                dataloader_idx: int = 0) -> None:
+        if self.sections:
+            self._end(VALIDATION)
+        self._beat()
+
+    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        if self.client is not None:
+            self._saved_at = trainer.global_step
+            self._beat()
+
+    def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        self._resumed = True
+
+    def state_dict(self) -> dict[str, Any]:
+        """What goes into Lightning's checkpoint: the learned timeouts and their observations."""
+        return {} if self.client is None else {"ft_client": self.client.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """From Lightning's checkpoint: the learned timeouts are put in force (kept until
+        ``setup`` connects, where Lightning restores before it)."""
+        state = state_dict.get("ft_client") if isinstance(state_dict, dict) else None
+        if not isinstance(state, dict):
+            return
+        if self.client is None:
+            self._pending_state = state_dict
+            return
+        self._pending_state = None
+        try:
+            self.client.load_state_dict(state)
+        except RankMonitorClientError as e:
+            self.logger.warning("ft_client: the checkpoint's learned timeouts were not loaded: %s", e)
+        else:
+            self.logger.info("ft_client: timeouts from the checkpoint: %s", self.client.timeouts)
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        if self.client is None:
+            return
+        self._failed = not (isinstance(exception, SystemExit) and not exception.code)
+        for name in list(self._open):
+            self._end(name)
+        if self.exc_handling_policy is not None:
+            request = self.exc_handling_policy(exception)
+            if not isinstance(request, WorkloadControlRequest):
+                raise LightningIntegrationError(f"exc_handling_policy returned {request!r:.100}, "
+                                                "not a WorkloadControlRequest")
+            self.client.send_workload_control_request(request)
+            if request.action is WorkloadAction.ShutdownWorkload and self.autoresume:
+                self._finished_flag()
+        self._shutdown()
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if stage != "fit" or self.client is None:
+            return
+        for name in list(self._open):
+            self._end(name)
+        if self.autoresume and trainer.global_rank == 0 and _completed(trainer):
+            self._finished_flag()
+        if self.calculate_timeouts and not self._failed:
+            self._learn(final=True)
+        self._shutdown()
+
+    # -- learning, the flag, the end -------------------------------------------------------------
+    def _learn(self, final: bool) -> None:
+        """The section timeouts of what this run completed (a collective: every rank calls it at
+        the same step, after the same checkpoint, or at the end)."""
+        client = self.client
+        if client is None:
+            return
+        self._saved_at = None
+        listed = client.timeouts.rank_section_timeouts
+        # `setup` is learned only from a run that loaded a checkpoint: a fresh start's is shorter
+        # than any resumed run's (the reference's rule too)
+        done = [s for s in (SETUP, STEP, VALIDATION, CHECKPOINTING)
+                if s in listed and (s != SETUP or self._resumed)]
+        if not self.sections or not done:
+            client.calculate_and_set_hb_timeouts(skip_if_not_ready=True)
+            return
+        learned = client.calculate_and_set_section_timeouts(selected_sections=done, calc_out_of_section=final,
+                                                            skip_if_not_ready=True)
+        if not learned:  # some section never ran (validation off, no save yet): the others
+            ran = [s for s in done if self._ran(s)]
+            if ran:
+                client.calculate_and_set_section_timeouts(selected_sections=ran, calc_out_of_section=final,
+                                                          skip_if_not_ready=True)
+        if self.exp_dir is not None and client.rank == 0:
+            (self.exp_dir / TIMEOUTS_FILENAME).write_text(json.dumps(client.state_dict()))
+
+    def _ran(self, section: str) -> bool:
+        state = self.client.state_dict() if self.client is not None else {}
+        observed = (state.get("observations") or {}).get("sections") or {}
+        return observed.get(section) is not None
+
+    def _finished_flag(self) -> None:
+        path = os.environ.get(FINISHED_FLAG_ENV)
+        if path:
+            pathlib.Path(path).touch()
+            self.logger.info("ft_client: training finished; touched %s", path)
+
+    def _shutdown(self) -> None:
+        if self.client is not None:
+            self.client.shutdown_workload_monitoring()
+            self.client = None
+            self._open.clear()
+
+
+def _completed(trainer: Any) -> bool:
+    max_steps, max_epochs = getattr(trainer, "max_steps", -1), getattr(trainer, "max_epochs", None)
+    if isinstance(max_steps, int) and max_steps > 0 and trainer.global_step >= max_steps:
+        return True
+    return isinstance(max_epochs, int) and max_epochs > 0 and trainer.current_epoch >= max_epochs
+
+
+class FaultToleranceCallback(FtCallback):
+    """nvidia-resiliency-ext's ``ptl_resiliency.FaultToleranceCallback``, under its name and
+    arguments: heartbeats only (no sections), timeouts learned at the end."""
+
+    def __init__(self, autoresume: bool, calculate_timeouts: bool,
+                 simulated_fault_params: SimulatedFaultParams | dict[str, Any] | None = None,
+                 exp_dir: str | pathlib.Path | None = None,
+                 logger_name: str | None = "nemo_logger.FaultToleranceCallback") -> None:
+        super().__init__(sections=False, calculate_timeouts=calculate_timeouts, autoresume=autoresume,
+                         exp_dir=exp_dir, simulated_fault_params=simulated_fault_params, logger_name=logger_name)
+
+
+class FaultToleranceSectionsCallback(FtCallback):
+    """nvidia-resiliency-ext's ``ptl_resiliency.FaultToleranceSectionsCallback``, under its name
+    and arguments: sections ``setup``, ``step`` and ``checkpointing``."""
+
+    def __init__(self, autoresume: bool, calculate_timeouts: bool,
+                 simulated_fault_params: SimulatedFaultParams | dict[str, Any] | None = None,
+                 exp_dir: str | pathlib.Path | None = None,
+                 logger_name: str | None = "nemo_logger.FaultToleranceCallback",
+                 exc_handling_policy: Callable[[BaseException], WorkloadControlRequest] | None = None) -> None:
+        super().__init__(sections=True, calculate_timeouts=calculate_timeouts, autoresume=autoresume,
+                         exp_dir=exp_dir, exc_handling_policy=exc_handling_policy,
+                         simulated_fault_params=simulated_fault_params, logger_name=logger_name)

@@ -1,0 +1,57 @@
+"""ft_client.integrations.lightning's callbacks without a run: their arguments, their checks and
+the rules they decide with (the real run: tests/test_lightning_e2e.py)."""
+
+from __future__ import annotations
+
+import inspect
+from types import SimpleNamespace
+
+import pytest
+
+from ft_client import FtError
+from ft_client.integrations import lightning as ftl
+
+
+def test_the_reference_classes_take_the_references_arguments() -> None:
+    assert list(inspect.signature(ftl.FaultToleranceCallback).parameters) == [
+        "autoresume", "calculate_timeouts", "simulated_fault_params", "exp_dir", "logger_name"]
+    assert list(inspect.signature(ftl.FaultToleranceSectionsCallback).parameters) == [
+        "autoresume", "calculate_timeouts", "simulated_fault_params", "exp_dir", "logger_name", "exc_handling_policy"]
+    assert not ftl.FaultToleranceCallback(autoresume=False, calculate_timeouts=True).sections
+    assert ftl.FaultToleranceSectionsCallback(autoresume=False, calculate_timeouts=False).sections
+
+
+def test_autoresume_needs_the_finished_flag_file(monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> None:
+    monkeypatch.delenv(ftl.FINISHED_FLAG_ENV, raising=False)
+    with pytest.raises(ftl.LightningIntegrationError, match=ftl.FINISHED_FLAG_ENV) as e:
+        ftl.FtCallback(autoresume=True)
+    assert isinstance(e.value, FtError)
+    monkeypatch.setenv(ftl.FINISHED_FLAG_ENV, "/tmp/finished")
+    assert ftl.FtCallback(autoresume=True).autoresume
+
+
+@pytest.mark.parametrize("bad", [{"fault_type": "explode", "base_delay": 1}, {"base_delay": 1}, {"nope": 1}])
+def test_a_simulated_fault_that_is_not_one_is_refused(bad: dict[str, object]) -> None:
+    with pytest.raises(ftl.LightningIntegrationError):
+        ftl.FtCallback(simulated_fault_params=bad)
+    params = ftl.FtCallback(simulated_fault_params={"fault_type": "rank_hung", "base_delay": 2}).simulated_fault_params
+    assert params == ftl.SimulatedFaultParams("rank_hung", 2)
+
+
+def test_before_fit_the_state_is_empty_and_a_checkpoints_state_waits_for_the_client() -> None:
+    cb = ftl.FtCallback()
+    assert cb.state_dict() == {} and not cb.is_initialized and cb.fault_tol_client is None
+    cb.load_state_dict({"ft_client": {"format_version": 1}})
+    assert cb._pending_state == {"ft_client": {"format_version": 1}}  # put in force by setup
+    cb.load_state_dict({"something": "else"})  # not ours: ignored
+    assert cb._pending_state == {"ft_client": {"format_version": 1}}
+
+
+@pytest.mark.parametrize(("max_steps", "max_epochs", "step", "epoch", "done"), [
+    (30, None, 30, 0, True), (30, None, 29, 0, False), (-1, 3, 100, 3, True), (-1, 3, 100, 2, False),
+    (-1, None, 10**6, 10, False),
+])
+def test_training_is_complete_at_max_steps_or_max_epochs(max_steps: int, max_epochs: int | None, step: int,
+                                                        epoch: int, done: bool) -> None:
+    trainer = SimpleNamespace(max_steps=max_steps, max_epochs=max_epochs, global_step=step, current_epoch=epoch)
+    assert ftl._completed(trainer) is done

@@ -1,0 +1,65 @@
+"""PyTorch Lightning under ft-launcher, for real (issue 41): examples/train_lightning.py, a
+plain Lightning script whose only ft-monitor line is `FtCallback()`, 2 ranks of DDP on gloo.
+
+One scenario, every fact checked on it: a hang of rank 1 inside its training step is named
+rank 1 in every output (before, the verdict named rank 0: Lightning runs ``training_step``
+inside DDP's ``forward``), the job resumes from Lightning's own ``last.ckpt``, the step
+count is the one Lightning ran, the learned timeouts are in Lightning's checkpoint, and a
+fresh launcher put them in force from it before its first save."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from ft_monitor.launcher import exit_codes
+from tests.launchers import Launcher
+from tests.procs import ROOT
+
+pytestmark = pytest.mark.e2e
+
+SCRIPT = str(ROOT / "examples" / "train_lightning.py")
+CONFIG = ("--ft-cfg-path", str(ROOT / "examples" / "ft_lightning.yaml"))
+
+
+def _run(workdir: Path, name: str, *train_args: str) -> Launcher:
+    la = Launcher(workdir, "--max-restarts", "1", *CONFIG, name=name, entry=(SCRIPT,), train_args=train_args)
+    try:
+        assert la.wait() == exit_codes.SUCCESS, la.output()[-6000:]
+    finally:
+        la.kill()
+    return la
+
+
+def test_a_lightning_job_whose_rank_hangs_is_named_resumed_from_last_ckpt_and_keeps_learned_timeouts(
+        workdir: Path) -> None:
+    first = _run(workdir, "first", "--hang", "rank=1,step=12,attempt=0")
+    out = first.output()
+    for r in (0, 1):
+        assert f"[rank {r}] attempt 1: resumed at step 10" in out, out[-4000:]  # last.ckpt, saved at step 10
+        assert f"[rank {r}] attempt 1: finished 30 steps" in out
+    (hang,) = first.summary()["hangs"]
+    assert (hang["rank"], hang["attempt"], hang["section"]) == (1, 0, "step")
+    assert hang["iteration"] == 12  # the steps Lightning completed before the hang (global_step 12)
+    assert hang["verdict"].startswith("rank 1 is not in a collective"), hang["verdict"]
+    assert "rank 0 waits in backward" in hang["verdict"]
+    assert "write_metrics_to_stuck_filesystem" in Path(hang["stack_dump"]).read_text()
+    error = json.loads(Path(hang["error_file"]).read_text())
+    assert Path(hang["error_file"]).parent.name == "1" and "RankHang" in error["message"]["message"]
+    assert hang["timeout_s"] < 60  # learned after Lightning's checkpoints, not the 60 s of the config
+
+    ckpt = torch.load(workdir / "ckpt" / "last.ckpt", map_location="cpu", weights_only=False)
+    state = ckpt["callbacks"]["FtCallback"]["ft_client"]
+    assert "section:step" in state["timeouts"]["learned"], state
+    learned = state["timeouts"]["rank_section_timeouts"]["step"]
+
+    # A fresh job from the same checkpoint: its hang at step 33 comes before its first save (35),
+    # so the timeout that catches it is the one Lightning's checkpoint brought back
+    second = _run(workdir, "second", "--steps", "40", "--hang", "rank=1,step=33,attempt=0")
+    (hang,) = second.summary()["hangs"]
+    assert (hang["rank"], hang["iteration"]) == (1, 33)
+    assert hang["timeout_s"] == pytest.approx(learned)
+    assert "[rank 0] attempt 1: finished 40 steps" in second.output()

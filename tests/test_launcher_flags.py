@@ -214,3 +214,21 @@ def test_ft_launcher_with_term_timeout_runs_a_job_and_torch_gets_the_wait(workdi
     assert "ft-launcher: --term-timeout 5 (nvidia-resiliency-ext): torch's --shutdown-timeout 5 s" in out, out
     assert "torch's shutdown timeout 5 s" in out, out  # args.shutdown_timeout, which torch's launch reads
     assert "[rank 0] attempt 0: finished 10 steps" in out, out
+
+
+def test_the_training_scripts_own_arguments_are_never_parsed_as_the_launchers() -> None:
+    """A script's ``--workers 2`` was refused ("ambiguous option: --workers could match
+    --workers-stop-timeout, --workers_stop_timeout"), and a unique prefix of one of our flags
+    after the script would have been taken as ours: only what comes before the script is parsed."""
+    from ft_monitor.launcher.early_check import parse_launch
+    from ft_monitor.launcher.main import build_parser
+
+    argv = ["--nproc-per-node", "2", "--max-restarts", "1", "train.py", "--workers", "2", "--term", "x",
+            "--ft-cfg-path", "mine.yaml", "--max-rest", "9"]
+    with pytest.raises(SystemExit):  # what a bare parse does with them
+        build_parser().parse_args(argv)
+    args = parse_launch(build_parser(), argv)
+    assert args.training_script == "train.py" and args.nproc_per_node == "2" and args.max_restarts == 1
+    assert args.training_script_args == argv[5:] and args.ft_cfg_path is None
+    module = parse_launch(build_parser(), ["--nproc-per-node", "2", "-m", "pkg.train", "--steps", "3"])
+    assert module.module and module.training_script == "pkg.train" and module.training_script_args == ["--steps", "3"]

@@ -86,6 +86,22 @@ def launcher_part(argv: Sequence[str]) -> tuple[list[str], str | None] | None:
     return None
 
 
+def parse_launch(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
+    """The launch's flags, parsed as torchrun parses them but for the training script's own
+    arguments, which are never parsed: argparse takes an argument after the script for a flag
+    of ours when it is a prefix of one (a script's ``--workers 2`` was refused as ambiguous
+    with ``--workers-stop-timeout``, and a unique prefix would have been taken as ours). Where
+    the script cannot be told apart (``-m``, ``--no-python``, ``--``), all of it is parsed, as
+    torchrun does."""
+    found = launcher_part(argv)
+    if found is None or found[1] is None:
+        return parser.parse_args(list(argv))
+    cut = len(found[0]) + 1
+    args = parser.parse_args(list(argv[:cut]))
+    args.training_script_args = [*args.training_script_args, *argv[cut:]]
+    return args
+
+
 def missing_script(argv: Sequence[str], cwd: str | None = None) -> str | None:
     """Why the training script cannot run, where it is a file that does not exist; else None."""
     found = launcher_part(argv)

@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None, early: Any = None) -> int:
     if untested is not None:
         log.warning("ft-launcher: %s", untested)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = early_check.parse_launch(parser, argv)
     nvrx = nvrx_flags.apply(args)  # nvidia-resiliency-ext's ft_launcher flags, carried over to ours
     if nvrx.refusal is not None:
         print(f"ft-launcher: {nvrx.refusal}", file=sys.stderr)
@@ -383,7 +383,7 @@ def entrypoint() -> None:
     if template_fork.requested(argv):
         with template_fork.no_blas_pool():
             parser = build_parser()  # imports torch, as the launcher does anyway
-        args = template_fork.parse_quietly(parser, argv)
+        args = template_fork.parse_quietly(parser, argv, early_check.parse_launch)
         if args is not None:
             early = template_fork.fork_early(args)
     try:

@@ -30,7 +30,7 @@ import os
 import signal
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -81,14 +81,17 @@ class _Refused(FtError):
     """The flags do not parse: `main` says why."""
 
 
-def parse_quietly(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace | None:
-    """The launcher's flags, or None where they do not parse (`main` then says why, once)."""
+def parse_quietly(parser: argparse.ArgumentParser, argv: Sequence[str],
+                  parse: Callable[[argparse.ArgumentParser, Sequence[str]], argparse.Namespace]
+                  ) -> argparse.Namespace | None:
+    """The launcher's flags as ``parse`` reads them (the command line's rule: the script's own
+    arguments are not parsed), or None where they do not parse (`main` then says why, once)."""
     def error(message: str) -> Any:
         raise _Refused(message)
 
     parser.error = error  # type: ignore[method-assign]
     try:
-        return parser.parse_args(list(argv))
+        return parse(parser, argv)
     except (_Refused, SystemExit):
         return None
 

@@ -11,8 +11,10 @@ timeouts after each checkpoint and keeps them in the checkpoint.
 
 ``--hang rank=R,step=S,attempt=A`` makes rank R hang in its training step S of attempt A
 (TORCHELASTIC_RESTART_COUNT), in ``write_metrics_to_stuck_filesystem`` so that the stack
-dump says where. Each rank prints ``[rank R] attempt A: resumed at step N`` and ``[rank R]
-attempt A: finished N steps``.
+dump says where. ``--workers N`` loads batches in N data-loader worker processes (started by
+``--worker-start fork`` or ``spawn``); ``--worker-hang rank=R,step=S,attempt=A`` makes the
+worker loading rank R's batch S hang instead, the rank waiting for it. Each rank prints
+``[rank R] attempt A: resumed at step N`` and ``[rank R] attempt A: finished N steps``.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 import ft_client
 from ft_client.integrations.lightning import FtCallback
@@ -38,6 +40,35 @@ def write_metrics_to_stuck_filesystem() -> None:
     """Stands for an NFS write or a data-loader worker that never returns."""
     while True:
         time.sleep(1)
+
+
+BATCH = 16
+
+
+class Samples(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """512 fixed samples; with ``hang``, rank R's data-loader worker that loads its batch S (of
+    attempt A) hangs at that batch's first sample. A worker's batches are every Wth of its rank's
+    (W workers, in turn), so worker S % W hangs after loading S // W batches."""
+
+    def __init__(self, hang: dict[str, int] | None) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x, self.y = torch.randn(512, 16, generator=g), torch.randn(512, 1, generator=g)
+        self.hang = hang
+        self.loaded = 0  # samples this copy (one per worker) has loaded
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        h, worker = self.hang, torch.utils.data.get_worker_info()
+        if h and worker is not None and int(os.environ.get("RANK", "-1")) == h["rank"] \
+                and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == h["attempt"] \
+                and worker.id == h["step"] % worker.num_workers \
+                and self.loaded == h["step"] // worker.num_workers * BATCH:
+            print(f"[rank {h['rank']}] data-loader worker pid {os.getpid()} hanging at batch {h['step']}", flush=True)
+            write_metrics_to_stuck_filesystem()
+        self.loaded += 1
+        return self.x[i], self.y[i]
 
 
 class Regression(L.LightningModule):
@@ -66,6 +97,13 @@ class Regression(L.LightningModule):
         print(f"[rank {self.global_rank}] attempt {attempt}: resumed at step {self.global_step}", flush=True)
 
 
+def spec(text: str | None) -> dict[str, int] | None:
+    if not text:
+        return None
+    parts = dict(item.split("=", 1) for item in text.split(","))
+    return {k: int(parts[k]) for k in ("rank", "step", "attempt")}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=30)
@@ -73,13 +111,13 @@ def main() -> None:
     p.add_argument("--ckpt-dir", default="/tmp/ft-pl-ckpt")
     p.add_argument("--step-time", type=float, default=0.05)
     p.add_argument("--hang", default=None, help="rank=R,step=S,attempt=A")
+    p.add_argument("--workers", type=int, default=0, help="data-loader worker processes")
+    p.add_argument("--worker-start", choices=("fork", "spawn"), default="fork")
+    p.add_argument("--worker-hang", default=None, help="rank=R,step=S,attempt=A: a data-loader worker hangs")
     args = p.parse_args()
-    hang = None
-    if args.hang:
-        parts = dict(item.split("=", 1) for item in args.hang.split(","))
-        hang = {k: int(parts[k]) for k in ("rank", "step", "attempt")}
+    hang, worker_hang = spec(args.hang), spec(args.worker_hang)
     torch.manual_seed(0)
-    data = TensorDataset(torch.randn(512, 16), torch.randn(512, 1))
+    data = Samples(worker_hang)
     pg_timeout = ft_client.process_group_timeout() or timedelta(minutes=5)
     ckpt = ModelCheckpoint(dirpath=args.ckpt_dir, save_last=True, every_n_train_steps=args.ckpt_every,
                            save_top_k=0)
@@ -91,8 +129,10 @@ def main() -> None:
         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
     )
     last = Path(args.ckpt_dir) / "last.ckpt"
-    trainer.fit(Regression(args.step_time, hang), DataLoader(data, batch_size=16, shuffle=False),
-                ckpt_path="last" if last.is_file() else None)
+    loader = DataLoader(data, batch_size=BATCH, shuffle=False, num_workers=args.workers,
+                        multiprocessing_context=args.worker_start if args.workers else None,
+                        persistent_workers=args.workers > 0)
+    trainer.fit(Regression(args.step_time, hang), loader, ckpt_path="last" if last.is_file() else None)
     print(f"[rank {trainer.global_rank}] attempt {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}: "
           f"finished {trainer.global_step} steps", flush=True)
 

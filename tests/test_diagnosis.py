@@ -164,6 +164,26 @@ def test_a_step_hung_inside_ddps_forward_is_not_waiting_and_its_peer_in_backward
     assert stacks.in_collective(waiting) and stacks.collective_call(waiting) == "backward"
 
 
+STACK_DATA_WAIT = f"""Current thread 0x00007f9593fdeb80 (most recent call first):
+  File "/usr/lib/python3.11/selectors.py", line 415 in select
+  File "/usr/lib/python3.11/multiprocessing/queues.py", line 113 in get
+  File "{SP}/torch/utils/data/dataloader.py", line 1291 in _try_get_data
+  File "{SP}/torch/utils/data/dataloader.py", line 1464 in _get_data
+  File "{SP}/lightning/pytorch/loops/fetchers.py", line 134 in __next__
+  File "/job/train.py", line 135 in main
+"""
+
+
+def test_a_rank_waiting_for_its_data_loader_worker_is_said_to_be() -> None:
+    """A hung data-loader worker leaves its rank in the DataLoader's queue read, outside every
+    collective: the verdict names the rank and says it waits for a worker."""
+    data = stacks.main_thread(stacks.parse(STACK_DATA_WAIT))
+    assert not stacks.in_collective(data)
+    assert stacks.waits_for_data(data) == "dataloader.py:1291 in _try_get_data"
+    assert stacks.waits_for_data(stacks.main_thread(stacks.parse(STACK_LIGHTNING_STEP))) is None
+    assert stacks.waits_for_data(stacks.main_thread(stacks.parse(STACK_LIGHTNING_BACKWARD))) is None
+
+
 # -- the verdict -----------------------------------------------------------------------------------
 def test_flight_recorder_names_the_rank_that_never_entered_the_collective() -> None:
     evidence = [ev(0, trace(5, 4)), ev(1, trace(4, 4), STACK_SLEEPING), ev(2, trace(5, 4)), ev(3, trace(5, 4))]

@@ -1,11 +1,13 @@
 """PyTorch Lightning under ft-launcher, for real (issue 41): examples/train_lightning.py, a
 plain Lightning script whose only ft-monitor line is `FtCallback()`, 2 ranks of DDP on gloo.
 
-One scenario, every fact checked on it: a hang of rank 1 inside its training step is named
-rank 1 in every output (before, the verdict named rank 0: Lightning runs ``training_step``
-inside DDP's ``forward``), the job resumes from Lightning's own ``last.ckpt``, the step
-count is the one Lightning ran, the learned timeouts are in Lightning's checkpoint, and a
-fresh launcher put them in force from it before its first save."""
+Two scenarios, every fact checked on each. A hang of rank 1 inside its training step (batches
+loaded by 2 forked data-loader workers) is named rank 1 in every output (before, the verdict
+named rank 0: Lightning runs ``training_step`` inside DDP's ``forward``), the job resumes from
+Lightning's own ``last.ckpt``, the step count is the one Lightning ran, the learned timeouts
+are in Lightning's checkpoint, and a fresh launcher put them in force from it before its
+first save. A spawned data-loader worker of rank 1 that hangs is rank 1's hang, and the
+verdict says it waits for a worker. In both, no worker ever spoke to the rank's monitor."""
 
 from __future__ import annotations
 
@@ -25,6 +27,15 @@ SCRIPT = str(ROOT / "examples" / "train_lightning.py")
 CONFIG = ("--ft-cfg-path", str(ROOT / "examples" / "ft_lightning.yaml"))
 
 
+def _one_connection_per_rank(la: Launcher) -> None:
+    """Each monitor saw one connection per attempt, its rank's: a data-loader worker (forked:
+    its client detached; spawned: no client) never spoke for its rank."""
+    logs = sorted(la.log_dir.rglob("monitor.log"))
+    assert len(logs) >= 2
+    for log in logs:
+        assert log.read_text().count(" connected (session") == 1, log.read_text()
+
+
 def _run(workdir: Path, name: str, *train_args: str) -> Launcher:
     la = Launcher(workdir, "--max-restarts", "1", *CONFIG, name=name, entry=(SCRIPT,), train_args=train_args)
     try:
@@ -36,7 +47,7 @@ def _run(workdir: Path, name: str, *train_args: str) -> Launcher:
 
 def test_a_lightning_job_whose_rank_hangs_is_named_resumed_from_last_ckpt_and_keeps_learned_timeouts(
         workdir: Path) -> None:
-    first = _run(workdir, "first", "--hang", "rank=1,step=12,attempt=0")
+    first = _run(workdir, "first", "--hang", "rank=1,step=12,attempt=0", "--workers", "2", "--worker-start", "fork")
     out = first.output()
     for r in (0, 1):
         assert f"[rank {r}] attempt 1: resumed at step 10" in out, out[-4000:]  # last.ckpt, saved at step 10
@@ -50,6 +61,7 @@ def test_a_lightning_job_whose_rank_hangs_is_named_resumed_from_last_ckpt_and_ke
     error = json.loads(Path(hang["error_file"]).read_text())
     assert Path(hang["error_file"]).parent.name == "1" and "RankHang" in error["message"]["message"]
     assert hang["timeout_s"] < 60  # learned after Lightning's checkpoints, not the 60 s of the config
+    _one_connection_per_rank(first)
 
     ckpt = torch.load(workdir / "ckpt" / "last.ckpt", map_location="cpu", weights_only=False)
     state = ckpt["callbacks"]["FtCallback"]["ft_client"]
@@ -63,3 +75,19 @@ def test_a_lightning_job_whose_rank_hangs_is_named_resumed_from_last_ckpt_and_ke
     assert (hang["rank"], hang["iteration"]) == (1, 33)
     assert hang["timeout_s"] == pytest.approx(learned)
     assert "[rank 0] attempt 1: finished 40 steps" in second.output()
+
+
+def test_a_hung_spawned_data_loader_worker_is_its_ranks_hang_and_the_verdict_says_so(workdir: Path) -> None:
+    la = _run(workdir, "workers", "--workers", "2", "--worker-start", "spawn",
+              "--worker-hang", "rank=1,step=12,attempt=0")
+    out = la.output()
+    assert "[rank 1] data-loader worker pid" in out and "[rank 0] attempt 1: finished 30 steps" in out
+    (hang,) = la.summary()["hangs"]
+    assert (hang["rank"], hang["attempt"]) == (1, 0)
+    verdict = hang["verdict"]
+    assert verdict.startswith("rank 1 is not in a collective (waiting for a data-loader worker at dataloader.py:"), \
+        verdict
+    assert "rank 0 waits in backward" in verdict
+    diagnosis = json.loads(Path(hang["diagnosis"]).read_text())
+    assert diagnosis["verdict"]["behind"] == [1] and "data-loader worker" in diagnosis["verdict"]["where"]
+    _one_connection_per_rank(la)

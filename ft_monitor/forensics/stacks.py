@@ -105,6 +105,24 @@ def where(thread: Thread | None) -> str | None:
     return thread.frames[0].short()
 
 
+DATA_LOADER = "/torch/utils/data/dataloader.py"
+"""Where a rank waits for its data-loader workers (``_try_get_data``: a queue read with a timeout)."""
+
+
+def waits_for_data(thread: Thread | None) -> str | None:
+    """Where the thread waits for a data-loader worker process (``dataloader.py:1291 in
+    _try_get_data``): its innermost frame outside the standard library is the DataLoader's
+    (a worker that hangs leaves its rank there, out of every collective); else None."""
+    if thread is None:
+        return None
+    for f in thread.frames:
+        if DATA_LOADER in f.file:
+            return f.short()
+        if "/site-packages/" in f.file or "/dist-packages/" in f.file or not f.library:
+            return None
+    return None
+
+
 def innermost(thread: Thread | None) -> str | None:
     return thread.frames[0].short() if thread is not None and thread.frames else None
 

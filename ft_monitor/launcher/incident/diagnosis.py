@@ -282,8 +282,16 @@ def group_views(evidence: Iterable[RankEvidence]) -> list[GroupView]:
 
 
 def _where(by_rank: Mapping[int, RankEvidence], rank: int) -> str | None:
+    """Where the rank's main thread is (its user's innermost frame), and, where it waits for
+    one, that it waits for a data-loader worker: the worker is the one that hangs."""
     ev = by_rank.get(rank)
-    return stacks.where(ev.main_thread()) if ev is not None else None
+    if ev is None:
+        return None
+    main = ev.main_thread()
+    where, data = stacks.where(main), stacks.waits_for_data(main)
+    if data is None:
+        return where
+    return f"waiting for a data-loader worker at {data}" + (f", from {where}" if where else "")
 
 
 def _why_no_trace(ev: RankEvidence | None) -> str:

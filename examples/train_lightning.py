@@ -13,7 +13,9 @@ timeouts after each checkpoint and keeps them in the checkpoint.
 (TORCHELASTIC_RESTART_COUNT), in ``write_metrics_to_stuck_filesystem`` so that the stack
 dump says where. ``--workers N`` loads batches in N data-loader worker processes (started by
 ``--worker-start fork`` or ``spawn``); ``--worker-hang rank=R,step=S,attempt=A`` makes the
-worker loading rank R's batch S hang instead, the rank waiting for it. Each rank prints
+worker loading rank R's batch S hang instead, the rank waiting for it. ``--compile BACKEND``
+compiles the model (torch.compile): its first steps take far longer than the rest, which a
+`warmup` entry in the config times (examples/ft_lightning_compile.yaml). Each rank prints
 ``[rank R] attempt A: resumed at step N`` and ``[rank R] attempt A: finished N steps``.
 """
 
@@ -72,11 +74,27 @@ class Samples(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
 
 
 class Regression(L.LightningModule):
-    def __init__(self, step_time: float, hang: dict[str, int] | None) -> None:
+    def __init__(self, step_time: float, hang: dict[str, int] | None, compile_backend: str | None = None) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+        if compile_backend:
+            self.net = torch.compile(self.net, backend=compile_backend)  # type: ignore[assignment]
         self.step_time = step_time
         self.hang = hang
+        self.took: list[float] = []
+        self._began = 0.0
+
+    def on_train_batch_start(self, batch: object, batch_idx: int) -> None:
+        self._began = time.monotonic()
+
+    def on_train_batch_end(self, outputs: object, batch: object, batch_idx: int) -> None:
+        self.took.append(time.monotonic() - self._began)
+
+    def on_train_end(self) -> None:
+        if self.took:
+            later = max(self.took[3:], default=0.0)
+            print(f"[rank {self.global_rank}] first step took {self.took[0]:.3f} s, the slowest after the "
+                  f"third {later:.3f} s", flush=True)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         h, attempt = self.hang, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -114,6 +132,7 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=0, help="data-loader worker processes")
     p.add_argument("--worker-start", choices=("fork", "spawn"), default="fork")
     p.add_argument("--worker-hang", default=None, help="rank=R,step=S,attempt=A: a data-loader worker hangs")
+    p.add_argument("--compile", default=None, metavar="BACKEND", help="torch.compile the model (inductor, aot_eager)")
     args = p.parse_args()
     hang, worker_hang = spec(args.hang), spec(args.worker_hang)
     torch.manual_seed(0)
@@ -132,7 +151,7 @@ def main() -> None:
     loader = DataLoader(data, batch_size=BATCH, shuffle=False, num_workers=args.workers,
                         multiprocessing_context=args.worker_start if args.workers else None,
                         persistent_workers=args.workers > 0)
-    trainer.fit(Regression(args.step_time, hang), loader, ckpt_path="last" if last.is_file() else None)
+    trainer.fit(Regression(args.step_time, hang, args.compile), loader, ckpt_path="last" if last.is_file() else None)
     print(f"[rank {trainer.global_rank}] attempt {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}: "
           f"finished {trainer.global_step} steps", flush=True)
 

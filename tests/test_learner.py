@@ -62,3 +62,11 @@ def test_a_checkpoint_round_trip_keeps_the_timeouts_the_observations_and_the_ite
     assert other.observed == learner.observed
     with pytest.raises(ValueError):
         other.load({"format_version": 99})
+
+
+def test_the_warmup_steps_are_left_out_only_where_a_warmup_entry_times_them() -> None:
+    learner = Learner()
+    learner.adopt(5.0, 0.0, warmup_steps=3)
+    assert learner.recorder(CONFIG, 0.0).warmup_steps == 3  # CONFIG has a warmup entry
+    plain = Timeouts(rank_section_timeouts={"step": 30.0})
+    assert learner.recorder(plain, 0.0).warmup_steps == 0  # untimed by warmup: learned from

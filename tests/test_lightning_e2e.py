@@ -12,6 +12,7 @@ verdict says it waits for a worker. In both, no worker ever spoke to the rank's 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -91,3 +92,26 @@ def test_a_hung_spawned_data_loader_worker_is_its_ranks_hang_and_the_verdict_say
     diagnosis = json.loads(Path(hang["diagnosis"]).read_text())
     assert diagnosis["verdict"]["behind"] == [1] and "data-loader worker" in diagnosis["verdict"]["where"]
     _one_connection_per_rank(la)
+
+
+def test_a_compiled_models_first_steps_neither_trip_nor_inflate_the_learned_step_timeout(workdir: Path) -> None:
+    """torch.compile (aot_eager: the same Dynamo and AOT autograd, no C++ build) makes each
+    start's first step many times a step. The `warmup` entry times those steps, and the learning
+    leaves them out: the step timeout learned is the compiled steps', shorter than the compile
+    itself; after the restart the ranks compile again, under it, and nothing is read as a hang."""
+    la = Launcher(workdir, "--max-restarts", "1", "--ft-cfg-path", str(ROOT / "examples" / "ft_lightning_compile.yaml"),
+                  name="compiled", entry=(SCRIPT,), train_args=("--compile", "aot_eager", "--hang",
+                                                                 "rank=1,step=12,attempt=0"))
+    try:
+        assert la.wait() == exit_codes.SUCCESS, la.output()[-6000:]
+    finally:
+        la.kill()
+    out = la.output()
+    first = [float(m) for m in re.findall(r"first step took ([0-9.]+) s", out)]
+    assert len(first) == 2, out[-3000:]  # attempt 1's ranks, which compiled again after the restart
+    (hang,) = la.summary()["hangs"]  # the one made, not a compile
+    assert (hang["rank"], hang["attempt"], hang["section"]) == (1, 0, "step")
+    assert hang["timeout_s"] < min(first), (hang["timeout_s"], first)  # learned without the compile steps
+    state = torch.load(workdir / "ckpt" / "last.ckpt", map_location="cpu", weights_only=False)
+    observed = state["callbacks"]["FtCallback"]["ft_client"]["observations"]["sections"]["step"]
+    assert observed < min(first)  # the longest step learned from is a compiled one, not the compile

@@ -363,3 +363,23 @@ def test_end_to_end_with_fake_clock() -> None:
     assert new.rank_out_of_section_timeout == 5.0  # 1 s between two steps
     assert new.initial_rank_heartbeat_timeout == 10.0
     assert new.rank_heartbeat_timeout == 20.0
+
+
+def test_the_steps_a_warmup_entry_times_are_not_learned_from_after_each_start() -> None:
+    """torch.compile's first steps: the `warmup` entry times them, so they do not set the step
+    timeout; a restart in the same process (`start`) warms up again."""
+    rec = TimeoutsRecorder(["step"], warmup_steps=2)
+    rec.start(0.0)
+    for began, took in ((0.0, 30.0), (30.0, 5.0), (35.0, 0.5), (35.5, 0.25)):
+        rec.on_section_open("step", began)
+        rec.on_section_close("step", began + took)
+    assert rec.observations(40.0).sections["step"] == 0.5
+    rec.start(100.0)  # an in-process re-entry: compiles again
+    rec.on_section_open("step", 100.0)
+    rec.on_section_close("step", 120.0)
+    assert rec.observations(130.0).sections["step"] == 0.5
+    plain = TimeoutsRecorder(["step"])
+    plain.start(0.0)
+    plain.on_section_open("step", 0.0)
+    plain.on_section_close("step", 30.0)
+    assert plain.observations(40.0).sections["step"] == 30.0

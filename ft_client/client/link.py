@@ -156,7 +156,7 @@ class ClientLink(ClientState):
         self._request_timeout = info.client_request_timeout
         transport.set_timeout(self._request_timeout)
         self._take_record(transport, info, fd, asked_ns)
-        self._learner.adopt(info.safety_factor, info.min_learned_timeout)
+        self._learner.adopt(info.safety_factor, info.min_learned_timeout, info.num_warmup_iterations)
         self._set_timeouts(configured)
         if info.stack_dump_path:
             try:

@@ -32,6 +32,7 @@ from ft_client.timeouts import (
     LEARNED_HB,
     LEARNED_INITIAL_HB,
     LEARNED_OUT_OF_SECTION,
+    STEP_SECTION,
     WARMUP_SECTION,
     Timeouts,
     TimeoutsError,
@@ -123,6 +124,8 @@ class TimeoutsRecorder:
     __slots__ = (
         "safety_factor",
         "section_names",
+        "warmup_steps",
+        "_warmup_left",
         "_start",
         "_last_hb",
         "_max_initial",
@@ -133,9 +136,14 @@ class TimeoutsRecorder:
         "_open",
     )
 
-    def __init__(self, sections: Iterable[str] = (), safety_factor: float = DEFAULT_SAFETY_FACTOR) -> None:
+    def __init__(self, sections: Iterable[str] = (), safety_factor: float = DEFAULT_SAFETY_FACTOR,
+                 warmup_steps: int = 0) -> None:
         self.safety_factor = check_safety_factor(safety_factor)
         self.section_names: tuple[str, ...] = tuple(sorted(set(sections)))
+        self.warmup_steps = warmup_steps
+        """How many `step` sections after each `start` are not learned from: those the monitor
+        times with the `warmup` entry (torch.compile's first steps, a restart's first steps)."""
+        self._warmup_left = warmup_steps
         self._start: float | None = None
         self._last_hb: float | None = None
         self._max_initial = MISSING
@@ -153,6 +161,7 @@ class TimeoutsRecorder:
         self._last_hb = None
         self._open.clear()
         self._oos_since = now
+        self._warmup_left = self.warmup_steps
 
     def on_heartbeat(self, now: float) -> None:
         last = self._last_hb
@@ -175,7 +184,9 @@ class TimeoutsRecorder:
         began = self._open.pop(name, None)
         if began is None:
             return
-        if now - began > self._max_section[name]:
+        if self._warmup_left and name == STEP_SECTION:
+            self._warmup_left -= 1  # timed by `warmup`, not learned from: compiling, warming caches
+        elif now - began > self._max_section[name]:
             self._max_section[name] = now - began
         if not self._open:
             self._oos_since = now

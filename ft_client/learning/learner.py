@@ -32,27 +32,34 @@ class Learner:
     """The learning's state of one client, and its decisions (pure: ``now`` and the current
     timeouts come in as arguments)."""
 
-    __slots__ = ("observed", "safety_factor", "min_learned", "pending", "loaded")
+    __slots__ = ("observed", "safety_factor", "min_learned", "warmup_steps", "pending", "loaded")
 
     def __init__(self) -> None:
         self.observed = Observations()
         """As agreed by the last cross-rank reduction, or as a checkpoint held them."""
         self.safety_factor = DEFAULT_SAFETY_FACTOR
         self.min_learned = 0.0
+        self.warmup_steps = 0
+        """The monitor's warm-up length for this rank (its `num_warmup_iterations`)."""
         self.pending: Timeouts | None = None
         """Learned timeouts a checkpoint held, loaded before there was a monitor: put in force
         at the handshake."""
         self.loaded: Timeouts | None = None
         """What the last checkpoint held (None before one)."""
 
-    def adopt(self, safety_factor: float, min_learned: float) -> None:
+    def adopt(self, safety_factor: float, min_learned: float, warmup_steps: int = 0) -> None:
         """The monitor's settings for learning, from its session."""
-        self.safety_factor, self.min_learned = safety_factor, min_learned
+        self.safety_factor, self.min_learned, self.warmup_steps = safety_factor, min_learned, warmup_steps
 
     def recorder(self, configured: Timeouts, now: float) -> TimeoutsRecorder:
-        """A new recorder for the sections the monitor's config lists (the handshake), from ``now``."""
-        recorder = TimeoutsRecorder((n for n in configured.rank_section_timeouts if n != WARMUP_SECTION),
-                                    self.safety_factor)
+        """A new recorder for the sections the monitor's config lists (the handshake), from ``now``.
+        Where the config has a `warmup` entry, the first `warmup_steps` steps after each start
+        (the handshake, an in-process re-entry) are timed by it and not learned from: a
+        compiled model's first steps (torch.compile) take many times a step, and learning the
+        step timeout from them would make it as long."""
+        sections = configured.rank_section_timeouts
+        recorder = TimeoutsRecorder((n for n in sections if n != WARMUP_SECTION), self.safety_factor,
+                                    self.warmup_steps if WARMUP_SECTION in sections else 0)
         recorder.start(now)
         return recorder
 

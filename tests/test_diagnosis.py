@@ -184,6 +184,43 @@ def test_a_rank_waiting_for_its_data_loader_worker_is_said_to_be() -> None:
     assert stacks.waits_for_data(stacks.main_thread(stacks.parse(STACK_LIGHTNING_BACKWARD))) is None
 
 
+def _async_save_stack(background: str) -> str:
+    return f"""Thread 0x00007fdef1b476c0 (most recent call first):
+{background}  File "{SP}/torch/distributed/checkpoint/state_dict_saver.py", line 196 in save
+  File "{SP}/torch/distributed/checkpoint/_async_thread_executor.py", line 30 in save_wrapper
+  File "/usr/lib/python3.11/concurrent/futures/thread.py", line 58 in run
+  File "/usr/lib/python3.11/threading.py", line 1002 in _bootstrap
+Current thread 0x00007fdf1c420b80 (most recent call first):
+  File "/usr/lib/python3.11/threading.py", line 327 in wait
+  File "/usr/lib/python3.11/concurrent/futures/_base.py", line 451 in result
+  File "/job/train.py", line 110 in main
+  File "/job/train.py", line 125 in <module>
+"""
+
+
+STACK_SAVE_STUCK = _async_save_stack(
+    '  File "/job/train.py", line 38 in write_to_stuck_filesystem\n'
+    f'  File "{SP}/torch/distributed/checkpoint/state_dict_saver.py", line 500 in write_data\n')
+STACK_SAVE_GATHER = _async_save_stack(
+    f'  File "{SP}/torch/distributed/distributed_c10d.py", line 4287 in all_gather\n'
+    f'  File "{SP}/torch/distributed/checkpoint/utils.py", line 135 in gather_object\n')
+
+
+def test_ranks_waiting_for_their_async_saves_are_told_apart_by_the_saves_threads() -> None:
+    """dcp.async_save: every rank's main thread waits alike in future.result(); the background
+    threads say which rank is behind (in its storage writer) and which wait (in the gather)."""
+    stuck, gather = stacks.parse(STACK_SAVE_STUCK), stacks.parse(STACK_SAVE_GATHER)
+    for threads in (stuck, gather):
+        assert stacks.async_save_thread(threads) is not None
+        assert stacks.working_thread(threads) is not stacks.main_thread(threads)
+    assert not stacks.in_collective(stacks.working_thread(stuck))
+    assert stacks.where(stacks.working_thread(stuck)) == "train.py:38 in write_to_stuck_filesystem"
+    assert stacks.in_collective(stacks.working_thread(gather))
+    assert stacks.collective_call(stacks.working_thread(gather)) == "all_gather"
+    plain = stacks.parse(STACK_SLEEPING)  # no future waited for: the main thread is where the rank is
+    assert stacks.async_save_thread(plain) is None and stacks.working_thread(plain) is stacks.main_thread(plain)
+
+
 # -- the verdict -----------------------------------------------------------------------------------
 def test_flight_recorder_names_the_rank_that_never_entered_the_collective() -> None:
     evidence = [ev(0, trace(5, 4)), ev(1, trace(4, 4), STACK_SLEEPING), ev(2, trace(5, 4)), ev(3, trace(5, 4))]

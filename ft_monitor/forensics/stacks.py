@@ -94,6 +94,39 @@ def main_thread(threads: list[Thread]) -> Thread | None:
     return threads[0] if threads else None
 
 
+ASYNC_SAVE = "/torch/distributed/checkpoint/"
+"""Where torch.distributed.checkpoint's code runs: a thread in it, beside a main thread that
+waits on a future, is an async save's background work (``dcp.async_save``)."""
+FUTURE_WAIT = "/concurrent/futures/_base.py"
+
+
+def _waits_on_future(thread: Thread) -> bool:
+    """The thread's innermost frames, the standard library's only, end in ``Future.result``."""
+    for f in thread.frames:
+        if FUTURE_WAIT in f.file:
+            return True
+        if not f.library or "/site-packages/" in f.file or "/dist-packages/" in f.file:
+            return False
+    return False
+
+
+def async_save_thread(threads: list[Thread]) -> Thread | None:
+    """The background thread of an async checkpoint save that the main thread waits for (its
+    ``future.result()``), where that is where the rank is; else None. A save whose writes
+    hang leaves its rank's main thread in that wait, like every other rank's: the background
+    threads tell which rank is behind (one in the storage writer, the others in the save's
+    gather of the results)."""
+    main = main_thread(threads)
+    if main is None or not _waits_on_future(main):
+        return None
+    return next((t for t in threads if t is not main and any(ASYNC_SAVE in f.file for f in t.frames)), None)
+
+
+def working_thread(threads: list[Thread]) -> Thread | None:
+    """The thread that says where the rank is: the main thread, or the async save it waits for."""
+    return async_save_thread(threads) or main_thread(threads)
+
+
 def where(thread: Thread | None) -> str | None:
     """The innermost frame of the user's own code, e.g. ``train.py:43 in write_metrics``
     (the innermost frame of all when every frame is a library's)."""
@@ -137,6 +170,9 @@ def collective_call(thread: Thread | None) -> str | None:
     """The torch.distributed function the thread is in (``all_reduce``), if any."""
     if thread is None:
         return None
+    for f in thread.frames:  # the collective itself, where the thread waits (an async save's gather)
+        if f.file.endswith("/torch/distributed/distributed_c10d.py") and not f.func.startswith("_"):
+            return f.func
     for f in reversed(thread.frames):  # outermost first: the user's call into torch.distributed
         if "/torch/distributed/" in f.file and f.func not in ("wrapper", "<module>") and not f.func.startswith("_"):
             return f.func

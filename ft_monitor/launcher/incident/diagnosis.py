@@ -97,6 +97,13 @@ class RankEvidence:
     def main_thread(self) -> stacks.Thread | None:
         return stacks.main_thread(stacks.parse(self.stack)) if self.stack else None
 
+    def working_thread(self) -> stacks.Thread | None:
+        """The main thread, or the async checkpoint save it waits for (`stacks.working_thread`)."""
+        return stacks.working_thread(stacks.parse(self.stack)) if self.stack else None
+
+    def in_async_save(self) -> bool:
+        return self.stack is not None and stacks.async_save_thread(stacks.parse(self.stack)) is not None
+
     def to_wire(self) -> dict[str, Any]:
         return {"rank": self.rank, "host": self.host, "status": self.status, "local_rank": self.local_rank,
                 "pid": self.pid, "phase": self.phase, "iteration": self.iteration, "stack": self.stack,
@@ -282,13 +289,16 @@ def group_views(evidence: Iterable[RankEvidence]) -> list[GroupView]:
 
 
 def _where(by_rank: Mapping[int, RankEvidence], rank: int) -> str | None:
-    """Where the rank's main thread is (its user's innermost frame), and, where it waits for
-    one, that it waits for a data-loader worker: the worker is the one that hangs."""
+    """Where the rank is: its main thread's user's innermost frame, or, where the main thread
+    waits for an async checkpoint save, the save's; and where it waits for one, that it waits
+    for a data-loader worker (the worker is the one that hangs)."""
     ev = by_rank.get(rank)
     if ev is None:
         return None
-    main = ev.main_thread()
-    where, data = stacks.where(main), stacks.waits_for_data(main)
+    thread = ev.working_thread()
+    where, data = stacks.where(thread), stacks.waits_for_data(thread)
+    if ev.in_async_save():
+        return "its async checkpoint save" + (f" at {where}" if where else "")
     if data is None:
         return where
     return f"waiting for a data-loader worker at {data}" + (f", from {where}" if where else "")
@@ -337,7 +347,7 @@ def verdict(hung: HungRank, evidence: list[RankEvidence], groups: list[GroupView
         line = (f"{_ranks(suspects)} did not reach {op} #{g.seq} on {g.name()} (no Flight Recorder trace: {why}"
                 + (f"; {where}" if where else "") + f"); {_wait(g.waiting)} in {op} #{g.seq}")
         return Verdict(line, "flight_recorder+stacks", suspects, g.waiting, g.pg, g.op, g.seq, where)
-    with_stack = {r: e.main_thread() for r, e in by_rank.items() if e.stack}
+    with_stack = {r: e.working_thread() for r, e in by_rank.items() if e.stack}
     waiting = sorted(r for r, t in with_stack.items() if stacks.in_collective(t))
     outside = sorted((r for r, t in with_stack.items() if not stacks.in_collective(t)),
                      key=lambda r: (r != hung.rank, r))

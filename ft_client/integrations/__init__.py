@@ -1,7 +1,8 @@
 """The room of integrations with the frameworks people train with (docs/integrations.md).
 
 - `lightning`: callbacks for PyTorch Lightning (``lightning`` or ``pytorch_lightning``),
-  ours and nvidia-resiliency-ext's ``ptl_resiliency`` names.
+  ours and nvidia-resiliency-ext's ``ptl_resiliency`` names;
+- `transformers`: `FtTrainerCallback` for the Hugging Face Trainer (transformers 4.45 or later).
 
 Each module imports its framework when it is imported, never before: ``import ft_client``
 imports none of them. May import the client (``ft_client.client``), the hall and every room

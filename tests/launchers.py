@@ -191,3 +191,14 @@ def _descendants(root: int, table: dict[int, tuple[int, int]]) -> set[tuple[int,
 def listening(port: int) -> bool:
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def run_to_success(workdir: Path, *args: str, name: str, entry: tuple[str, ...],
+                   train_args: tuple[str, ...] = ()) -> Launcher:
+    """A launcher run to its end, which must be a success (its output's tail says why not)."""
+    la = Launcher(workdir, *args, name=name, entry=entry, train_args=train_args)
+    try:
+        assert la.wait() == exit_codes.SUCCESS, la.output()[-6000:]
+    finally:
+        la.kill()
+    return la

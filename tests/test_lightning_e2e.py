@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from ft_monitor.launcher import exit_codes
-from tests.launchers import Launcher
+from tests.launchers import Launcher, run_to_success
 from tests.procs import ROOT
 
 pytestmark = pytest.mark.e2e
@@ -38,12 +38,7 @@ def _one_connection_per_rank(la: Launcher) -> None:
 
 
 def _run(workdir: Path, name: str, *train_args: str) -> Launcher:
-    la = Launcher(workdir, "--max-restarts", "1", *CONFIG, name=name, entry=(SCRIPT,), train_args=train_args)
-    try:
-        assert la.wait() == exit_codes.SUCCESS, la.output()[-6000:]
-    finally:
-        la.kill()
-    return la
+    return run_to_success(workdir, "--max-restarts", "1", *CONFIG, name=name, entry=(SCRIPT,), train_args=train_args)
 
 
 def test_a_lightning_job_whose_rank_hangs_is_named_resumed_from_last_ckpt_and_keeps_learned_timeouts(

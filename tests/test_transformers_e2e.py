@@ -16,8 +16,7 @@ from typing import Any
 
 import pytest
 
-from ft_monitor.launcher import exit_codes
-from tests.launchers import Launcher
+from tests.launchers import Launcher, run_to_success
 from tests.procs import ROOT
 
 pytestmark = pytest.mark.e2e
@@ -28,12 +27,7 @@ CONFIGURED_STEP_TIMEOUT = 60.0  # examples/ft_hf.yaml, until learned
 
 
 def _run(workdir: Path, name: str, *train_args: str) -> Launcher:
-    la = Launcher(workdir, "--max-restarts", "1", *CONFIG, name=name, entry=(SCRIPT,), train_args=train_args)
-    try:
-        assert la.wait() == exit_codes.SUCCESS, la.output()[-6000:]
-    finally:
-        la.kill()
-    return la
+    return run_to_success(workdir, "--max-restarts", "1", *CONFIG, name=name, entry=(SCRIPT,), train_args=train_args)
 
 
 def _ft_state(checkpoint: Path) -> dict[str, Any]:

@@ -60,6 +60,7 @@ except ImportError:  # the older package name
 
 from ft_client.client import RankMonitorClient
 from ft_client.errors import FtError, RankMonitorClientError
+from ft_client.integrations.sections import OpenSections
 from ft_client.workload import WorkloadAction, WorkloadControlRequest
 
 SETUP, STEP, VALIDATION, CHECKPOINTING = "setup", "step", "validation", "checkpointing"
@@ -115,7 +116,7 @@ def _simulate_fault(params: SimulatedFaultParams, rank: int, world: int) -> None
     threading.Thread(target=fault, name="ft-simulated-fault", daemon=True).start()
 
 
-class FtCallback(Callback):
+class FtCallback(OpenSections, Callback):
     """Progress, learned timeouts and the finished flag of a Lightning ``fit`` (the module's
     docstring says what each hook does).
 
@@ -161,21 +162,7 @@ class FtCallback(Callback):
     def is_initialized(self) -> bool:
         return self.client is not None
 
-    # -- sections -----------------------------------------------------------------------------
-    def _start(self, name: str) -> None:
-        if self.client is not None and name not in self._open:
-            self._open.add(name)
-            self.client.start_section(name)
-
-    def _end(self, name: str) -> None:
-        if self.client is not None and name in self._open:
-            self._open.discard(name)
-            self.client.end_section(name)
-
-    def _beat(self) -> None:
-        if self.client is not None:
-            self.client.send_heartbeat()
-
+    # -- the strategy's checkpoint writes, in a section ----------------------------------------
     def _wrap(self, owner: Any, method: str) -> None:
         original = getattr(owner, method, None)
         if original is None or getattr(original, "_ft_wrapped", False):

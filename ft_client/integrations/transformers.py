@@ -48,6 +48,7 @@ from typing import Any
 
 from ft_client.client import RankMonitorClient
 from ft_client.errors import FtError, RankMonitorClientError
+from ft_client.integrations.sections import OpenSections
 from ft_client.learning.sync import max_across_ranks
 
 MIN_TRANSFORMERS = (4, 45)
@@ -118,7 +119,7 @@ def sections_to_learn(listed: Container[str], resumed: bool) -> list[str]:
             if s in listed and (s != SETUP or resumed)]
 
 
-class FtTrainerCallback(TrainerCallback, ExportableState):
+class FtTrainerCallback(OpenSections, TrainerCallback, ExportableState):
     """Progress, learned timeouts and their checkpointing for a Hugging Face ``Trainer.train``
     (the module's docstring says what each hook does).
 
@@ -156,27 +157,6 @@ class FtTrainerCallback(TrainerCallback, ExportableState):
         if self.client is not None:
             entry[STATE_KEY] = self.client.state_dict()
         return entry
-
-    # -- sections -------------------------------------------------------------------------------
-    def _start(self, name: str) -> None:
-        if self.client is not None and name not in self._open:
-            self._open.add(name)
-            self.client.start_section(name)
-
-    def _end(self, name: str) -> None:
-        if self.client is not None and name in self._open:
-            self._open.discard(name)
-            self.client.end_section(name)
-
-    def _abandon(self) -> None:
-        """Close every open section without counting them as completed (a step cut short)."""
-        if self.client is not None and self._open:
-            self._open.clear()
-            self.client.end_all_sections()
-
-    def _beat(self) -> None:
-        if self.client is not None:
-            self.client.send_heartbeat()
 
     # -- the Trainer's events ---------------------------------------------------------------------
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,

@@ -36,6 +36,7 @@ from bench import (  # noqa: E402
     idle_cpu,
     import_time,
     ingest,
+    lightning_cost,
     rdzv_restart,
     restart,
     restart_warm,
@@ -63,6 +64,8 @@ BENCHMARKS: dict[str, tuple[bool, Callable[..., list[Figure]]]] = {
     # a restart's rendezvous with and without torch's first-run delay (ft_monitor/launcher/rdzv/rdzv_delay.py)
     "rdzv_restart": (False, lambda mode, loop: rdzv_restart.run(mode)),
     "step_overhead": (False, step_overhead.run),
+    # issue 41: FtCallback's cost on a Lightning step, with and without it in one run
+    "lightning_cost": (False, lightning_cost.run),
     "idle_cpu": (False, idle_cpu.run),
     "diagnosis": (False, lambda mode, loop: diagnosis.run(mode)),  # the launcher's daemons pick their own loop
     # the full set runs its quick variant (100 MB); the 1 GB rows: bench/snapshot.py

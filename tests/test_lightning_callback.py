@@ -4,6 +4,7 @@ the rules they decide with (the real run: tests/test_lightning_e2e.py)."""
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -21,7 +22,7 @@ def test_the_reference_classes_take_the_references_arguments() -> None:
     assert ftl.FaultToleranceSectionsCallback(autoresume=False, calculate_timeouts=False).sections
 
 
-def test_autoresume_needs_the_finished_flag_file(monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> None:
+def test_autoresume_needs_the_finished_flag_file(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(ftl.FINISHED_FLAG_ENV, raising=False)
     with pytest.raises(ftl.LightningIntegrationError, match=ftl.FINISHED_FLAG_ENV) as e:
         ftl.FtCallback(autoresume=True)
@@ -55,3 +56,53 @@ def test_training_is_complete_at_max_steps_or_max_epochs(max_steps: int, max_epo
                                                         epoch: int, done: bool) -> None:
     trainer = SimpleNamespace(max_steps=max_steps, max_epochs=max_epochs, global_step=step, current_epoch=epoch)
     assert ftl._completed(trainer) is done
+
+
+class FakeClient:
+    """What the callback calls on its client, recorded."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def start_section(self, name: str) -> None:
+        self.calls.append(f"start {name}")
+
+    def end_section(self, name: str) -> None:
+        self.calls.append(f"end {name}")
+
+    def end_all_sections(self) -> None:
+        self.calls.append("end all")
+
+    def send_heartbeat(self) -> None:
+        self.calls.append("beat")
+
+    def shutdown_workload_monitoring(self) -> None:
+        self.calls.append("shutdown")
+
+
+def _with_client(cb: ftl.FtCallback) -> FakeClient:
+    fake = FakeClient()
+    cb.client = fake  # type: ignore[assignment]  # the part of RankMonitorClient the hooks use
+    return fake
+
+
+def test_a_step_cut_short_by_an_exception_is_not_counted_and_the_client_shuts_down() -> None:
+    cb = ftl.FtCallback(calculate_timeouts=False)
+    fake = _with_client(cb)
+    trainer = SimpleNamespace(global_step=3, global_rank=0)
+    cb.on_train_batch_start(trainer, None, None, 0)
+    cb.on_exception(trainer, None, RuntimeError("boom"))
+    assert fake.calls == ["start step", "end all", "shutdown"] and cb.client is None
+
+
+@pytest.mark.parametrize(("batches", "step", "done"), [(0, 7, True), (1, 7, True), (2, 7, False), (2, 10, True)])
+def test_the_finished_flag_after_max_steps_or_a_run_that_had_nothing_left(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, batches: int, step: int, done: bool) -> None:
+    flag = tmp_path / "finished"
+    monkeypatch.setenv(ftl.FINISHED_FLAG_ENV, str(flag))
+    cb = ftl.FtCallback(autoresume=True, calculate_timeouts=False)
+    _with_client(cb)
+    cb.batches = batches
+    trainer = SimpleNamespace(global_rank=0, max_steps=10, max_epochs=None, global_step=step, current_epoch=0)
+    cb.teardown(trainer, None, "fit")
+    assert flag.exists() is done and cb.client is None

@@ -24,8 +24,9 @@ What it does, in the ``fit`` stage (other stages are left alone):
   timeout with them; they go into the checkpoint (`state_dict`, under the callback's state key)
   and are put in force again when Lightning restores it;
 - with ``autoresume``, rank 0 touches ``$FAULT_TOL_FINISHED_FLAG_FILE`` when the run has
-  reached ``max_steps`` or ``max_epochs``, for an autoresume loop that resubmits the job until
-  the file appears.
+  reached ``max_steps`` or ``max_epochs``, or ran at most one batch without failing (nothing
+  was left: a ``max_time`` reached by the run before), for an autoresume loop that
+  resubmits the job until the file appears.
 
 A section the monitor's config does not list costs no IPC (ft_client's rule), so the callback
 works with any config; the monitor acts on those it lists. nvidia-resiliency-ext's
@@ -262,8 +263,7 @@ class FtCallback(OpenSections, Callback):
         if self.client is None:
             return
         self._failed = not (isinstance(exception, SystemExit) and not exception.code)
-        for name in list(self._open):
-            self._end(name)
+        self._abandon()  # a step cut short is not a step the framework ran
         if self.exc_handling_policy is not None:
             request = self.exc_handling_policy(exception)
             if not isinstance(request, WorkloadControlRequest):
@@ -279,7 +279,7 @@ class FtCallback(OpenSections, Callback):
             return
         for name in list(self._open):
             self._end(name)
-        if self.autoresume and trainer.global_rank == 0 and _completed(trainer):
+        if self.autoresume and trainer.global_rank == 0 and (_completed(trainer) or self._empty_run()):
             self._finished_flag()
         if self.calculate_timeouts and not self._failed:
             self._learn(final=True)
@@ -315,6 +315,12 @@ class FtCallback(OpenSections, Callback):
         state = self.client.state_dict() if self.client is not None else {}
         observed = (state.get("observations") or {}).get("sections") or {}
         return observed.get(section) is not None
+
+    def _empty_run(self) -> bool:
+        """A fit that ran at most one batch and did not fail: nothing was left to train (a
+        ``max_time`` reached, data that ran out), so an autoresume loop must stop (the
+        reference's rule: its flag appears after such a run)."""
+        return self.batches <= 1 and not self._failed
 
     def _finished_flag(self) -> None:
         path = os.environ.get(FINISHED_FLAG_ENV)

@@ -106,3 +106,16 @@ def test_the_finished_flag_after_max_steps_or_a_run_that_had_nothing_left(
     trainer = SimpleNamespace(global_rank=0, max_steps=10, max_epochs=None, global_step=step, current_epoch=0)
     cb.teardown(trainer, None, "fit")
     assert flag.exists() is done and cb.client is None
+
+
+def test_validate_and_test_stages_are_left_alone() -> None:
+    """The reference's test_eval_with_callback: `trainer.validate` / `trainer.test` neither
+    connect nor report (setup only acts in `fit`)."""
+    cb = ftl.FtCallback()
+    trainer = SimpleNamespace(global_rank=0, global_step=0)
+    for stage in ("validate", "test", "predict"):
+        cb.setup(trainer, None, stage)
+        cb.on_validation_batch_start(trainer, None, None, 0)
+        cb.on_validation_batch_end(trainer, None, None, None, 0)
+        cb.teardown(trainer, None, stage)
+    assert cb.client is None and cb.batches == 0

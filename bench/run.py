@@ -33,6 +33,7 @@ from bench import (  # noqa: E402
     client_cost,
     detection,
     diagnosis,
+    fsdp2_snapshot,
     idle_cpu,
     import_time,
     ingest,
@@ -70,6 +71,9 @@ BENCHMARKS: dict[str, tuple[bool, Callable[..., list[Figure]]]] = {
     "diagnosis": (False, lambda mode, loop: diagnosis.run(mode)),  # the launcher's daemons pick their own loop
     # the full set runs its quick variant (100 MB); the 1 GB rows: bench/snapshot.py
     "snapshot": (False, lambda mode, loop: snapshot.run(Mode("quick") if mode.name == "full" else mode, loop)),
+    # issue 41: FSDP2 state (DTensors) saved and restored by snapshots, against dcp.save / dcp.load
+    "fsdp2_snapshot": (False, lambda mode, loop: fsdp2_snapshot.run(Mode("quick") if mode.name == "full" else mode,
+                                                                    loop)),
     # issue 28: the in-process restart's store protocol at N simulated ranks (before/after: --baseline REV there)
     "sim_inprocess": (False, lambda mode, loop: sim_inprocess.run(mode)),
     # issue 28: the launcher's store protocols at M simulated nodes, before and after (its own process: torch)

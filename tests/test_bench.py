@@ -61,6 +61,8 @@ EXPECTED_IDS = {  # the figures each group of benchmarks writes (bench/run.py --
         "crc32", "save_call", "save_wait", "torch_save", "dcp_save", "restore", "torch_load", "dcp_load",
         "restore_vs_torch_load", "restore_vs_dcp_load", "restored_equal", "lost.k1", "peer.local", "peer.with_copy",
         "peer.transfer")},
+    "fsdp2_snapshot": {f"fsdp2snap.4MB.{k}" for k in ("save", "save_call", "restore", "dcp_save", "dcp_load",
+                                                      "save_vs_dcp", "restore_vs_dcp")},
     "lightning_cost": {"lightning.step.bare", "lightning.step.callback", "lightning.callback.hooks",
                        "lightning.callback.cost_pct"},
     "sim_inprocess": {f"sim.inprocess.n{n}.{k}" for n in (8, 16)

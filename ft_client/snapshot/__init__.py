@@ -3,6 +3,7 @@
     from ft_client import snapshot
 
     got = snapshot.restore()                 # after init_process_group: every rank calls it
+    # FSDP2 (DTensors): restore(like={"model": model, "opt": opt}) gives DTensors on the model's mesh
     if got is not None:
         step, state = got
         model.load_state_dict(state["model"]); opt.load_state_dict(state["opt"])
@@ -26,6 +27,10 @@ from the partner what this rank lost with its node, and returns it; or None, aft
 line saying why (first start, a monitor that restarted, memory refused), and the
 caller falls back to its file checkpoint.
 
+A DTensor (FSDP2's parameters and optimizer state) is saved as this rank's shard and what makes
+it a DTensor again (placements, global shape and stride, device mesh); `restore` gives it back
+as a DTensor, on the mesh of the state passed as ``like`` or on a mesh made as recorded.
+
 Nothing another process wrote is unpickled: the layout is msgpack (`format`).
 
 The package's modules, each importing only those above it in this list:
@@ -47,7 +52,15 @@ from typing import Any
 
 from ft_client.errors import MemorySnapshotError
 from ft_client.snapshot.agreement import SLOTS, Agreement, Held, Holdings, agree, from_row, to_row
-from ft_client.snapshot.format import HEADER_SIZE, Header, SnapshotFormatError, TensorRef, TensorSpec
+from ft_client.snapshot.format import (
+    HEADER_SIZE,
+    DTensorRef,
+    Header,
+    MeshSpec,
+    SnapshotFormatError,
+    TensorRef,
+    TensorSpec,
+)
 from ft_client.snapshot.memory import CONNECT_TIMEOUT, HEADROOM, OWN, PEER, open_pair
 from ft_client.snapshot.peer import PEER_TIMEOUT, partners
 from ft_client.snapshot.snapshotter import Snapshotter
@@ -70,9 +83,10 @@ def save(step: int, state: Any) -> bool:
     return default().save(step, state)
 
 
-def restore(map_location: Any = "cpu") -> tuple[int, dict[str, Any]] | None:
-    """`Snapshotter.restore` on the process's snapshotter."""
-    return default().restore(map_location)
+def restore(map_location: Any = "cpu", *, like: Any = None) -> tuple[int, dict[str, Any]] | None:
+    """`Snapshotter.restore` on the process's snapshotter (``like``: the state to restore into, whose
+    DTensors' device meshes the restored DTensors get)."""
+    return default().restore(map_location, like=like)
 
 
 def wait() -> None:
@@ -80,7 +94,8 @@ def wait() -> None:
     default().wait()
 
 
-__all__ = ["Agreement", "Held", "Holdings", "MemorySnapshotError", "Snapshotter", "agree", "default", "open_pair",
+__all__ = ["Agreement", "DTensorRef", "Held", "Holdings", "MemorySnapshotError", "MeshSpec", "Snapshotter", "agree",
+           "default", "open_pair",
            "partners", "restore", "save", "wait",
            # reachable here before the split into modules (issue 40), and still
            "CONNECT_TIMEOUT", "HEADER_SIZE", "HEADROOM", "OWN", "PEER", "PEER_TIMEOUT", "SLOTS", "Header",

@@ -95,14 +95,22 @@ def gather(side: Any, held: Holdings, world: int) -> Agreement:
     return agree([from_row([int(v) for v in row.tolist()]) for row in out])
 
 
-def confirm(side: Any, failure: str) -> str:
+def confirm(side: Any, failure: str, same: int = 0) -> str:
     """Every rank took its snapshot, or none restores (a step is never mixed): ``failure``, this
-    rank's, or the line saying another rank failed; "" when all took theirs. A collective."""
+    rank's, or the line saying another rank failed; "" when all took theirs. ``same`` (below 2^62)
+    must be the same number on every rank too (what the ranks will do next together: the device
+    meshes they make for their DTensors). A collective."""
     import torch
     import torch.distributed as dist
 
-    ok = torch.tensor([0 if failure else 1], dtype=torch.int64)
+    ok = torch.tensor([0 if failure else 1, same, -same], dtype=torch.int64)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=side)
-    if failure or int(ok.item()) == 1:
+    least, most = int(ok[1].item()), -int(ok[2].item())
+    if failure:
         return failure
-    return "another rank could not take its snapshot of the agreed step"
+    if int(ok[0].item()) != 1:
+        return "another rank could not take its snapshot of the agreed step"
+    if least != most:
+        return ("the ranks would make different device meshes for their DTensors from what their snapshots "
+                "recorded (DTensors on meshes of part of the ranks?): pass the state to restore(like=...)")
+    return ""

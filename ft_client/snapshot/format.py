@@ -16,7 +16,9 @@ the other buffer of the pair still holds the previous snapshot whole.
 Everything here is pure and imports no torch: `parse_header`, `decode_layout` and
 `check` take bytes someone else wrote (the monitor's memory, a peer's copy) and
 return a value or raise `SnapshotFormatError`, nothing else. The layout is msgpack
-with two extension types of ours (a tensor reference, a tuple): nothing is unpickled, and
+with three extension types of ours (a tensor reference, a tuple, a DTensor: its local shard's
+reference, global shape and stride, placements and device mesh, the meshes listed once in the
+layout's ``meshes``, written only when a state holds DTensors): nothing is unpickled, and
 `decode_layout` decodes it iteratively, within bounds of depth and size (another process can
 write any layout and recompute the checksum, which has no key).
 """
@@ -50,6 +52,7 @@ STATE_NAMES = {EMPTY: "empty", WRITING: "writing", COMPLETE: "complete"}
 
 _EXT_TENSOR = 1
 _EXT_TUPLE = 2
+_EXT_DTENSOR = 3
 
 # magic, version, state, generation, step, rank, world, layout_len, data_offset, data_len,
 # saved_at (wall clock), job, checksum (XXH3-64 of [HEADER_SIZE, data_offset + data_len)),
@@ -119,6 +122,36 @@ class TensorRef:
     """A tensor's place in the tree: an index into the layout's tensor list."""
 
     index: int
+
+
+@dataclass(frozen=True)
+class MeshSpec:
+    """A DTensor's device mesh as saved: device type, shape, global ranks (row-major), dimension names."""
+
+    device_type: str
+    shape: tuple[int, ...]
+    ranks: tuple[int, ...]
+    names: tuple[str, ...] | None = None
+
+
+Placement = tuple[Any, ...]
+"""One mesh dimension's placement: ``("R",)`` replicate, ``("S", dim)`` shard the tensor's
+``dim``, ``("P", reduce_op)`` partial (torch's Replicate, Shard, Partial)."""
+PARTIAL_OPS = frozenset({"sum", "avg", "min", "max", "product", "band", "bor", "bxor"})
+MAX_MESH_DIMS = 16
+
+
+@dataclass(frozen=True)
+class DTensorRef:
+    """A DTensor's place in the tree: its local shard (an index into the tensor list, a plain
+    tensor there) and what makes it a DTensor again: its global shape and stride, one placement
+    per mesh dimension, its mesh."""
+
+    index: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    placements: tuple[Placement, ...]
+    mesh: MeshSpec
 
 
 def aligned(n: int, to: int = ALIGN) -> int:
@@ -208,18 +241,35 @@ def check(buf: Bytes, *, job: str, rank: int) -> Header:
 
 # -- the layout ------------------------------------------------------------------------------
 def encode_layout(tree: Any, tensors: Sequence[TensorSpec]) -> bytes:
-    """msgpack of ``{"tree": tree, "tensors": [...]}``; ``tree`` holds TensorRef where tensors were,
-    and only plain values besides (the caller checked them)."""
+    """msgpack of ``{"tree": tree, "tensors": [...]}``, and ``"meshes": [...]`` after them when the
+    tree holds DTensorRef; ``tree`` holds TensorRef where tensors were, and only plain values
+    besides (the caller checked them). A tree without DTensors gives the bytes it always gave."""
+    meshes: dict[MeshSpec, int] = {}
+    by_id: dict[int, int] = {}  # a mesh's ranks hashed once per MeshSpec object, not once per DTensor
+
     def default(obj: Any) -> Any:
         if isinstance(obj, TensorRef):
             return msgpack.ExtType(_EXT_TENSOR, msgpack.packb(obj.index))
         if isinstance(obj, tuple):
             return msgpack.ExtType(_EXT_TUPLE, msgpack.packb(list(obj), default=default, strict_types=True))
+        if isinstance(obj, DTensorRef):
+            m = by_id.get(id(obj.mesh))
+            if m is None:
+                m = by_id[id(obj.mesh)] = meshes.setdefault(obj.mesh, len(meshes))
+            return msgpack.ExtType(_EXT_DTENSOR, msgpack.packb(
+                [obj.index, list(obj.shape), list(obj.stride), [list(p) for p in obj.placements], m]))
         raise SnapshotFormatError(f"a {type(obj).__name__} cannot be put in a snapshot's layout")
 
     specs = [[t.dtype, list(t.shape), t.offset, t.nbytes] for t in tensors]
-    packed: bytes = msgpack.packb({"tree": tree, "tensors": specs}, default=default, strict_types=True)
-    return packed
+    packed_tree = msgpack.packb(tree, default=default, strict_types=True)
+    # the map by hand, its values packed already: {"tree": ..., "tensors": ...[, "meshes": ...]}
+    parts = [b"\x83" if meshes else b"\x82", msgpack.packb("tree"), packed_tree, msgpack.packb("tensors"),
+             msgpack.packb(specs)]
+    if meshes:
+        parts += [msgpack.packb("meshes"), msgpack.packb(
+            [[m.device_type, list(m.shape), list(m.ranks), None if m.names is None else list(m.names)]
+             for m in meshes])]
+    return b"".join(parts)
 
 
 MAX_TUPLE_DEPTH = 100
@@ -263,8 +313,9 @@ def _unpack(data: bytes | memoryview) -> Any:
 
 
 def decode_layout(raw: bytes | memoryview, data_len: int) -> tuple[Any, list[TensorSpec]]:
-    """The tree (TensorRef where tensors were) and the tensors' places; SnapshotFormatError for
-    any bytes that are not a consistent layout, and nothing else.
+    """The tree (TensorRef where tensors were, DTensorRef where DTensors were) and the tensors'
+    places; SnapshotFormatError for any bytes that are not a consistent layout, and nothing else.
+    (Whether a DTensor's shard is the one its rank holds: `tree.check_shards`, with the header's rank.)
 
     Iterative: msgpack decodes one level, with tuples and tensor references left as their
     bytes, and `_resolve`'s loop decodes those (no unpackb runs inside another). Bounded:
@@ -275,10 +326,13 @@ def decode_layout(raw: bytes | memoryview, data_len: int) -> tuple[Any, list[Ten
         raise SnapshotFormatError(f"a layout of {len(raw)} bytes (at most {MAX_LAYOUT})")
     try:
         doc = _unpack(raw)
-        if not isinstance(doc, dict) or set(doc) != {"tree", "tensors"} or not isinstance(doc["tensors"], list):
-            raise SnapshotFormatError("its layout is not a map of tree and tensors")
+        if not isinstance(doc, dict) or set(doc) not in ({"tree", "tensors"}, {"tree", "tensors", "meshes"}) \
+                or not isinstance(doc["tensors"], list) or not isinstance(doc.get("meshes", []), list):
+            raise SnapshotFormatError("its layout is not a map of tree and tensors (and meshes)")
         specs = [_spec(item, data_len) for item in doc["tensors"]]
-        tree = _resolve(doc["tree"], len(specs), TUPLE_BYTES_FACTOR * len(raw) + TUPLE_BYTES_SLACK)
+        meshes = [_mesh(item) for item in doc.get("meshes", [])]
+        dt = _DTensors(specs, meshes)
+        tree = _resolve(doc["tree"], dt, TUPLE_BYTES_FACTOR * len(raw) + TUPLE_BYTES_SLACK)
     except SnapshotFormatError:
         raise
     except Exception as e:  # a reader is total: whatever else the bytes provoke refuses them too
@@ -286,9 +340,10 @@ def decode_layout(raw: bytes | memoryview, data_len: int) -> tuple[Any, list[Ten
     return tree, specs
 
 
-def _resolve(tree: Any, count: int, budget: int) -> Any:
-    """``tree`` with its `_Ext` values decoded (TensorRef, tuple), checked: keys str or int,
-    plain leaves, references below ``count``, the depths, at most ``budget`` bytes of tuples.
+def _resolve(tree: Any, dt: _DTensors, budget: int) -> Any:
+    """``tree`` with its `_Ext` values decoded (TensorRef, tuple, DTensorRef), checked: keys str or
+    int, plain leaves, references below the number of tensors, DTensors by `_DTensors`, the depths,
+    at most ``budget`` bytes of tuples.
 
     A loop over a stack of (container, its depth, tuples around it): a tuple's bytes are
     decoded into a list, which takes the tuple's place and is walked in turn; the lists
@@ -312,7 +367,9 @@ def _resolve(tree: Any, count: int, budget: int) -> Any:
                 stack.append((v, depth + 1, outer))
             elif t is _Ext:
                 if v.code == _EXT_TENSOR:
-                    container[slot] = _tensor_ref(v.data, count)
+                    container[slot] = _tensor_ref(v.data, len(dt.specs))
+                elif v.code == _EXT_DTENSOR:
+                    container[slot] = dt.ref(v.data)
                 elif v.code == _EXT_TUPLE:
                     if outer >= MAX_TUPLE_DEPTH:  # decoded recursively, ~200 killed the process (SIGSEGV)
                         raise SnapshotFormatError(f"tuples nested over {MAX_TUPLE_DEPTH} deep")
@@ -365,3 +422,75 @@ def _spec(item: object, data_len: int) -> TensorSpec:
     if math.prod(shape) * ITEMSIZE[dtype] != nbytes:
         raise SnapshotFormatError(f"a {dtype} tensor of shape {shape} in {nbytes} bytes")
     return TensorSpec(dtype, tuple(shape), offset, nbytes)
+
+
+def _sizes(v: object, what: str) -> tuple[int, ...]:
+    if not isinstance(v, list) or len(v) > 64 or not all(type(d) is int and 0 <= d < 2**63 for d in v):
+        raise SnapshotFormatError(f"a DTensor {what} {reprlib.repr(v)} that is not a list of sizes")
+    return tuple(v)
+
+
+def _mesh(item: object) -> MeshSpec:
+    """A device mesh of the layout's ``meshes``: [device type, shape, ranks (row-major), names or nil]."""
+    if not (isinstance(item, list) and len(item) == 4):
+        raise SnapshotFormatError(f"a mesh entry {reprlib.repr(item)} is not [device, shape, ranks, names]")
+    device, shape, ranks, names = item
+    if not isinstance(device, str) or not 0 < len(device) <= 64:
+        raise SnapshotFormatError(f"a mesh of device type {reprlib.repr(device)}")
+    if not isinstance(shape, list) or not 0 < len(shape) <= MAX_MESH_DIMS \
+            or not all(type(n) is int and n > 0 for n in shape):
+        raise SnapshotFormatError(f"a mesh shape {reprlib.repr(shape)} that is not a list of sizes")
+    if not isinstance(ranks, list) or not all(type(r) is int and 0 <= r < 2**31 for r in ranks) \
+            or len(set(ranks)) != len(ranks) or math.prod(shape) != len(ranks):
+        raise SnapshotFormatError(f"a mesh of shape {shape} whose ranks {reprlib.repr(ranks)} are not its "
+                                  "distinct ranks")
+    if names is not None and not (isinstance(names, list) and len(names) == len(shape)
+                                  and all(isinstance(n, str) for n in names)):
+        raise SnapshotFormatError(f"mesh dimension names {reprlib.repr(names)} that are not one str per dimension")
+    return MeshSpec(device, tuple(shape), tuple(ranks), None if names is None else tuple(names))
+
+
+class _DTensors:
+    """Decodes and checks a layout's DTensor entries: [local tensor index, global shape, global stride,
+    placements (one per mesh dimension: ["R"], ["S", dim] or ["P", reduce op]), mesh index]; the local
+    tensor has the global shape's dimensions, each as large (unsharded) or at most as large (sharded)."""
+
+    def __init__(self, specs: list[TensorSpec], meshes: list[MeshSpec]) -> None:
+        self.specs, self.meshes = specs, meshes
+
+    def ref(self, data: bytes) -> DTensorRef:
+        item = _unpack(data)
+        if not (isinstance(item, list) and len(item) == 5):
+            raise SnapshotFormatError(f"a DTensor entry {reprlib.repr(item)} is not "
+                                      "[tensor, shape, stride, placements, mesh]")
+        index, shape, stride, placements, m = item
+        if type(index) is not int or not 0 <= index < len(self.specs):
+            raise SnapshotFormatError(f"a DTensor of tensor {reprlib.repr(index)} of {len(self.specs)}")
+        if type(m) is not int or not 0 <= m < len(self.meshes):
+            raise SnapshotFormatError(f"a DTensor on mesh {reprlib.repr(m)} of {len(self.meshes)}")
+        mesh, spec = self.meshes[m], self.specs[index]
+        shape, stride = _sizes(shape, "shape"), _sizes(stride, "stride")
+        if len(stride) != len(shape) or len(spec.shape) != len(shape):
+            raise SnapshotFormatError(f"a DTensor of shape {list(shape)}, stride {list(stride)} and a local "
+                                      f"tensor of shape {list(spec.shape)}")
+        if not isinstance(placements, list) or len(placements) != len(mesh.shape):
+            raise SnapshotFormatError(f"DTensor placements {reprlib.repr(placements)} that are not one per "
+                                      f"dimension of its {len(mesh.shape)}-dimensional mesh")
+        ps = tuple(_placement(p, len(shape)) for p in placements)
+        sharded = {p[1] for p in ps if p[0] == "S"}
+        if any(local > size if d in sharded else local != size
+               for d, (local, size) in enumerate(zip(spec.shape, shape))):
+            raise SnapshotFormatError(f"a local tensor of shape {list(spec.shape)} for a DTensor of shape "
+                                      f"{list(shape)} placed {ps}")
+        return DTensorRef(index, shape, stride, ps, mesh)
+
+
+def _placement(p: object, ndim: int) -> Placement:
+    if p == ["R"]:
+        return ("R",)
+    if isinstance(p, list) and len(p) == 2 and p[0] == "S" and type(p[1]) is int and 0 <= p[1] < ndim:
+        return ("S", p[1])
+    if isinstance(p, list) and len(p) == 2 and p[0] == "P" and isinstance(p[1], str) and p[1] in PARTIAL_OPS:
+        return ("P", p[1])
+    raise SnapshotFormatError(f"a DTensor placement {reprlib.repr(p)} (snapshots hold Replicate, "
+                              f"Shard of a dimension below {ndim} and Partial)")

@@ -25,7 +25,7 @@ from ft_client.snapshot import format as fmt
 from ft_client.snapshot.agreement import SLOTS, Held, Holdings
 from ft_client.snapshot.format import HEADER_SIZE, Header, SnapshotFormatError, TensorSpec
 from ft_client.snapshot.memory import OWN, PEER, Buffer, MonitorMemory
-from ft_client.snapshot.tree import flatten, lay_out, rebuild, view
+from ft_client.snapshot.tree import DTensors, check_shards, flatten, lay_out, rebuild, view
 
 if TYPE_CHECKING:
     import torch
@@ -203,11 +203,17 @@ class Snapshotter:
         return self._side
 
     # -- restore ---------------------------------------------------------------------------------
-    def restore(self, map_location: Any = "cpu") -> tuple[int, Any] | None:
+    def restore(self, map_location: Any = "cpu", *, like: Any = None) -> tuple[int, Any] | None:
         """(step, state) of the newest snapshot every rank holds, or None after one line saying
         why (the caller loads its file checkpoint). A collective when torch.distributed is
-        initialized with several ranks: every rank calls it."""
+        initialized with several ranks: every rank calls it. ``like``: a state shaped as the one
+        saved (the model and optimizer to load into, FSDP2's included), whose DTensors give the
+        restored DTensors their device meshes (`tree.DTensors`): without it, or where it has none,
+        they are made on meshes made as recorded."""
         t0 = time.perf_counter()
+        found: dict[str, Any] = {}
+        if like is not None:  # refused by path here, before any collective, as save would refuse it
+            flatten(like, "state", [], found=found)
         self.wait()
         self.why_not = None
         notes: list[str] = []
@@ -222,15 +228,17 @@ class Snapshotter:
             agreed = agreement.gather(side, held, world)
         got: tuple[Buffer, Header] | None = None
         layout: tuple[Any, list[TensorSpec]] = (None, [])
+        dtensors: DTensors | None = None
         failure = ""
         if agreed.step is not None:
             try:
                 got = self._take(side, agreed)
                 layout = _decode_layout(*got)  # a peer's copy too: refused in agreement with the other ranks
-            except (MemorySnapshotError, OSError, RuntimeError, SnapshotFormatError) as e:
+                dtensors = DTensors(*layout, found, world=world, map_location=map_location)
+            except (MemorySnapshotError, OSError, RuntimeError, SnapshotFormatError, TypeError, ValueError) as e:
                 failure = f"rank {self.rank} could not take step {agreed.step}'s snapshot: {e}"
             if side is not None:
-                failure = agreement.confirm(side, failure)
+                failure = agreement.confirm(side, failure, dtensors.token if dtensors is not None else 0)
         if agreed.step is None or failure:
             mine = any(h is not None and h.rank == self.rank for h in held[:2])
             why = failure or (agreed.why if mine else "; ".join(notes) or agreed.why) or "no snapshot"
@@ -241,7 +249,9 @@ class Snapshotter:
             self._say(f"ft_client.snapshot: {note}")
         assert got is not None
         buf, h = got
-        state = self._load(buf, h, map_location, layout)
+        assert dtensors is not None
+        dtensors.build()  # every rank (a collective when torch makes process groups for a mesh)
+        state = self._load(buf, h, map_location, layout, dtensors)
         self.last_restore = {"step": h.step, "seconds": time.perf_counter() - t0,
                              "from": agreed.fetch.get(self.rank, (self.rank, 0))[0], "bytes": h.end}
         return h.step, state
@@ -298,14 +308,17 @@ class Snapshotter:
                 return b, fmt.check(b.mm, job=self.job, rank=self.rank)
         raise MemorySnapshotError(f"step {agreed.step} is not in this rank's memory")
 
-    def _load(self, buf: Buffer, h: Header, map_location: Any, layout: tuple[Any, list[TensorSpec]]) -> Any:
-        """The state saved in ``buf``: its ``layout`` (`_decode_layout`'s) with its tensors copied out."""
+    def _load(self, buf: Buffer, h: Header, map_location: Any, layout: tuple[Any, list[TensorSpec]],
+              dtensors: DTensors) -> Any:
+        """The state saved in ``buf``: its ``layout`` (`_decode_layout`'s) with its tensors copied out
+        (a DTensor's shard to the device ``dtensors`` says)."""
         tree, specs = layout
         tensors = []
-        for spec in specs:
+        for i, spec in enumerate(specs):
             t = view(buf.mm, h.data_offset, spec).clone()
-            tensors.append(t.to(map_location) if map_location not in (None, "cpu") else t)
-        return rebuild(tree, tensors)
+            moved = map_location not in (None, "cpu") and i not in dtensors.locals
+            tensors.append(t.to(map_location) if moved else t)
+        return rebuild(tree, tensors, dtensors)
 
     def close(self) -> None:
         self.wait()
@@ -314,13 +327,15 @@ class Snapshotter:
 
 def _decode_layout(buf: Buffer, h: Header) -> tuple[Any, list[TensorSpec]]:
     """The buffer's layout (tree, tensor places), or SnapshotFormatError when it does not decode
-    (an unknown extension type, a length past its bytes, tuples nested too deep): refused before
-    the agreement, not raised at load."""
+    (an unknown extension type, a length past its bytes, tuples nested too deep, a DTensor's shard
+    that is not the one the header's rank holds): refused before the agreement, not raised at load."""
     raw = memoryview(buf.mm)
     try:
-        return fmt.decode_layout(raw[HEADER_SIZE:HEADER_SIZE + h.layout_len], h.data_len)
+        tree, specs = fmt.decode_layout(raw[HEADER_SIZE:HEADER_SIZE + h.layout_len], h.data_len)
     finally:
         raw.release()
+    check_shards(tree, specs, h.rank)
+    return tree, specs
 
 
 def _dist() -> Any:

@@ -4,9 +4,13 @@ and save them."""
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import subprocess
+import sys
+import time
+from pathlib import Path
 from typing import Any
 
 from bench.harness import ROOT, Figure
@@ -109,3 +113,23 @@ def _fmt(v: float | None, unit: str) -> str:
         return f"{v:.2f}%"
     return f"{v:g} {unit}".strip()
 
+
+
+def write_standalone(name: str, mode: str, loop: str, started: float, t0: float, machine: dict[str, Any],
+                     figures: list[Figure], plan: Any, out: str | None) -> None:
+    """A bench module run on its own (``bench/snapshot.py``, ``bench/fsdp2_snapshot.py``): the
+    table on stdout and the same JSON as `bench/run.py` writes, at ``out`` or
+    ``bench/results/NAME-MODE-TIME.json``."""
+    machine["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    table = markdown_table(figures)
+    print(table)
+    took = round(time.monotonic() - t0, 2)
+    result = {"schema": 1, "mode": mode, "loop": loop, "loops": [loop],
+              "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)), "duration_s": took,
+              "benchmark_seconds": {name: took}, "machine": machine, "figures": [f.to_json() for f in figures],
+              "table": table, "plan": plan}
+    path = Path(out) if out else ROOT / "bench" / "results" / \
+        f"{name}-{mode}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(started))}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"\nbench: {len(figures)} figures in {took:.0f} s; JSON written to {path}", file=sys.stderr)

@@ -88,7 +88,7 @@ from bench.harness import (  # noqa: E402
     private_dir,
     resolve_loop,
 )
-from bench.report import machine_info, markdown_table  # noqa: E402
+from bench.report import machine_info, write_standalone  # noqa: E402
 from bench.snapshot_figures import incident_figures, peer_figures, step_figures  # noqa: E402
 from bench.snapshot_worker import SEED, worker  # noqa: E402
 
@@ -291,19 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     machine = machine_info([loop])
     figures = run(mode, loop, sizes, rows)
-    machine["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
-    table = markdown_table(figures)
-    print(table)
-    result = {"schema": 1, "mode": mode.name, "loop": loop, "loops": [loop],
-              "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
-              "duration_s": round(time.monotonic() - t0, 2), "benchmark_seconds": {"snapshot": round(
-                  time.monotonic() - t0, 2)}, "machine": machine, "figures": [f.to_json() for f in figures],
-              "table": table, "plan": plan(mode, sizes)}
-    out = Path(args.out) if args.out else ROOT / "bench" / "results" / \
-        f"snapshot-{mode.name}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(started))}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"\nbench: {len(figures)} figures in {result['duration_s']:.0f} s; JSON written to {out}", file=sys.stderr)
+    write_standalone("snapshot", mode.name, loop, started, t0, machine, figures, plan(mode, sizes), args.out)
     return 0
 
 

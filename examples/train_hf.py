@@ -142,8 +142,10 @@ def main() -> None:
     resume = os.path.isdir(args.ckpt_dir) and get_last_checkpoint(args.ckpt_dir) is not None
     trainer.train(resume_from_checkpoint=True if resume else None)
     print(f"[rank {rank()}] attempt {attempt()}: finished {trainer.state.global_step} steps", flush=True)
-    if distributed:
-        dist.destroy_process_group()
+    # The process group is left to ft_client's exit teardown, which waits for gloo's worker threads
+    # to be idle first: destroyed here, the model freed when main() returns could run the group's
+    # destructor with the GIL held while a gloo worker waited for the GIL, and the rank never
+    # exited (seen in the test command's run; docs/integrations.md, the DCP section).
 
 
 if __name__ == "__main__":

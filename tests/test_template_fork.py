@@ -8,6 +8,7 @@ import os
 
 import pytest
 
+from ft_monitor.launcher.early_check import parse_launch
 from ft_monitor.launcher.main import build_parser
 from ft_monitor.launcher.warm import template_fork
 
@@ -25,13 +26,15 @@ def test_only_warm_flags_make_the_entry_point_look_further(argv: list[str], aske
 
 
 def test_a_flag_after_the_script_is_the_scripts_and_asks_for_nothing() -> None:
-    args = template_fork.parse_quietly(build_parser(), ["--nproc-per-node", "2", "train.py", "--ft-warm-restart"])
+    args = template_fork.parse_quietly(build_parser(), ["--nproc-per-node", "2", "train.py", "--ft-warm-restart"],
+                                      parse_launch)
     assert args is not None and not args.ft_warm_restart
     assert template_fork.fork_early(args).template is None
 
 
 def test_flags_that_do_not_parse_are_left_to_main() -> None:
-    assert template_fork.parse_quietly(build_parser(), ["--ft-warm-restart", "--no-such-flag", "x.py"]) is None
+    assert template_fork.parse_quietly(build_parser(), ["--ft-warm-restart", "--no-such-flag", "x.py"],
+                                       parse_launch) is None
 
 
 def test_a_bad_preload_list_forks_nothing(monkeypatch: pytest.MonkeyPatch) -> None:

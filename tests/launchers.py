@@ -34,6 +34,10 @@ WARM = ("--ft-warm-start", "--ft-preload",
 template, which forks every attempt's workers."""
 
 
+def _warm(preload: tuple[str, ...]) -> tuple[str, ...]:
+    return (*WARM[:-1], ",".join((WARM[-1], *preload))) if preload else WARM
+
+
 OWN_WARM_FLAGS = {"--ft-warm-restart", "--ft-warm-start", "--ft-preload", "-m", "--module", "--no-python"}
 """A test that gives one of these tests the launcher's warm path itself (or an entry point the
 template cannot fork): `WARM` would change its scenario."""
@@ -54,11 +58,13 @@ class Launcher:
     def __init__(self, workdir: Path, *args: str, train_args: tuple[str, ...] = (), name: str = "launcher",
                  launcher_flags: tuple[str, ...] = ("--standalone",), env: dict[str, str] | None = None,
                  relative: bool = False, entry: tuple[str, ...] = (TRAIN,), warm: bool = True,
-                 cold_launcher: bool = False) -> None:
+                 cold_launcher: bool = False, preload: tuple[str, ...] = ()) -> None:
         """``relative``: started in ``workdir``, with --log-dir and --ft-summary-json relative to it;
         ``entry``: what torchrun runs (the training script; a module name after ``-m``);
         ``warm``: with `WARM`'s flags (False: every worker a new interpreter, as by default);
-        ``cold_launcher``: the launcher itself a new interpreter too, as a user starts it."""
+        ``cold_launcher``: the launcher itself a new interpreter too, as a user starts it;
+        ``preload``: modules the warm template imports besides `WARM`'s (a framework: once per
+        launcher instead of once per worker and attempt)."""
         if warm and set(args) & OWN_WARM_FLAGS:
             raise ValueError(f"{sorted(set(args) & OWN_WARM_FLAGS)} and warm=True: pass warm=False to test your own")
         self.marker = uuid.uuid4().hex
@@ -70,7 +76,7 @@ class Launcher:
         paths = (self.log_dir, self.summary_path)
         log_dir, summary = (p.relative_to(workdir) if relative else p for p in paths)
         argv = launcher_argv(*launcher_flags, "--nproc-per-node", "2", "--log-dir", str(log_dir),
-                             "--ft-summary-json", str(summary), *FT_FLAGS, *(WARM if warm else ()), *args,
+                             "--ft-summary-json", str(summary), *FT_FLAGS, *(_warm(preload) if warm else ()), *args,
                              *entry, "--ckpt-dir", str(workdir / "ckpt"), *train_args)
         self._out = open(self.out_path, "w")
         try:
@@ -194,9 +200,9 @@ def listening(port: int) -> bool:
 
 
 def run_to_success(workdir: Path, *args: str, name: str, entry: tuple[str, ...],
-                   train_args: tuple[str, ...] = ()) -> Launcher:
+                   train_args: tuple[str, ...] = (), preload: tuple[str, ...] = ()) -> Launcher:
     """A launcher run to its end, which must be a success (its output's tail says why not)."""
-    la = Launcher(workdir, *args, name=name, entry=entry, train_args=train_args)
+    la = Launcher(workdir, *args, name=name, entry=entry, train_args=train_args, preload=preload)
     try:
         assert la.wait() == exit_codes.SUCCESS, la.output()[-6000:]
     finally:

@@ -26,6 +26,8 @@ pytestmark = pytest.mark.e2e
 
 SCRIPT = str(ROOT / "examples" / "train_lightning.py")
 CONFIG = ("--ft-cfg-path", str(ROOT / "examples" / "ft_lightning.yaml"))
+PRELOAD = ("lightning.pytorch", "ft_client.integrations.lightning")
+"""Imported once by each launcher's worker template, not by every worker of every attempt."""
 
 
 def _one_connection_per_rank(la: Launcher) -> None:
@@ -38,7 +40,8 @@ def _one_connection_per_rank(la: Launcher) -> None:
 
 
 def _run(workdir: Path, name: str, *train_args: str) -> Launcher:
-    return run_to_success(workdir, "--max-restarts", "1", *CONFIG, name=name, entry=(SCRIPT,), train_args=train_args)
+    return run_to_success(workdir, "--max-restarts", "1", *CONFIG, name=name, entry=(SCRIPT,), train_args=train_args,
+                          preload=PRELOAD)
 
 
 def test_a_lightning_job_whose_rank_hangs_is_named_resumed_from_last_ckpt_and_keeps_learned_timeouts(
@@ -74,7 +77,7 @@ def test_a_lightning_job_whose_rank_hangs_is_named_resumed_from_last_ckpt_and_ke
 
 
 def test_a_hung_spawned_data_loader_worker_is_its_ranks_hang_and_the_verdict_says_so(workdir: Path) -> None:
-    la = _run(workdir, "workers", "--workers", "2", "--worker-start", "spawn",
+    la = _run(workdir, "workers", "--workers", "1", "--worker-start", "spawn",
               "--worker-hang", "rank=1,step=12,attempt=0")
     out = la.output()
     assert "[rank 1] data-loader worker pid" in out and "[rank 0] attempt 1: finished 30 steps" in out
@@ -95,8 +98,8 @@ def test_a_compiled_models_first_steps_neither_trip_nor_inflate_the_learned_step
     leaves them out: the step timeout learned is the compiled steps', shorter than the compile
     itself; after the restart the ranks compile again, under it, and nothing is read as a hang."""
     la = Launcher(workdir, "--max-restarts", "1", "--ft-cfg-path", str(ROOT / "examples" / "ft_lightning_compile.yaml"),
-                  name="compiled", entry=(SCRIPT,), train_args=("--compile", "aot_eager", "--hang",
-                                                                 "rank=1,step=12,attempt=0"))
+                  name="compiled", entry=(SCRIPT,), preload=PRELOAD,
+                  train_args=("--compile", "aot_eager", "--hang", "rank=1,step=12,attempt=0"))
     try:
         assert la.wait() == exit_codes.SUCCESS, la.output()[-6000:]
     finally:

@@ -27,7 +27,8 @@ CONFIGURED_STEP_TIMEOUT = 60.0  # examples/ft_hf.yaml, until learned
 
 
 def _run(workdir: Path, name: str, *train_args: str) -> Launcher:
-    return run_to_success(workdir, "--max-restarts", "1", *CONFIG, name=name, entry=(SCRIPT,), train_args=train_args)
+    return run_to_success(workdir, "--max-restarts", "1", *CONFIG, name=name, entry=(SCRIPT,), train_args=train_args,
+                          preload=("transformers", "ft_client.integrations.transformers"))
 
 
 def _ft_state(checkpoint: Path) -> dict[str, Any]:

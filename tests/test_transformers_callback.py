@@ -18,6 +18,7 @@ from transformers import Trainer, TrainerControl, TrainerState, TrainingArgument
 
 from ft_client import FtError
 from ft_client.integrations import transformers as fth
+from ft_client.integrations.sections import sections_to_learn
 
 
 class FakeClient:
@@ -116,10 +117,10 @@ def test_transformers_older_than_4_45_is_refused_by_its_release_number() -> None
 
 def test_the_sections_learned_are_the_listed_ones_and_setup_only_after_a_resume() -> None:
     listed = {"checkpointing": 1.0, "step": 1.0, "setup": 1.0, "other": 1.0}
-    assert fth.sections_to_learn(listed, resumed=False) == ["step", "checkpointing"]
-    assert fth.sections_to_learn(listed, resumed=True) == ["setup", "step", "checkpointing"]
-    assert fth.sections_to_learn({"validation": 1.0}, resumed=False) == ["validation"]
-    assert fth.sections_to_learn({}, resumed=True) == []
+    assert sections_to_learn(listed, resumed=False) == ["step", "checkpointing"]
+    assert sections_to_learn(listed, resumed=True) == ["setup", "step", "checkpointing"]
+    assert sections_to_learn({"validation": 1.0}, resumed=False) == ["validation"]
+    assert sections_to_learn({}, resumed=True) == []
 
 
 def _steps(cb: fth.FtTrainerCallback, args: Any, state: TrainerState, control: TrainerControl, steps: int,

@@ -61,10 +61,9 @@ except ImportError:  # the older package name
 
 from ft_client.client import RankMonitorClient
 from ft_client.errors import FtError, RankMonitorClientError
-from ft_client.integrations.sections import OpenSections
+from ft_client.integrations.sections import CHECKPOINTING, SETUP, STEP, VALIDATION, OpenSections
 from ft_client.workload import WorkloadAction, WorkloadControlRequest
 
-SETUP, STEP, VALIDATION, CHECKPOINTING = "setup", "step", "validation", "checkpointing"
 FINISHED_FLAG_ENV = "FAULT_TOL_FINISHED_FLAG_FILE"
 """Where ``autoresume`` says the training is finished (nvidia-resiliency-ext's variable)."""
 TIMEOUTS_FILENAME = "_ft_state_.json"
@@ -287,34 +286,13 @@ class FtCallback(OpenSections, Callback):
 
     # -- learning, the flag, the end -------------------------------------------------------------
     def _learn(self, final: bool) -> None:
-        """The section timeouts of what this run completed (a collective: every rank calls it at
-        the same step, after the same checkpoint, or at the end)."""
-        client = self.client
-        if client is None:
-            return
+        """`OpenSections._learn`, and the learned timeouts into ``exp_dir``'s file where one is
+        given (the reference's)."""
         self._saved_at = None
-        listed = client.timeouts.rank_section_timeouts
-        # `setup` is learned only from a run that loaded a checkpoint: a fresh start's is shorter
-        # than any resumed run's (the reference's rule too)
-        done = [s for s in (SETUP, STEP, VALIDATION, CHECKPOINTING)
-                if s in listed and (s != SETUP or self._resumed)]
-        if not self.sections or not done:
-            client.calculate_and_set_hb_timeouts(skip_if_not_ready=True)
-            return
-        learned = client.calculate_and_set_section_timeouts(selected_sections=done, calc_out_of_section=final,
-                                                            skip_if_not_ready=True)
-        if not learned:  # some section never ran (validation off, no save yet): the others
-            ran = [s for s in done if self._ran(s)]
-            if ran:
-                client.calculate_and_set_section_timeouts(selected_sections=ran, calc_out_of_section=final,
-                                                          skip_if_not_ready=True)
-        if self.exp_dir is not None and client.rank == 0:
+        super()._learn(final)
+        client = self.client
+        if client is not None and self.exp_dir is not None and client.rank == 0:
             (self.exp_dir / TIMEOUTS_FILENAME).write_text(json.dumps(client.state_dict()))
-
-    def _ran(self, section: str) -> bool:
-        state = self.client.state_dict() if self.client is not None else {}
-        observed = (state.get("observations") or {}).get("sections") or {}
-        return observed.get(section) is not None
 
     def _empty_run(self) -> bool:
         """A fit that ran at most one batch and did not fail: nothing was left to train (a

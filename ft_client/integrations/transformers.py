@@ -43,12 +43,11 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Container
 from typing import Any
 
 from ft_client.client import RankMonitorClient
 from ft_client.errors import FtError, RankMonitorClientError
-from ft_client.integrations.sections import OpenSections
+from ft_client.integrations.sections import CHECKPOINTING, SETUP, STEP, VALIDATION, OpenSections
 from ft_client.learning.sync import max_across_ranks
 
 MIN_TRANSFORMERS = (4, 45)
@@ -87,7 +86,6 @@ if _MISSING is not None:
         "ft_client.integrations.transformers needs transformers 4.45 or later (its checkpoints keep the callback's "
         f"learned timeouts): pip install 'transformers>=4.45' ({_MISSING})") from _CAUSE
 
-SETUP, STEP, VALIDATION, CHECKPOINTING = "setup", "step", "validation", "checkpointing"
 STATE_KEY = "ft_client"
 """Where the client's state_dict sits in the callback's entry of ``stateful_callbacks``."""
 
@@ -111,12 +109,6 @@ def saved_state(stateful_callbacks: object, name: str) -> dict[str, Any] | None:
             return state
     return None
 
-
-def sections_to_learn(listed: Container[str], resumed: bool) -> list[str]:
-    """The callback's sections that the monitor's config lists, in its order; ``setup`` only in
-    a run that resumed (a fresh start's is shorter than a resume's, the reference's rule too)."""
-    return [s for s in (SETUP, STEP, VALIDATION, CHECKPOINTING)
-            if s in listed and (s != SETUP or resumed)]
 
 
 class FtTrainerCallback(OpenSections, TrainerCallback, ExportableState):
@@ -275,21 +267,3 @@ class FtTrainerCallback(OpenSections, TrainerCallback, ExportableState):
         self.client = None
 
     # -- learning ---------------------------------------------------------------------------------
-    def _learn(self, final: bool) -> None:
-        """The timeouts of what this run did so far (a collective: every rank calls it at the
-        same step); ``final``: the out-of-section timeout too."""
-        client = self.client
-        if client is None:
-            return
-        done = sections_to_learn(client.timeouts.rank_section_timeouts, self._resumed)
-        if not self.sections or not done:
-            client.calculate_and_set_hb_timeouts(skip_if_not_ready=True)
-            return
-        learned = client.calculate_and_set_section_timeouts(selected_sections=done, calc_out_of_section=final,
-                                                            skip_if_not_ready=True)
-        if not learned:  # a section that has not run yet (no evaluation, no save so far): the others
-            observed = (client.state_dict().get("observations") or {}).get("sections") or {}
-            ran = [s for s in done if observed.get(s) is not None]
-            if ran and ran != done:
-                client.calculate_and_set_section_timeouts(selected_sections=ran, calc_out_of_section=final,
-                                                          skip_if_not_ready=True)

@@ -102,12 +102,9 @@ FUTURE_WAIT = "/concurrent/futures/_base.py"
 
 def _waits_on_future(thread: Thread) -> bool:
     """The thread's innermost frames, the standard library's only, end in ``Future.result``."""
-    for f in thread.frames:
-        if FUTURE_WAIT in f.file:
-            return True
-        if not f.library or "/site-packages/" in f.file or "/dist-packages/" in f.file:
-            return False
-    return False
+    inner = _beyond_stdlib(thread)
+    stdlib = thread.frames[:thread.frames.index(inner)] if inner is not None else thread.frames
+    return any(FUTURE_WAIT in f.file for f in stdlib)
 
 
 def async_save_thread(threads: list[Thread]) -> Thread | None:
@@ -138,6 +135,15 @@ def where(thread: Thread | None) -> str | None:
     return thread.frames[0].short()
 
 
+def _beyond_stdlib(thread: Thread | None) -> Frame | None:
+    """The thread's innermost frame that is not the standard library's (an installed package's
+    or the user's), where it waits on what the standard library waits for."""
+    if thread is None:
+        return None
+    return next((f for f in thread.frames if not f.library or "/site-packages/" in f.file
+                 or "/dist-packages/" in f.file), None)
+
+
 DATA_LOADER = "/torch/utils/data/dataloader.py"
 """Where a rank waits for its data-loader workers (``_try_get_data``: a queue read with a timeout)."""
 
@@ -146,14 +152,8 @@ def waits_for_data(thread: Thread | None) -> str | None:
     """Where the thread waits for a data-loader worker process (``dataloader.py:1291 in
     _try_get_data``): its innermost frame outside the standard library is the DataLoader's
     (a worker that hangs leaves its rank there, out of every collective); else None."""
-    if thread is None:
-        return None
-    for f in thread.frames:
-        if DATA_LOADER in f.file:
-            return f.short()
-        if "/site-packages/" in f.file or "/dist-packages/" in f.file or not f.library:
-            return None
-    return None
+    f = _beyond_stdlib(thread)
+    return f.short() if f is not None and DATA_LOADER in f.file else None
 
 
 def innermost(thread: Thread | None) -> str | None:

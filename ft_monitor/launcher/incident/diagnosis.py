@@ -101,9 +101,6 @@ class RankEvidence:
         """The main thread, or the async checkpoint save it waits for (`stacks.working_thread`)."""
         return stacks.working_thread(stacks.parse(self.stack)) if self.stack else None
 
-    def in_async_save(self) -> bool:
-        return self.stack is not None and stacks.async_save_thread(stacks.parse(self.stack)) is not None
-
     def to_wire(self) -> dict[str, Any]:
         return {"rank": self.rank, "host": self.host, "status": self.status, "local_rank": self.local_rank,
                 "pid": self.pid, "phase": self.phase, "iteration": self.iteration, "stack": self.stack,
@@ -295,9 +292,10 @@ def _where(by_rank: Mapping[int, RankEvidence], rank: int) -> str | None:
     ev = by_rank.get(rank)
     if ev is None:
         return None
-    thread = ev.working_thread()
+    threads = stacks.parse(ev.stack) if ev.stack else []
+    thread = stacks.working_thread(threads)
     where, data = stacks.where(thread), stacks.waits_for_data(thread)
-    if ev.in_async_save():
+    if thread is not stacks.main_thread(threads):  # the async checkpoint save the main thread waits for
         return "its async checkpoint save" + (f" at {where}" if where else "")
     if data is None:
         return where

@@ -13,15 +13,19 @@ and keeps them in it (``trainer_state.json``).
 
 ``--hang rank=R,step=S,attempt=A`` makes rank R hang in its training step S of attempt A
 (TORCHELASTIC_RESTART_COUNT), in ``write_metrics_to_stuck_filesystem`` so that the stack
-dump says where. ``--grad-accum N`` accumulates gradients over N micro-batches a step. Each
-rank prints ``[rank R] attempt A: resumed at step N`` and ``[rank R] attempt A: finished N
-steps``.
+dump says where; ``--die rank=R,step=S,attempt=A`` makes it SIGKILL itself there instead.
+``--grad-accum N`` accumulates gradients over N micro-batches a step. ``--snapshot-every K``
+keeps an `ft_client.snapshot` every K steps (``FtTrainerCallback(snapshot_every=K)``), and the
+restart resumes from the folder ``checkpoint_to_resume`` gives: the snapshot written out as
+``checkpoint-N`` where it is newer than the last one saved. Each rank prints ``[rank R] attempt
+A: resumed at step N`` and ``[rank R] attempt A: finished N steps, loss L``.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import time
 from datetime import timedelta
 from typing import Any
@@ -30,7 +34,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from transformers import Trainer, TrainerCallback, TrainingArguments
-from transformers.trainer_utils import get_last_checkpoint
 
 import ft_client
 from ft_client.integrations.transformers import FtTrainerCallback
@@ -85,18 +88,25 @@ class SlowTrainer(Trainer):
     """The Trainer, with a training step that takes ``step_time`` longer (a real model's work)
     and can be made to hang (``hang``: rank, step, attempt)."""
 
-    def __init__(self, *args: Any, step_time: float, hang: dict[str, int] | None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, step_time: float, hang: dict[str, int] | None, die: dict[str, int] | None,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.step_time = step_time
-        self.hang = hang
+        self.hang, self.die = hang, die
+        self.last_loss = float("nan")
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
         h = self.hang
         if h and (rank(), self.state.global_step, attempt()) == (h["rank"], h["step"], h["attempt"]):
             print(f"[rank {rank()}] hanging at step {self.state.global_step}", flush=True)
             write_metrics_to_stuck_filesystem()
+        d = self.die
+        if d and (rank(), self.state.global_step, attempt()) == (d["rank"], d["step"], d["attempt"]):
+            print(f"[rank {rank()}] SIGKILL at step {self.state.global_step}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(self.step_time)
         loss: torch.Tensor = super().training_step(model, inputs, num_items_in_batch)
+        self.last_loss = loss.item()
         return loss
 
 
@@ -122,6 +132,8 @@ def main() -> None:
     p.add_argument("--step-time", type=float, default=0.05)
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--hang", default=None, help="rank=R,step=S,attempt=A")
+    p.add_argument("--die", default=None, help="rank=R,step=S,attempt=A: the rank SIGKILLs itself there")
+    p.add_argument("--snapshot-every", type=int, default=0, help="an in-memory snapshot every K steps (0: none)")
     args = p.parse_args()
     torch.manual_seed(0)
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -136,12 +148,13 @@ def main() -> None:
         use_cpu=True, ddp_backend="gloo" if distributed else None, report_to=[], disable_tqdm=True,
         logging_steps=10, dataloader_num_workers=0, ddp_find_unused_parameters=False,
     )
+    ft = FtTrainerCallback(snapshot_every=args.snapshot_every)
     trainer = SlowTrainer(model=Regression(), args=training_args, train_dataset=Samples(),
-                          callbacks=[FtTrainerCallback(), Announce()], step_time=args.step_time,
-                          hang=spec(args.hang))
-    resume = os.path.isdir(args.ckpt_dir) and get_last_checkpoint(args.ckpt_dir) is not None
-    trainer.train(resume_from_checkpoint=True if resume else None)
-    print(f"[rank {rank()}] attempt {attempt()}: finished {trainer.state.global_step} steps", flush=True)
+                          callbacks=[ft, Announce()], step_time=args.step_time,
+                          hang=spec(args.hang), die=spec(args.die))
+    trainer.train(resume_from_checkpoint=ft.checkpoint_to_resume(trainer))  # None: a fresh start
+    print(f"[rank {rank()}] attempt {attempt()}: finished {trainer.state.global_step} steps, "
+          f"loss {trainer.last_loss:.6f}", flush=True)
     # The process group is left to ft_client's exit teardown, which waits for gloo's worker threads
     # to be idle first: destroyed here, the model freed when main() returns could run the group's
     # destructor with the GIL held while a gloo worker waited for the GIL, and the rank never

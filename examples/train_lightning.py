@@ -11,18 +11,22 @@ timeouts after each checkpoint and keeps them in the checkpoint.
 
 ``--hang rank=R,step=S,attempt=A`` makes rank R hang in its training step S of attempt A
 (TORCHELASTIC_RESTART_COUNT), in ``write_metrics_to_stuck_filesystem`` so that the stack
-dump says where. ``--workers N`` loads batches in N data-loader worker processes (started by
-``--worker-start fork`` or ``spawn``); ``--worker-hang rank=R,step=S,attempt=A`` makes the
-worker loading rank R's batch S hang instead, the rank waiting for it. ``--compile BACKEND``
+dump says where; ``--die rank=R,step=S,attempt=A`` makes it SIGKILL itself there instead.
+``--workers N`` loads batches in N data-loader worker processes (started by ``--worker-start
+fork`` or ``spawn``); ``--worker-hang rank=R,step=S,attempt=A`` makes the worker loading rank
+R's batch S hang instead, the rank waiting for it. ``--snapshot-every K`` keeps an
+`ft_client.snapshot` of Lightning's checkpoint every K steps (``FtCallback(snapshot_every=K)``),
+which a restart resumes from where it is newer than ``last.ckpt``. ``--compile BACKEND``
 compiles the model (torch.compile): its first steps take far longer than the rest, which a
 `warmup` entry in the config times (examples/ft_lightning_compile.yaml). Each rank prints
-``[rank R] attempt A: resumed at step N`` and ``[rank R] attempt A: finished N steps``.
+``[rank R] attempt A: resumed at step N`` and ``[rank R] attempt A: finished N steps, loss L``.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -74,8 +78,11 @@ class Samples(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
 
 
 class Regression(L.LightningModule):
-    def __init__(self, step_time: float, hang: dict[str, int] | None, compile_backend: str | None = None) -> None:
+    def __init__(self, step_time: float, hang: dict[str, int] | None, compile_backend: str | None = None,
+                 die: dict[str, int] | None = None) -> None:
         super().__init__()
+        self.die = die
+        self.last_loss = float("nan")
         self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
         if compile_backend:
             self.net = torch.compile(self.net, backend=compile_backend)  # type: ignore[assignment]
@@ -101,9 +108,14 @@ class Regression(L.LightningModule):
         if h and (self.global_rank, self.global_step, attempt) == (h["rank"], h["step"], h["attempt"]):
             print(f"[rank {self.global_rank}] hanging at step {self.global_step}", flush=True)
             write_metrics_to_stuck_filesystem()
+        d = self.die
+        if d and (self.global_rank, self.global_step, attempt) == (d["rank"], d["step"], d["attempt"]):
+            print(f"[rank {self.global_rank}] SIGKILL at step {self.global_step}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(self.step_time)
         x, y = batch
         loss = nn.functional.mse_loss(self.net(x), y)
+        self.last_loss = loss.item()
         self.log("loss", loss, prog_bar=False)
         return loss
 
@@ -129,6 +141,8 @@ def main() -> None:
     p.add_argument("--ckpt-dir", default="/tmp/ft-pl-ckpt")
     p.add_argument("--step-time", type=float, default=0.05)
     p.add_argument("--hang", default=None, help="rank=R,step=S,attempt=A")
+    p.add_argument("--die", default=None, help="rank=R,step=S,attempt=A: the rank SIGKILLs itself there")
+    p.add_argument("--snapshot-every", type=int, default=0, help="an in-memory snapshot every K steps (0: none)")
     p.add_argument("--workers", type=int, default=0, help="data-loader worker processes")
     p.add_argument("--worker-start", choices=("fork", "spawn"), default="fork")
     p.add_argument("--worker-hang", default=None, help="rank=R,step=S,attempt=A: a data-loader worker hangs")
@@ -144,16 +158,18 @@ def main() -> None:
         accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
         num_nodes=int(os.environ.get("GROUP_WORLD_SIZE", os.environ.get("NNODES", "1")) or 1),
         strategy=DDPStrategy(process_group_backend="gloo", timeout=pg_timeout),
-        max_steps=args.steps, callbacks=[FtCallback(), ckpt], logger=False, enable_progress_bar=False,
+        max_steps=args.steps, callbacks=[FtCallback(snapshot_every=args.snapshot_every), ckpt], logger=False,
+        enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
     )
     last = Path(args.ckpt_dir) / "last.ckpt"
     loader = DataLoader(data, batch_size=BATCH, shuffle=False, num_workers=args.workers,
                         multiprocessing_context=args.worker_start if args.workers else None,
                         persistent_workers=args.workers > 0)
-    trainer.fit(Regression(args.step_time, hang, args.compile), loader, ckpt_path="last" if last.is_file() else None)
+    model = Regression(args.step_time, hang, args.compile, spec(args.die))
+    trainer.fit(model, loader, ckpt_path="last" if last.is_file() else None)
     print(f"[rank {trainer.global_rank}] attempt {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}: "
-          f"finished {trainer.global_step} steps", flush=True)
+          f"finished {trainer.global_step} steps, loss {model.last_loss:.6f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -119,3 +119,77 @@ def test_validate_and_test_stages_are_left_alone() -> None:
         cb.on_validation_batch_end(trainer, None, None, None, 0)
         cb.teardown(trainer, None, stage)
     assert cb.client is None and cb.batches == 0
+
+
+@pytest.mark.parametrize("bad", [-1, 2.5, "16", True])
+def test_snapshot_every_is_a_whole_number_of_steps(bad: object) -> None:
+    with pytest.raises(ftl.LightningIntegrationError, match="snapshot_every"):
+        ftl.FtCallback(snapshot_every=bad)  # type: ignore[arg-type]
+
+
+class FakeConnector:
+    """Lightning's checkpoint connector, as far as the snapshot's seam goes: ``resume_start``
+    loads the file checkpoint (global step ``file_step``, None: no file) and ``dump_checkpoint``
+    gives what a save would write."""
+
+    def __init__(self, file_step: int | None) -> None:
+        self.file_step = file_step
+        self._loaded_checkpoint: dict[str, object] | None = None
+        self.callbacks: list[ftl.FtCallback] = []  # their on_save_checkpoint, called as Lightning's dump calls it
+
+    def resume_start(self, checkpoint_path: str | None = None, weights_only: bool | None = None) -> None:
+        if self.file_step is not None:
+            self._loaded_checkpoint = {"global_step": self.file_step, "from": "file"}
+
+    def dump_checkpoint(self, weights_only: bool = False) -> dict[str, object]:
+        checkpoint = {"global_step": 16, "state_dict": {}, "hyper_parameters": {"odd": object()},
+                      "hparams_name": "kwargs"}
+        for cb in self.callbacks:
+            cb.on_save_checkpoint(SimpleNamespace(global_step=16), None, checkpoint)
+        return checkpoint
+
+
+@pytest.mark.parametrize(("file_step", "taken"), [(None, "snapshot"), (10, "snapshot"), (16, "file"), (20, "file")])
+def test_the_newer_of_the_snapshot_and_the_file_checkpoint_is_resumed(
+        monkeypatch: pytest.MonkeyPatch, file_step: int | None, taken: str) -> None:
+    monkeypatch.setattr(ftl.snapshot, "restore", lambda: (16, {"global_step": 16, "from": "snapshot"}))
+    trainer = SimpleNamespace(_checkpoint_connector=FakeConnector(file_step))
+    cb = ftl.FtCallback(snapshot_every=8)
+    cb._offer_snapshot(trainer)
+    connector = trainer._checkpoint_connector
+    connector.resume_start("last.ckpt")
+    assert connector._loaded_checkpoint is not None and connector._loaded_checkpoint["from"] == taken
+    assert connector.resume_start == FakeConnector.resume_start.__get__(connector)  # unwrapped after one load
+
+
+def test_no_snapshot_leaves_lightnings_loading_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ftl.snapshot, "restore", lambda: None)
+    trainer = SimpleNamespace(_checkpoint_connector=FakeConnector(10))
+    ftl.FtCallback(snapshot_every=8)._offer_snapshot(trainer)
+    assert "resume_start" not in vars(trainer._checkpoint_connector)
+
+
+def test_a_snapshot_holds_the_checkpoint_without_its_hyperparameters_and_is_no_save(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    saved: list[tuple[int, dict[str, object]]] = []
+    monkeypatch.setattr(ftl.snapshot, "save", lambda step, state: saved.append((step, state)) or True)
+    cb = ftl.FtCallback(snapshot_every=8)
+    cb.client = FakeClient()  # type: ignore[assignment]
+    trainer = SimpleNamespace(_checkpoint_connector=FakeConnector(None), global_step=16)
+    trainer._checkpoint_connector.callbacks.append(cb)
+    cb.on_train_batch_end(trainer, None, None, None, 0)
+    cb.on_train_batch_end(trainer, None, None, None, 1)  # the same step (gradient accumulation): saved once
+    assert [(step, sorted(state)) for step, state in saved] == [(16, ["global_step", "state_dict"])]
+    assert cb._saved_at is None  # dump_checkpoint's on_save_checkpoint hooks: not a checkpoint written
+
+
+def test_a_state_a_snapshot_cannot_hold_stops_the_snapshots_with_a_warning(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    def refuse(step: int, state: object) -> bool:
+        raise ftl.MemorySnapshotError("state['loops'] holds a set")
+    monkeypatch.setattr(ftl.snapshot, "save", refuse)
+    cb = ftl.FtCallback(snapshot_every=8)
+    trainer = SimpleNamespace(_checkpoint_connector=FakeConnector(None), global_step=8)
+    cb._save_snapshot(trainer, 8)
+    assert cb.snapshot_every == 0
+    assert "no more snapshots in this run" in caplog.text and "holds a set" in caplog.text

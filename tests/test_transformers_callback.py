@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from transformers import Trainer, TrainerControl, TrainerState, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from ft_client import FtError
 from ft_client.integrations import transformers as fth
@@ -95,7 +95,8 @@ def test_arguments_that_are_not_what_they_must_be_are_refused(kwargs: dict[str, 
 def test_the_state_holds_the_arguments_the_trainer_rebuilds_the_callback_from() -> None:
     cb = fth.FtTrainerCallback(sections=False, calculate_timeouts=False, logger_name=None)
     state = cb.state()
-    assert state == {"args": {"sections": False, "calculate_timeouts": False, "logger_name": None}, "attributes": {}}
+    assert state == {"args": {"sections": False, "calculate_timeouts": False, "snapshot_every": 0, "logger_name": None},
+                     "attributes": {}}
     again = fth.FtTrainerCallback(**state["args"])  # what Trainer._load_callback_state does
     assert (again.sections, again.calculate_timeouts, again.logger_name) == (False, False, None)
     assert cb.client is None and fth.STATE_KEY not in state  # nothing learned before train()
@@ -237,3 +238,80 @@ def test_a_real_trainer_keeps_the_state_in_its_checkpoint_and_resumes_with_it(
     rebuilt = [c for c in trainer.callback_handler.callbacks if isinstance(c, fth.FtTrainerCallback)]
     assert len(rebuilt) == 1 and rebuilt[0] is not mine and rebuilt[0].sections is True and rebuilt[0].steps == 2
     assert mine.client is None and mine.steps == 0  # the instance given never ran
+
+
+class MemorySnapshots:
+    """Stands for the monitor's memory: what `snapshot.save` is given goes through the real tree
+    and layout (flatten, encode, decode, rebuild: what a snapshot can hold and gives back), and
+    `restore` returns the newest."""
+
+    def __init__(self) -> None:
+        self.held: tuple[int, Any] | None = None
+
+    def save(self, step: int, state: Any) -> bool:
+        from ft_client.snapshot import format as fmt
+        from ft_client.snapshot.tree import flatten, lay_out, rebuild
+
+        tensors: list[torch.Tensor] = []
+        tree = flatten(state, "state", tensors)
+        specs, data_len = lay_out(tensors)
+        decoded, _ = fmt.decode_layout(fmt.encode_layout(tree, specs), data_len)
+        self.held = (step, rebuild(decoded, [t.clone() for t in tensors]))
+        return True
+
+    def restore(self) -> tuple[int, Any] | None:
+        return self.held
+
+
+def test_a_real_trainer_resumes_from_a_snapshot_written_out_as_its_checkpoint_folder(
+        fake_client: type[FakeClient], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    memory = MemorySnapshots()
+    monkeypatch.setattr(fth.snapshot, "save", memory.save)
+    monkeypatch.setattr(fth.snapshot, "restore", memory.restore)
+    monkeypatch.setattr(fth.snapshot, "wait", lambda: None)
+    torch.manual_seed(0)  # every run's model made alike
+    clean = _train(tmp_path / "clean", 6, [], resume=False)
+
+    class Killed(Exception):
+        pass
+
+    class KillAt(TrainerCallback):  # the process dies before step 5 ends: no save at the end of training
+        def on_step_begin(self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+            if state.global_step == 4:
+                raise Killed
+
+    def run(steps: int, *callbacks: Any) -> Trainer:
+        args = TrainingArguments(output_dir=str(tmp_path / "snap"), max_steps=steps, save_steps=100,
+                                 per_device_train_batch_size=4, use_cpu=True, report_to=[], disable_tqdm=True,
+                                 logging_steps=1000)
+        torch.manual_seed(0)
+        trainer = Trainer(model=Tiny(), args=args, train_dataset=Samples(), callbacks=list(callbacks))
+        trainer.train(resume_from_checkpoint=callbacks[0].checkpoint_to_resume(trainer))
+        return trainer
+
+    assert fth.FtTrainerCallback(snapshot_every=2).checkpoint_to_resume(
+        Trainer(model=Tiny(), args=TrainingArguments(output_dir=str(tmp_path / "none"), use_cpu=True,
+                                                     report_to=[]))) is None  # nothing held, no folder
+    with pytest.raises(Killed):
+        run(6, fth.FtTrainerCallback(snapshot_every=2), KillAt())  # snapshots at steps 2 and 4, no folder
+    assert memory.held is not None and memory.held[0] == 4
+    assert not list((tmp_path / "snap").glob("checkpoint-*"))
+    with caplog.at_level(logging.WARNING, logger="ft_client.transformers"):
+        resumed = run(6, fth.FtTrainerCallback(snapshot_every=2))
+    assert f"resuming from the in-memory snapshot of step 4, written out as {tmp_path / 'snap'}/checkpoint-4" \
+        in caplog.text
+    assert {p.name for p in (tmp_path / "snap" / "checkpoint-4").iterdir()} >= {
+        "model.safetensors", "optimizer.pt", "scheduler.pt", "trainer_state.json", "rng_state.pth"}
+    for a, b in zip(clean.model.parameters(), resumed.model.parameters()):
+        assert torch.equal(a, b)  # the 6 steps of a run never stopped
+    # a folder newer than the snapshot is resumed from as it is
+    memory.held = (2, memory.held[1])
+    assert fth.FtTrainerCallback(snapshot_every=2).checkpoint_to_resume(resumed) == str(tmp_path / "snap" /
+                                                                                        "checkpoint-6")
+
+
+def test_snapshot_every_is_a_whole_number_of_steps() -> None:
+    for bad in (-1, 2.5, True):
+        with pytest.raises(fth.TransformersIntegrationError, match="snapshot_every"):
+            fth.FtTrainerCallback(snapshot_every=bad)  # type: ignore[arg-type]

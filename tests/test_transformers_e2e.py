@@ -11,6 +11,7 @@ before its first save with the timeout the first job learned."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -86,3 +87,34 @@ def test_a_trainer_job_whose_rank_hangs_is_named_resumed_from_its_checkpoint_and
     assert (hang["rank"], hang["attempt"], hang["section"], hang["iteration"]) == (1, 0, "step", 33)
     assert hang["timeout_s"] == pytest.approx(learned) and hang["timeout_s"] < CONFIGURED_STEP_TIMEOUT
     assert "[rank 0] attempt 1: resumed at step 30" in out and "[rank 0] attempt 1: finished 40 steps" in out
+
+
+def _losses(out: str) -> dict[str, str]:
+    """rank -> the final loss it printed."""
+    return dict(re.findall(r"\[rank (\d+)\] attempt \d+: finished \d+ steps, loss ([0-9.]+)", out))
+
+
+def test_a_rank_killed_with_sigkill_resumes_from_the_snapshot_with_the_loss_of_a_run_without_it(
+        workdir: Path) -> None:
+    """`FtTrainerCallback(snapshot_every=6)`: rank 1 SIGKILLs itself at step 19, after the
+    Trainer's checkpoint-10 and the snapshot at 18; the restart resumes from the snapshot,
+    written out as checkpoint-18 (the Trainer resumes from folders only), mid-epoch (an epoch is
+    16 steps; the Trainer skips the batches already trained on), and ends with the loss of the
+    run without the fault."""
+    steps = ("--steps", "24", "--ckpt-every", "10")
+    clean = _run(workdir, "clean", *steps, "--ckpt-dir", str(workdir / "ckpt-clean"))
+    baseline = _losses(clean.output())
+    assert set(baseline) == {"0", "1"}, clean.output()[-3000:]
+    out_dir = workdir / "ckpt-killed"
+    killed = _run(workdir, "killed", *steps, "--snapshot-every", "6", "--die", "rank=1,step=19,attempt=0",
+                  "--ckpt-dir", str(out_dir))
+    out = killed.output()
+    assert f"resuming from the in-memory snapshot of step 18, written out as {out_dir}/checkpoint-18 (the last " \
+           f"checkpoint folder was {out_dir}/checkpoint-10)" in out, out[-4000:]
+    for r in (0, 1):
+        assert f"[rank {r}] attempt 1: resumed at step 18" in out
+    assert _losses(out) == baseline
+    (restart,) = killed.summary()["restarts"]
+    assert (restart["cause"], restart["rank"], restart["attempt"]) == ("failure", 1, 0), restart
+    assert restart["how"].endswith("was killed by SIGKILL"), restart
+    _ft_state(out_dir / "checkpoint-18")  # the learned timeouts came with the snapshot

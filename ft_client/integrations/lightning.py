@@ -23,6 +23,11 @@ What it does, in the ``fit`` stage (other stages are left alone):
   saves (every rank at the same step: it is a collective) and at the end, the out-of-section
   timeout with them; they go into the checkpoint (`state_dict`, under the callback's state key)
   and are put in force again when Lightning restores it;
+- with ``snapshot_every=K``, every K optimizer steps each rank puts the checkpoint Lightning
+  would write (``dump_checkpoint``: model, optimizers, schedulers, loops, callbacks; the
+  hyperparameters left out) into an `ft_client.snapshot`, in its monitor's memory; at ``setup``
+  the ranks restore the newest snapshot they all hold, and Lightning resumes from it instead of
+  its file checkpoint where the snapshot is the newer (the file is still read first, to compare);
 - with ``autoresume``, rank 0 touches ``$FAULT_TOL_FINISHED_FLAG_FILE`` when the run has
   reached ``max_steps`` or ``max_epochs``, or ran at most one batch without failing (nothing
   was left: a ``max_time`` reached by the run before), for an autoresume loop that
@@ -52,15 +57,18 @@ from typing import Any
 
 try:
     from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.utilities import rank_zero_info
 except ImportError:  # the older package name
     try:
         from pytorch_lightning.callbacks import Callback  # type: ignore[assignment]
+        from pytorch_lightning.utilities import rank_zero_info
     except ImportError as e:
         raise ImportError("ft_client.integrations.lightning needs Lightning: pip install 'ft-monitor[lightning]' "
                           "(or pytorch_lightning)") from e
 
+from ft_client import snapshot
 from ft_client.client import RankMonitorClient
-from ft_client.errors import FtError, RankMonitorClientError
+from ft_client.errors import FtError, MemorySnapshotError, RankMonitorClientError
 from ft_client.integrations.sections import CHECKPOINTING, SETUP, STEP, VALIDATION, OpenSections
 from ft_client.workload import WorkloadAction, WorkloadControlRequest
 
@@ -68,6 +76,10 @@ FINISHED_FLAG_ENV = "FAULT_TOL_FINISHED_FLAG_FILE"
 """Where ``autoresume`` says the training is finished (nvidia-resiliency-ext's variable)."""
 TIMEOUTS_FILENAME = "_ft_state_.json"
 """The learned timeouts' file in ``exp_dir``, where one is given (the reference's name)."""
+HPARAMS_KEYS = ("hyper_parameters", "hparams_name", "hparams_type",
+                "datamodule_hyper_parameters", "datamodule_hparams_name", "datamodule_hparams_type")
+"""What a snapshot leaves out of Lightning's checkpoint: a resume does not read them (they are for
+``load_from_checkpoint``), and they may hold any Python object, which a snapshot refuses."""
 
 
 class LightningIntegrationError(FtError, ValueError):
@@ -127,14 +139,18 @@ class FtCallback(OpenSections, Callback):
     reference does, read back at ``setup``; ``exc_handling_policy``: called with an exception
     that ends ``fit`` on this rank, returns the `WorkloadControlRequest` to send to ft-launcher
     (for instance, to exclude this node); ``simulated_fault_params``: see
-    `SimulatedFaultParams`.
+    `SimulatedFaultParams`; ``snapshot_every``: save an `ft_client.snapshot` of the checkpoint
+    every that many optimizer steps and resume from it (0: never).
     """
 
     def __init__(self, *, sections: bool = True, calculate_timeouts: bool = True, autoresume: bool = False,
                  exp_dir: str | pathlib.Path | None = None,
                  exc_handling_policy: Callable[[BaseException], WorkloadControlRequest] | None = None,
                  simulated_fault_params: SimulatedFaultParams | dict[str, Any] | None = None,
-                 logger_name: str | None = "ft_client.lightning") -> None:
+                 snapshot_every: int = 0, logger_name: str | None = "ft_client.lightning") -> None:
+        if type(snapshot_every) is not int or snapshot_every < 0:
+            raise LightningIntegrationError(f"snapshot_every = {snapshot_every!r:.60}: must be a whole number of "
+                                            "steps >= 0 (0: no snapshots)")
         if autoresume and not os.environ.get(FINISHED_FLAG_ENV):
             raise LightningIntegrationError(f"autoresume=True needs {FINISHED_FLAG_ENV}: the file an autoresume "
                                             "loop watches (set it in the job script)")
@@ -144,6 +160,9 @@ class FtCallback(OpenSections, Callback):
         self.exp_dir = pathlib.Path(exp_dir) if exp_dir is not None else None
         self.exc_handling_policy = exc_handling_policy
         self.simulated_fault_params = _fault_params(simulated_fault_params)
+        self.snapshot_every = snapshot_every
+        self._snapshot_step: int | None = None  # the global step of the last snapshot saved or restored
+        self._snapshotting = False  # dump_checkpoint runs for a snapshot: its hooks are not a save
         self.logger = logging.getLogger(logger_name)
         self.client: RankMonitorClient | None = None
         self._open: set[str] = set()
@@ -196,6 +215,8 @@ class FtCallback(OpenSections, Callback):
             self.load_state_dict(self._pending_state)
         for method in ("save_checkpoint", "remove_checkpoint"):
             self._wrap(trainer.strategy, method)
+        if self.snapshot_every:
+            self._offer_snapshot(trainer)
         if self.sections:
             self._start(SETUP)
         if self.simulated_fault_params is not None:
@@ -216,6 +237,9 @@ class FtCallback(OpenSections, Callback):
         self._beat()
         if self._saved_at is not None and self.calculate_timeouts:
             self._learn(final=False)
+        step = trainer.global_step
+        if self.snapshot_every and step % self.snapshot_every == 0 and step != self._snapshot_step:
+            self._save_snapshot(trainer, step)
 
     def on_validation_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int,
                                   dataloader_idx: int = 0) -> None:
@@ -230,7 +254,7 @@ class FtCallback(OpenSections, Callback):
         self._beat()
 
     def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
-        if self.client is not None:
+        if self.client is not None and not self._snapshotting:
             self._saved_at = trainer.global_step
             self._beat()
 
@@ -282,7 +306,55 @@ class FtCallback(OpenSections, Callback):
             self._finished_flag()
         if self.calculate_timeouts and not self._failed:
             self._learn(final=True)
+        if self.snapshot_every:
+            snapshot.wait()  # its partner copy, before the process group goes
         self._shutdown()
+
+    # -- snapshots ---------------------------------------------------------------------------------
+    def _save_snapshot(self, trainer: Any, step: int) -> None:
+        """The checkpoint Lightning would write now, into the monitor's memory; one that cannot be
+        held (an object a snapshot refuses, named by its path) stops the snapshots, with a warning."""
+        self._snapshot_step = step
+        self._snapshotting = True
+        try:
+            checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        finally:
+            self._snapshotting = False
+        for key in HPARAMS_KEYS:
+            checkpoint.pop(key, None)
+        try:
+            snapshot.save(step, checkpoint)
+        except MemorySnapshotError as e:
+            self.snapshot_every = 0
+            self.logger.warning("ft_client: no more snapshots in this run: the checkpoint at step %d cannot be "
+                                "held in one: %s", step, e)
+
+    def _offer_snapshot(self, trainer: Any) -> None:
+        """Every rank restores the newest snapshot all of them hold (a collective; None after one
+        line saying why), and Lightning's checkpoint loading takes it where it is newer than the
+        file it loads (or where there is no file)."""
+        got = snapshot.restore()
+        if got is None:
+            return
+        step, state = got
+        connector = trainer._checkpoint_connector
+        load_file = connector.resume_start
+
+        def resume_start(*args: Any, **kwargs: Any) -> None:
+            connector.resume_start = load_file  # once, for this fit
+            load_file(*args, **kwargs)
+            loaded = connector._loaded_checkpoint
+            file_step = loaded.get("global_step") if isinstance(loaded, dict) else None
+            if isinstance(file_step, int) and file_step >= step:
+                rank_zero_info(f"ft_client: the file checkpoint (step {file_step}) is not older than the snapshot "
+                               f"(step {step}): resuming from the file")
+                return
+            connector._loaded_checkpoint = state
+            self._snapshot_step = step
+            rank_zero_info(f"ft_client: resuming from the in-memory snapshot of step {step}"  # as Lightning's own
+                           + ("" if file_step is None else f" (the file checkpoint is at step {file_step})"))
+
+        connector.resume_start = resume_start
 
     # -- learning, the flag, the end -------------------------------------------------------------
     def _learn(self, final: bool) -> None:

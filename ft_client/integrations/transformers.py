@@ -32,6 +32,13 @@ What it does, in ``train`` (an ``evaluate`` or ``predict`` outside it is left al
   (``stateful_callbacks``, the ``ExportableState`` protocol: ``state()``), and are read back
   from it at ``on_train_begin`` when the Trainer resumes, whatever
   ``restore_callback_states_from_checkpoint`` says;
+- with ``snapshot_every=K``, every K optimizer steps (``on_step_end``, where the Trainer's own
+  save would come next) each rank puts what a Trainer checkpoint holds (model, optimizer and
+  scheduler state, ``trainer_state.json``, the random generators) into an `ft_client.snapshot`,
+  in its monitor's memory. The Trainer resumes only from a folder: ``checkpoint_to_resume``,
+  called before ``train``, restores the newest snapshot every rank holds and, where it is
+  newer than the last ``checkpoint-N`` in ``output_dir``, writes it there as one (with the
+  Trainer's own writer for the model) and returns that folder;
 - ``on_train_end`` closes what is open, learns, and shuts the client down.
 
 A section the monitor's config does not list costs no IPC (ft_client's rule), so the callback
@@ -41,12 +48,17 @@ not supported and why.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
+import os
+import random
 import re
 from typing import Any
 
+from ft_client import snapshot
 from ft_client.client import RankMonitorClient
-from ft_client.errors import FtError, RankMonitorClientError
+from ft_client.errors import FtError, MemorySnapshotError, RankMonitorClientError
 from ft_client.integrations.sections import CHECKPOINTING, SETUP, STEP, VALIDATION, OpenSections
 from ft_client.learning.sync import max_across_ranks
 
@@ -96,6 +108,56 @@ def _flag(name: str, value: object) -> bool:
     return value
 
 
+def _rng_state() -> dict[str, Any]:
+    """The random generators' state as the Trainer saves it (``_save_rng_state``), numpy's array
+    as a list (a snapshot holds plain values and tensors)."""
+    import numpy as np
+    import torch
+
+    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    return {"python": random.getstate(), "numpy": [kind, np.asarray(keys).tolist(), pos, has_gauss, cached],
+            "cpu": torch.random.get_rng_state()}
+
+
+def _last_checkpoint(output_dir: str) -> str | None:
+    from transformers.trainer_utils import get_last_checkpoint
+
+    last: str | None = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None  # type: ignore[no-untyped-call]
+    return last
+
+
+def _checkpoint_step(folder: str | None) -> int | None:
+    """N of a ``checkpoint-N`` folder."""
+    match = re.search(r"checkpoint-(\d+)$", folder or "")
+    return int(match.group(1)) if match else None
+
+
+def _write_checkpoint(trainer: Any, folder: str, image: dict[str, Any]) -> None:
+    """A snapshot's image as the Trainer's checkpoint folder: rank 0 writes the model (the
+    Trainer's own ``_save``), optimizer, scheduler and ``trainer_state.json``, every rank its
+    random generators' file."""
+    import numpy as np
+    import torch
+    from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME
+
+    args = trainer.args
+    os.makedirs(folder, exist_ok=True)
+    if args.should_save:
+        trainer._save(folder, state_dict=image["model"])
+        if image["optimizer"] is not None:
+            torch.save(image["optimizer"], os.path.join(folder, OPTIMIZER_NAME))
+        if image["scheduler"] is not None:
+            torch.save(image["scheduler"], os.path.join(folder, SCHEDULER_NAME))
+        with open(os.path.join(folder, TRAINER_STATE_NAME), "w") as f:
+            f.write(image["trainer_state"])
+    rng = dict(image["rng"])
+    kind, keys, pos, has_gauss, cached = rng["numpy"]
+    rng["numpy"] = (kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached)
+    rng["python"] = (rng["python"][0], tuple(rng["python"][1]), rng["python"][2])
+    name = "rng_state.pth" if args.world_size <= 1 else f"rng_state_{args.process_index}.pth"
+    torch.save(rng, os.path.join(folder, name))
+
+
 def saved_state(stateful_callbacks: object, name: str) -> dict[str, Any] | None:
     """The client's state_dict in a checkpoint's ``stateful_callbacks`` under the callback's
     class name ``name`` (one entry, or a list of them where a Trainer had several): the first
@@ -119,11 +181,16 @@ class FtTrainerCallback(OpenSections, TrainerCallback, ExportableState):
     heartbeats only, and the heartbeat timeouts are learned); ``calculate_timeouts``: learn the
     timeouts before each checkpoint and at the end. Both are kept in the checkpoint with the
     learned timeouts (the Trainer builds the callback again from them where
-    ``restore_callback_states_from_checkpoint`` is set).
+    ``restore_callback_states_from_checkpoint`` is set). ``snapshot_every``: save an
+    `ft_client.snapshot` every that many steps (0: never), which `checkpoint_to_resume` gives back.
     """
 
-    def __init__(self, *, sections: bool = True, calculate_timeouts: bool = True,
+    def __init__(self, *, sections: bool = True, calculate_timeouts: bool = True, snapshot_every: int = 0,
                  logger_name: str | None = "ft_client.transformers") -> None:
+        if type(snapshot_every) is not int or snapshot_every < 0:
+            raise TransformersIntegrationError(f"snapshot_every = {snapshot_every!r:.60}: must be a whole number of "
+                                               "steps >= 0 (0: no snapshots)")
+        self.snapshot_every = snapshot_every
         self.sections = _flag("sections", sections)
         self.calculate_timeouts = _flag("calculate_timeouts", calculate_timeouts)
         if logger_name is not None and not isinstance(logger_name, str):
@@ -143,7 +210,7 @@ class FtTrainerCallback(OpenSections, TrainerCallback, ExportableState):
         observations (the client's state_dict, the same on every rank after learning)."""
         entry: dict[str, Any] = {
             "args": {"sections": self.sections, "calculate_timeouts": self.calculate_timeouts,
-                     "logger_name": self.logger_name},
+                     "snapshot_every": self.snapshot_every, "logger_name": self.logger_name},
             "attributes": {},
         }
         if self.client is not None:
@@ -196,6 +263,8 @@ class FtTrainerCallback(OpenSections, TrainerCallback, ExportableState):
         self._end(STEP)
         self.steps += 1
         self._beat()
+        if self.snapshot_every and state.global_step % self.snapshot_every == 0:
+            self._save_snapshot(state, **kwargs)
         self._after_step(control)
 
     def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
@@ -263,7 +332,52 @@ class FtTrainerCallback(OpenSections, TrainerCallback, ExportableState):
         self._saving = False
         if self.calculate_timeouts:
             self._learn(final=True)
+        if self.snapshot_every:
+            snapshot.wait()  # its partner copy, before the process group goes
         self.client.shutdown_workload_monitoring()
         self.client = None
+
+    # -- snapshots ----------------------------------------------------------------------------------
+    def _save_snapshot(self, state: TrainerState, model: Any = None, optimizer: Any = None, lr_scheduler: Any = None,
+                       **kwargs: Any) -> None:
+        """What the Trainer's checkpoint would hold now, into the monitor's memory; one that cannot
+        be held (named by its path) stops the snapshots, with a warning."""
+        if isinstance(state.stateful_callbacks, dict):
+            state.stateful_callbacks[type(self).__name__] = self.state()  # as the Trainer's save does
+        image = {"step": state.global_step, "trainer_state": json.dumps(dataclasses.asdict(state)),
+                 "model": model.state_dict() if model is not None else {},
+                 "optimizer": optimizer.state_dict() if optimizer is not None else None,
+                 "scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
+                 "rng": _rng_state()}
+        try:
+            snapshot.save(state.global_step, image)
+        except MemorySnapshotError as e:
+            self.snapshot_every = 0
+            self.logger.warning("ft_client: no more snapshots in this run: step %d's state cannot be held in "
+                                "one: %s", state.global_step, e)
+
+    def checkpoint_to_resume(self, trainer: Any) -> str | None:
+        """The folder ``trainer.train(resume_from_checkpoint=...)`` should resume from: the last
+        ``checkpoint-N`` in ``output_dir``, or the newest snapshot every rank holds where it is
+        newer, written out as ``checkpoint-<step>`` first; None where there is neither. Every rank
+        calls it, after the Trainer is made (its process group is then up) and before ``train``."""
+        last = _last_checkpoint(trainer.args.output_dir)
+        if not self.snapshot_every:
+            return last
+        got = snapshot.restore()  # a collective; None after one line saying why
+        file_step = _checkpoint_step(last)
+        newest_file = max_across_ranks([float(-1 if file_step is None else file_step)])[0]
+        if got is None or got[0] <= newest_file:
+            if got is not None:
+                self.logger.warning("ft_client: the checkpoint folder %s (step %d) is not older than the snapshot "
+                                    "(step %d): resuming from the folder", last, file_step, got[0])
+            return last
+        step, image = got
+        folder = os.path.join(trainer.args.output_dir, f"checkpoint-{step}")
+        _write_checkpoint(trainer, folder, image)
+        max_across_ranks([0.0])  # every rank's files are there before any rank reads them
+        self.logger.warning("ft_client: resuming from the in-memory snapshot of step %d, written out as %s%s", step,
+                            folder, "" if last is None else f" (the last checkpoint folder was {last})")
+        return folder
 
     # -- learning ---------------------------------------------------------------------------------

@@ -9,7 +9,9 @@ With ``--snapshot-every K``, every K steps each rank saves its shards into memor
 keeps (``ft_client.snapshot``); after a restart the ranks restore the newest step all of them
 hold, as DTensors on the model's device mesh (``restore(like=...)``), and load them into the
 new model and optimizer. ``--die rank=R,step=S,attempt=A`` makes rank R SIGKILL itself after
-step S of attempt A (TORCHELASTIC_RESTART_COUNT). Each rank prints
+step S of attempt A (TORCHELASTIC_RESTART_COUNT); ``--hang rank=R,step=S,attempt=A`` makes it
+hang in step S's forward instead (in ``write_metrics_to_stuck_filesystem``), the other ranks
+waiting for it in FSDP2's collectives. Each rank prints
 ``[rank R] attempt A: resumed at step N (...)`` and ``[rank R] attempt A: finished N steps,
 loss X`` (X in full: a resumed run's losses equal those of a run without the fault).
 """
@@ -38,6 +40,12 @@ def spec(text: str | None) -> dict[str, int] | None:
     return {k: int(parts[k]) for k in ("rank", "step", "attempt")}
 
 
+def write_metrics_to_stuck_filesystem() -> None:
+    """Stands for an NFS write or a data-loader worker that never returns."""
+    while True:
+        time.sleep(1)
+
+
 def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(step * 1000 + rank)
     x = torch.randn(32, 16, generator=g)
@@ -63,9 +71,11 @@ def main() -> None:
                    help="save an in-memory snapshot every K steps (kept by the monitor; 0: off) and resume from it")
     p.add_argument("--die", default=None, metavar="rank=R,step=S,attempt=A",
                    help="rank R SIGKILLs itself after step S of attempt A")
+    p.add_argument("--hang", default=None, metavar="rank=R,step=S,attempt=A",
+                   help="rank R hangs in step S of attempt A")
     p.add_argument("--ckpt-dir", default=None, help="unused (the test launchers pass it)")
     args = p.parse_args()
-    die = spec(args.die)
+    die, hang = spec(args.die), spec(args.hang)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     dist.init_process_group("gloo", timeout=ft_client.process_group_timeout())
     rank = dist.get_rank()
@@ -90,6 +100,9 @@ def main() -> None:
     loss = torch.tensor(0.0)
     for step in range(start, args.steps):
         with client.section("step"):
+            if hang and (rank, step, attempt) == (hang["rank"], hang["step"], hang["attempt"]):
+                print(f"[rank {rank}] attempt {attempt}: hanging at step {step} (on purpose)", flush=True)
+                write_metrics_to_stuck_filesystem()
             x, y = batch(step, rank)
             loss = nn.functional.mse_loss(model(x), y)
             opt.zero_grad()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import sys
@@ -208,3 +209,15 @@ def run_to_success(workdir: Path, *args: str, name: str, entry: tuple[str, ...],
     finally:
         la.kill()
     return la
+
+
+def final_losses(out: str) -> dict[str, str]:
+    """rank -> the final loss it printed (``[rank R] ... finished N steps, loss L``, the examples' last line)."""
+    return dict(re.findall(r"\[rank (\d+)\] [^\[\n]*?finished \d+ steps, loss ([-0-9.e]+)", out))
+
+
+def restarted_once_for_a_sigkill(la: Launcher, rank: int) -> None:
+    """The launcher restarted once, for ``rank`` killed by SIGKILL in attempt 0 (its summary says so)."""
+    (restart,) = la.summary()["restarts"]
+    assert (restart["cause"], restart["rank"], restart["attempt"]) == ("failure", rank, 0), restart
+    assert restart["how"].endswith("was killed by SIGKILL"), restart

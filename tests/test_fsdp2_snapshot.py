@@ -17,18 +17,13 @@ from pathlib import Path
 import pytest
 
 from ft_monitor.launcher import exit_codes
-from tests.launchers import Launcher
+from tests.launchers import Launcher, final_losses
 from tests.procs import ROOT, slack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 ENTRY = (str(ROOT / "examples" / "train_fsdp2.py"),)
 TRAIN = ("--snapshot-every", "1", "--steps", "24")
-
-
-def _losses(out: str) -> dict[str, str]:
-    """rank -> the final loss it printed (in full)."""
-    return dict(re.findall(r"\[rank (\d+)\] [^\[\n]*?finished \d+ steps, loss ([-0-9.e]+)", out))
 
 
 def _resumed(out: str) -> dict[str, tuple[int, int, str]]:
@@ -70,5 +65,5 @@ def test_an_fsdp2_rank_killed_with_sigkill_resumes_from_its_shards_with_the_loss
     assert set(resumed) == {"0", "1"} and len({s for s, _, _ in resumed.values()}) == 1, killed[-8000:]
     assert all(s in (11, 12) and n == 18 and where == "on the model's mesh" for s, n, where in resumed.values()), \
         resumed
-    assert "resumed" not in clean and set(_losses(clean)) == {"0", "1"}, clean[-8000:]
-    assert _losses(killed) == _losses(clean)
+    assert "resumed" not in clean and set(final_losses(clean)) == {"0", "1"}, clean[-8000:]
+    assert final_losses(killed) == final_losses(clean)

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from ft_monitor.launcher import exit_codes
-from tests.launchers import Launcher, run_to_success
+from tests.launchers import Launcher, final_losses, restarted_once_for_a_sigkill, run_to_success
 from tests.procs import ROOT
 
 pytestmark = pytest.mark.e2e
@@ -115,11 +115,6 @@ def test_a_compiled_models_first_steps_neither_trip_nor_inflate_the_learned_step
     assert observed < min(first)  # the longest step learned from is a compiled one, not the compile
 
 
-def _losses(out: str) -> dict[str, str]:
-    """rank -> the final loss it printed."""
-    return dict(re.findall(r"\[rank (\d+)\] attempt \d+: finished \d+ steps, loss ([0-9.]+)", out))
-
-
 def test_a_rank_killed_with_sigkill_resumes_from_the_snapshot_with_the_loss_of_a_run_without_it(
         workdir: Path) -> None:
     """`FtCallback(snapshot_every=16)`: rank 1 SIGKILLs itself at step 19, after ``last.ckpt``
@@ -128,7 +123,7 @@ def test_a_rank_killed_with_sigkill_resumes_from_the_snapshot_with_the_loss_of_a
     the run ends with the loss of the same run without the fault."""
     steps = ("--steps", "32", "--ckpt-every", "10")
     clean = _run(workdir, "clean", *steps, "--ckpt-dir", str(workdir / "ckpt-clean"))
-    baseline = _losses(clean.output())
+    baseline = final_losses(clean.output())
     assert set(baseline) == {"0", "1"}, clean.output()[-3000:]
     killed = _run(workdir, "killed", *steps, "--snapshot-every", "16", "--die", "rank=1,step=19,attempt=0",
                   "--ckpt-dir", str(workdir / "ckpt-killed"))
@@ -137,7 +132,5 @@ def test_a_rank_killed_with_sigkill_resumes_from_the_snapshot_with_the_loss_of_a
         out[-4000:]
     for r in (0, 1):
         assert f"[rank {r}] attempt 1: resumed at step 16" in out
-    assert _losses(out) == baseline
-    (restart,) = killed.summary()["restarts"]
-    assert (restart["cause"], restart["rank"], restart["attempt"]) == ("failure", 1, 0), restart
-    assert restart["how"].endswith("was killed by SIGKILL"), restart
+    assert final_losses(out) == baseline
+    restarted_once_for_a_sigkill(killed, 1)

@@ -11,13 +11,12 @@ before its first save with the timeout the first job learned."""
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.launchers import Launcher, run_to_success
+from tests.launchers import Launcher, final_losses, restarted_once_for_a_sigkill, run_to_success
 from tests.procs import ROOT
 
 pytestmark = pytest.mark.e2e
@@ -89,11 +88,6 @@ def test_a_trainer_job_whose_rank_hangs_is_named_resumed_from_its_checkpoint_and
     assert "[rank 0] attempt 1: resumed at step 30" in out and "[rank 0] attempt 1: finished 40 steps" in out
 
 
-def _losses(out: str) -> dict[str, str]:
-    """rank -> the final loss it printed."""
-    return dict(re.findall(r"\[rank (\d+)\] attempt \d+: finished \d+ steps, loss ([0-9.]+)", out))
-
-
 def test_a_rank_killed_with_sigkill_resumes_from_the_snapshot_with_the_loss_of_a_run_without_it(
         workdir: Path) -> None:
     """`FtTrainerCallback(snapshot_every=6)`: rank 1 SIGKILLs itself at step 19, after the
@@ -103,7 +97,7 @@ def test_a_rank_killed_with_sigkill_resumes_from_the_snapshot_with_the_loss_of_a
     run without the fault."""
     steps = ("--steps", "24", "--ckpt-every", "10")
     clean = _run(workdir, "clean", *steps, "--ckpt-dir", str(workdir / "ckpt-clean"))
-    baseline = _losses(clean.output())
+    baseline = final_losses(clean.output())
     assert set(baseline) == {"0", "1"}, clean.output()[-3000:]
     out_dir = workdir / "ckpt-killed"
     killed = _run(workdir, "killed", *steps, "--snapshot-every", "6", "--die", "rank=1,step=19,attempt=0",
@@ -113,8 +107,6 @@ def test_a_rank_killed_with_sigkill_resumes_from_the_snapshot_with_the_loss_of_a
            f"checkpoint folder was {out_dir}/checkpoint-10)" in out, out[-4000:]
     for r in (0, 1):
         assert f"[rank {r}] attempt 1: resumed at step 18" in out
-    assert _losses(out) == baseline
-    (restart,) = killed.summary()["restarts"]
-    assert (restart["cause"], restart["rank"], restart["attempt"]) == ("failure", 1, 0), restart
-    assert restart["how"].endswith("was killed by SIGKILL"), restart
+    assert final_losses(out) == baseline
+    restarted_once_for_a_sigkill(killed, 1)
     _ft_state(out_dir / "checkpoint-18")  # the learned timeouts came with the snapshot

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import PY, ROOT, Figure, Mode, clean_env, cleanup, private_dir
-from bench.restart import _monitor_log
+from bench.restart import SMOKE_FLAGS, _monitor_log
 
 ROLL_CALL_TIMEOUT = 5.0
 FR_PROBE = """
@@ -52,10 +52,11 @@ os._exit(0)  # gloo's teardown at interpreter exit can abort ("terminate called 
 
 def launcher_argv(d: Path, nproc: int, quick: bool = False) -> list[str]:
     """The demo's run; ``quick`` (smoke): a fixed 1 s step timeout and a hang at step 3, so
-    the run takes seconds (the figures then mean nothing)."""
+    the run takes seconds, and the workers forked from the launcher's worker template instead of
+    new interpreters (the figures then mean nothing)."""
     exe = Path(PY).parent / "ft-launcher"
     head = [str(exe)] if exe.exists() else [PY, "-m", "ft_monitor.launcher.main"]
-    short = ["--ft-rank-section-timeouts", "step:1"] if quick else []
+    short = ["--ft-rank-section-timeouts", "step:1", *SMOKE_FLAGS] if quick else []
     return [*head, "--standalone", "--nproc-per-node", str(nproc), "--max-restarts", "0",
             "--log-dir", str(d / "logs"), "--ft-cfg-path", str(ROOT / "examples" / "ft.yaml"), *short,
             "--ft-flight-recorder-entries", "2000", "--ft-roll-call-timeout", str(ROLL_CALL_TIMEOUT),

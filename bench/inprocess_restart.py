@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import re
 import statistics
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,19 +42,20 @@ WHAT = {
 }
 
 
-def launcher_argv(d: Path) -> list[str]:
+def launcher_argv(d: Path, flags: Sequence[str] = ()) -> list[str]:
+    """The in-process demo's command line; ``flags``: more ft-launcher options."""
     exe = Path(PY).parent / "ft-launcher"
     head = [str(exe)] if exe.exists() else [PY, "-m", "ft_monitor.launcher.main"]
     return [*head, "--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--log-dir", str(d / "logs"),
             "--ft-cfg-path", str(ROOT / "examples" / "ft.yaml"), "--ft-on-hang", "inprocess",
-            "--ft-summary-json", str(d / "summary.json"), str(ROOT / "examples" / "train_ddp.py"), "--inprocess",
-            "--ckpt-dir", str(d / "ckpt"), "--hang", "rank=1,step=12,attempt=0"]
+            "--ft-summary-json", str(d / "summary.json"), *flags, str(ROOT / "examples" / "train_ddp.py"),
+            "--inprocess", "--ckpt-dir", str(d / "ckpt"), "--hang", "rank=1,step=12,attempt=0"]
 
 
-def one(i: int) -> dict[str, Any]:
+def one(i: int, flags: Sequence[str] = ()) -> dict[str, Any]:
     d = private_dir()
     try:
-        return sample(*launcher_run(launcher_argv(d), d, f"in-process run {i}"), i)
+        return sample(*launcher_run(launcher_argv(d, flags), d, f"in-process run {i}"), i)
     finally:
         cleanup(d)
 

@@ -86,22 +86,30 @@ def launcher_argv(d: Path, flags: Sequence[str] = (), workload: str = "demo", ha
             "--hang", f"rank=1,step={hang_step},attempt=0"]
 
 
+SMOKE_FLAGS = ("--ft-warm-start", "--ft-preload",
+               "torch.nn.parallel,torch._dynamo,torch.optim,ft_client,ft_client.inprocess")
+"""--smoke (tests/test_bench.py: the bench runs and writes its JSON; its figures mean nothing):
+every worker forked from the launcher's worker template, which imports torch and DDP once,
+instead of a new interpreter per worker and attempt (a quarter of the CPU)."""
+
+
 def run(mode: Mode) -> list[Figure]:
     """Process-restart runs, each followed by an in-process restart run
     (bench/inprocess_restart.py): the two side by side, in the same conditions."""
     runs = mode.pick(5, 2, 1)
+    flags = SMOKE_FLAGS if mode.name == "smoke" else ()
     samples, inprocess = [], []
     for i in range(runs):
-        samples.append(_one(i))
-        inprocess.append(inprocess_restart.one(i))
+        samples.append(_one(i, flags))
+        inprocess.append(inprocess_restart.one(i, flags))
     loop = resolve_loop("auto")
     return figures(samples, loop) + inprocess_restart.figures(inprocess, [s["total"] for s in samples], loop)
 
 
-def _one(i: int) -> dict[str, Any]:
+def _one(i: int, flags: Sequence[str] = ()) -> dict[str, Any]:
     d = private_dir()
     try:
-        return sample(*launcher_run(launcher_argv(d), d, f"restart run {i}"), i)
+        return sample(*launcher_run(launcher_argv(d, flags), d, f"restart run {i}"), i)
     finally:
         cleanup(d)
 

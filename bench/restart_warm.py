@@ -50,15 +50,20 @@ def run_warm(mode: Mode) -> list[Figure]:
     """Every configuration of `CONFIGS` in turn, run after run (cold, auto, torch, heavy cold,
     heavy auto, cold, ...), so that all see the same load."""
     rounds, configs, hang_steps, heavy_s = warm_plan(mode)
+    # --smoke: attempt 0's workers forked from the template too (its figures mean nothing; a new
+    # interpreter per worker is most of its CPU)
+    extra = ("--ft-warm-start",) if mode.name == "smoke" else ()
     samples: dict[str, list[dict[str, Any]]] = {c: [] for c in CONFIGS}
     for r in range(rounds):
         for c in configs:
-            samples[c].append(_warm_one(c, r, hang_steps[CONFIGS[c][0]], heavy_s))
+            samples[c].append(_warm_one(c, r, hang_steps[CONFIGS[c][0]], heavy_s, extra))
     return warm_figures(samples, hang_steps, heavy_s)
 
 
-def _warm_one(config: str, i: int, hang_step: int, heavy_s: float) -> dict[str, Any]:
+def _warm_one(config: str, i: int, hang_step: int, heavy_s: float, extra: tuple[str, ...] = ()) -> dict[str, Any]:
+    """One run of ``config``; ``extra``: more ft-launcher options."""
     workload, flags = CONFIGS[config]
+    flags = (*flags, *extra)
     steps = hang_step + 70  # >= 3.5 s of steps after the restart: attempt 1's memory is read while they run
     d = private_dir()
     what = f"warm-restart bench, {config} run"

@@ -52,35 +52,43 @@ def run(mode: Mode, loop: str) -> list[Figure]:
     warmup = mode.pick(200, 100, 20)
     cpus = sorted(os.sched_getaffinity(0))
     pin = (cpus[0], cpus[1]) if len(cpus) >= 2 else None
+    # --smoke (tests/test_bench.py; its figures mean nothing): both variants one after the other in
+    # one rank process per progress mode; torch's import and first optimizer step are most of its CPU
+    variants = list(VARIANTS.items())
+    runs = [variants] if mode.name == "smoke" else [[v] for v in variants]
     out: list[Figure] = []
     for progress in MODES:
-        for variant, gap in VARIANTS.items():
-            out += _run_one(loop, progress, variant, gap, steps, block, warmup, pin)
+        for run_variants in runs:
+            out += _run_one(loop, progress, run_variants, steps, block, warmup, pin)
     return out
 
 
-def _run_one(loop: str, progress: str, variant: str, gap: float, steps: int, block: int, warmup: int,
+def _run_one(loop: str, progress: str, variants: list[tuple[str, float]], steps: int, block: int, warmup: int,
              pin: tuple[int, int] | None) -> list[Figure]:
-    """One daemon, one rank process: both modes of the step (bare, with the client) in it."""
+    """One daemon, one rank process: both modes of the step (bare, with the client) in it, for
+    each of ``variants`` (name, seconds between steps) in turn."""
     d = private_dir()
     daemon = Daemon(d, loop, *DAEMON_FLAGS, *MODES[progress]).wait_ready()
     try:
         args = ["--socket", str(daemon.socket), "--steps", str(steps), "--block", str(block),
-                "--warmup", str(warmup), "--gap", str(gap)]
+                "--warmup", str(warmup), "--gap", ",".join(str(gap) for _, gap in variants)]
         if pin is not None:
             os.sched_setaffinity(daemon.pid, {pin[0]})
             args += ["--cpu", str(pin[1])]
         w = Worker("bench.step_overhead", args, env={"OMP_NUM_THREADS": "1"})
         try:
-            r = w.recv(timeout=600)
+            results = [w.recv(timeout=600) for _ in variants]
         finally:
             w.finish()
     finally:
         daemon.stop()
         cleanup(d)
-    if r["progress"] != progress:
-        raise RuntimeError(f"the rank reported progress through the {r['progress']}, not the {progress}")
-    return figures(r, loop, variant, gap, steps, block, pin, progress)
+    out: list[Figure] = []
+    for (variant, gap), r in zip(variants, results, strict=True):
+        if r["progress"] != progress:
+            raise RuntimeError(f"the rank reported progress through the {r['progress']}, not the {progress}")
+        out += figures(r, loop, variant, gap, steps, block, pin, progress)
+    return out
 
 
 def figures(r: dict[str, Any], loop: str, variant: str, gap: float, steps: int, block: int,
@@ -134,7 +142,8 @@ def worker(argv: list[str]) -> None:
     a.add_argument("--steps", type=int, required=True)
     a.add_argument("--block", type=int, required=True)
     a.add_argument("--warmup", type=int, required=True)
-    a.add_argument("--gap", type=float, required=True)
+    a.add_argument("--gap", required=True, help="seconds between steps; several, comma-separated: one run "
+                   "after the other, one answer each")
     a.add_argument("--cpu", type=int, default=None)
     args = a.parse_args(argv)
     if args.cpu is not None:
@@ -160,11 +169,10 @@ def worker(argv: list[str]) -> None:
     if SECTION not in client._ipc:
         raise RuntimeError(f"section {SECTION!r} is not monitored: the daemon has {client.timeouts.to_wire()}")
     section, heartbeat = client.section, client.send_heartbeat
-    pc, sleep, gap = time.perf_counter_ns, time.sleep, args.gap
-    sent = 0
+    pc, sleep = time.perf_counter_ns, time.sleep
     calls: list[int] = []
 
-    def bare(n: int, k: int) -> list[int]:
+    def bare(n: int, k: int, gap: float) -> list[int]:
         out = [0] * n
         for i in range(n):
             x, y = batches[(k + i) % 16]
@@ -178,7 +186,7 @@ def worker(argv: list[str]) -> None:
                 sleep(gap)
         return out
 
-    def monitored(n: int, k: int) -> list[int]:
+    def monitored(n: int, k: int, gap: float) -> list[int]:
         out = [0] * n
         for i in range(n):
             x, y = batches[(k + i) % 16]
@@ -198,22 +206,23 @@ def worker(argv: list[str]) -> None:
                 sleep(gap)
         return out
 
-    bare(args.warmup, 0)
-    monitored(args.warmup, 0)
-    sent += 3 * args.warmup
-    calls.clear()
-    blocks = max(1, args.steps // args.block)
-    res: dict[str, list[list[int]]] = {"bare": [], "client": []}
-    for j in range(blocks):
-        order = ("bare", "client") if j % 2 == 0 else ("client", "bare")
-        for m in order:
-            gc.collect()
-            res[m].append(bare(args.block, j) if m == "bare" else monitored(args.block, j))
-        sent += 3 * args.block
-    lost = client.lost_reason
-    progress = "record" if client._record is not None else "socket"
+    for gap in (float(g) for g in args.gap.split(",")):
+        bare(args.warmup, 0, gap)
+        monitored(args.warmup, 0, gap)
+        sent = 3 * args.warmup
+        calls.clear()
+        blocks = max(1, args.steps // args.block)
+        res: dict[str, list[list[int]]] = {"bare": [], "client": []}
+        for j in range(blocks):
+            order = ("bare", "client") if j % 2 == 0 else ("client", "bare")
+            for m in order:
+                gc.collect()
+                res[m].append(bare(args.block, j, gap) if m == "bare" else monitored(args.block, j, gap))
+            sent += 3 * args.block
+        lost = client.lost_reason
+        progress = "record" if client._record is not None else "socket"
+        say({**res, "calls": calls, "events_sent": sent, "lost": lost, "progress": progress})
     client.shutdown_workload_monitoring()
-    say({**res, "calls": calls, "events_sent": sent, "lost": lost, "progress": progress})
 
 
 if __name__ == "__main__":

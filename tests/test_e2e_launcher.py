@@ -22,10 +22,11 @@ pytestmark = pytest.mark.e2e
 def test_hung_rank_is_caught_dumped_and_the_job_resumes_from_its_checkpoint(workdir: Path,
                                                                            progress: tuple[str, ...]) -> None:
     # the shared-memory record's run as a user runs it by default (every worker a new interpreter);
-    # the socket's with --ft-warm-start (every attempt's workers forked from the template)
+    # the socket's with --ft-warm-start (every attempt's workers forked from the template), started in
+    # workdir with a relative --log-dir and --ft-summary-json (`_check_a_relative_log_dir_kept_the_evidence`)
     warm = bool(progress)
     la = Launcher(workdir, "--max-restarts", "2", *progress, train_args=("--hang", "rank=1,step=12,attempt=0"),
-                  warm=warm)
+                  warm=warm, relative=warm)
     try:
         assert la.wait() == exit_codes.SUCCESS, la.output()
     finally:
@@ -57,6 +58,8 @@ def test_hung_rank_is_caught_dumped_and_the_job_resumes_from_its_checkpoint(work
     lines = launcher_summary(out)  # printed once, aligned
     assert ("error file", hang["error_file"]) in lines and ("exit code", "0") in lines
     assert any(k == "restart" and v.startswith("all ranks running again ") for k, v in lines), lines
+    if warm:
+        _check_a_relative_log_dir_kept_the_evidence(la, workdir)
 
 
 def _paths(value: object) -> list[str]:
@@ -68,14 +71,11 @@ def _paths(value: object) -> list[str]:
     return [value] if isinstance(value, str) and value.startswith("/") and "\n" not in value else []
 
 
-def test_a_relative_log_dir_keeps_every_piece_of_evidence(workdir: Path) -> None:
+def _check_a_relative_log_dir_kept_the_evidence(la: Launcher, workdir: Path) -> None:
+    """A launcher started in ``workdir`` with a relative --log-dir, whose hang was restarted
+    (test_hung_rank_is_caught...[socket]'s run): every piece of evidence is where the outputs say."""
     # before: the monitors resolved the relative --log-dir elsewhere and sent the stack dumps and
     # hang reports to the launcher's private folder, deleted at exit; the summary pointed there
-    la = Launcher(workdir, "--max-restarts", "1", train_args=("--hang", "rank=1,step=12,attempt=0"), relative=True)
-    try:
-        assert la.wait() == exit_codes.SUCCESS, la.output()
-    finally:
-        la.kill()
     summary = la.summary()
     (hang,) = summary["hangs"]
     error = json.loads(Path(hang["error_file"]).read_text())
@@ -138,8 +138,12 @@ def test_restart_budget_exhausted_reports_the_hung_rank_as_root_cause(workdir: P
 
 def test_crashed_rank_restarts_the_job(workdir: Path) -> None:
     # a crash is torch's usual path: the attempt fails, the group restarts from the checkpoint;
-    # every worker a new interpreter, as by default
-    la = Launcher(workdir, "--max-restarts", "1", train_args=("--crash", "rank=0,step=7,attempt=0"), warm=False)
+    # every worker a new interpreter, as by default. The entry point is a module (`-m`) under
+    # --ft-warm-restart, which the worker template cannot run: the restart starts the workers as
+    # usual (new interpreters), with one line saying why (the same run checks both; it was also
+    # test_warm_restart_e2e.py's own cold run)
+    la = Launcher(workdir, "--max-restarts", "1", "--ft-warm-restart", "-m", entry=("examples.train_ddp",),
+                  train_args=("--crash", "rank=0,step=7,attempt=0"), warm=False)
     try:
         assert la.wait() == exit_codes.SUCCESS, la.output()
     finally:
@@ -147,6 +151,11 @@ def test_crashed_rank_restarts_the_job(workdir: Path) -> None:
     out = la.output()
     assert "[rank 0] attempt 1: resumed at step 5" in out
     assert "[rank 1] attempt 1: finished 30 steps" in out
+    # the template cannot run `-m module`: both attempts new interpreters, and one line says why
+    assert [a["started"] for a in la.summary()["attempts"]] == ["exec", "exec"], out
+    warm_lines = [line for line in out.splitlines() if "warm restart:" in line]
+    assert len(warm_lines) == 1 and "-m" in warm_lines[0] and "starting the workers as usual" in warm_lines[0], \
+        warm_lines
     # before: the restart was in events.jsonl only, not in the summary or summary.json
     (restart,) = la.summary()["restarts"]
     assert (restart["cause"], restart["rank"], restart["attempt"]) == ("failure", 0, 0), restart
@@ -305,9 +314,12 @@ def test_a_monitor_killed_mid_run_is_restarted(workdir: Path) -> None:
 
 
 def test_two_nodes_hang_on_one_restarts_both_and_completes(workdir: Path) -> None:
-    # node 1's workers new interpreters (as by default), node 0's forked from its template
-    a, b = two_nodes(workdir, "ft-two-nodes", "--max-restarts", "2", train_args=("--hang", "rank=3,step=12,attempt=0"),
-                     warm=(True, False))
+    # node 1's workers new interpreters (as by default), node 0's forked from its template; with the
+    # Flight Recorder on, the same run is also the two-launcher roll call's (one diagnosis holds every rank's
+    # stack, taken by the hung rank's node, the other node answering through the store: it was
+    # test_e2e_diagnosis.py's test_two_launchers_one_diagnosis_holds_every_ranks_stack, the same scenario)
+    a, b = two_nodes(workdir, "ft-two-nodes", "--max-restarts", "2", "--ft-flight-recorder-entries", "2000",
+                     train_args=("--hang", "rank=3,step=12,attempt=0"), warm=(True, False))
     hangs = a.summary()["hangs"] + b.summary()["hangs"]
     # rank 3 hung; a rank on the other node waiting for it in the step's collective may
     # time out too, and is then reported as its victim, not as a second hang
@@ -316,6 +328,15 @@ def test_two_nodes_hang_on_one_restarts_both_and_completes(workdir: Path) -> Non
     assert all(h["victim_of"] == 3 and h["waiting"]["rank"] != 3 for h in hangs if h["victim_of"] is not None)
     both = a.output() + b.output()
     assert "finished 30 steps" in both and "resumed at step 10" in both
+    rows = a.summary()["diagnoses"] + b.summary()["diagnoses"]
+    (row,) = rows  # one roll call, by the node of the rank that hung first
+    doc = json.loads(Path(row["diagnosis"]).read_text())
+    assert doc["schema"] == "ft-monitor/diagnosis" and doc["version"] == 1
+    assert [r["rank"] for r in doc["ranks"]] == list(range(4)) and doc["missing_ranks"] == []
+    assert all(r["status"] == "answered" and "most recent call first" in r["stack"] for r in doc["ranks"])
+    assert doc["verdict"]["behind"] == [3] and doc["verdict"]["basis"] == "flight_recorder"
+    assert len(doc["roll_call"]["nodes_answered"]) == 2
+    assert "roll call 1 from" in both  # the other node answered through the store
 
 
 def test_forged_store_messages_are_ignored_and_the_job_completes(workdir: Path) -> None:

@@ -1,9 +1,9 @@
 """End-to-end: what ft-launcher tells the people who run the cluster, from real runs of the demo.
 
-One run with a hang (rank 1, step 12, attempt 0) is shared by most tests (module
-fixture): /metrics is scraped while it runs, the live view is taken while it runs,
-then the summary JSON, events.jsonl, the textfile and the HTML report are checked
-after it. One more pair of runs (a slow rank, an even one) checks slow-rank flagging.
+One run with a hang (rank 1, step 12, attempt 0) is checked fact by fact (one function
+each, all called by one test): /metrics is scraped while it runs, the live view is taken
+while it runs, then the summary JSON, events.jsonl, the textfile and the HTML report are
+checked after it. One more pair of runs (a slow rank, an even one) checks slow-rank flagging.
 """
 
 from __future__ import annotations
@@ -109,12 +109,12 @@ def hang_run() -> Iterator[HangRun]:
         cleanup_dir(workdir)
 
 
-def test_the_run_recovers(hang_run: HangRun) -> None:
+def the_run_recovers(hang_run: HangRun) -> None:
     assert hang_run.exit_code == exit_codes.SUCCESS, hang_run.launcher.output()
     assert scrape(hang_run.url) is None  # /metrics goes with the launcher
 
 
-def test_metrics_while_running_count_the_hang_and_the_restart_phases_of_the_summary(hang_run: HangRun) -> None:
+def metrics_while_running_count_the_hang_and_the_restart_phases_of_the_summary(hang_run: HangRun) -> None:
     before, during = hang_run.before, hang_run.during
     assert sum_where(before, "ft_hangs_total") == 0
     assert value(during, "ft_hangs_total", reason="section", section="step") == 1
@@ -144,7 +144,7 @@ def test_metrics_while_running_count_the_hang_and_the_restart_phases_of_the_summ
     assert 0 < value(during, "ft_goodput_ratio") < 1
 
 
-def test_goodput_and_lost_work_are_consistent_with_the_step_times(hang_run: HangRun) -> None:
+def goodput_and_lost_work_are_consistent_with_the_step_times(hang_run: HangRun) -> None:
     obs = hang_run.launcher.summary()["observability"]
     (restart,) = hang_run.launcher.summary()["restarts"]
     (incident,) = obs["incidents"]
@@ -163,7 +163,7 @@ def test_goodput_and_lost_work_are_consistent_with_the_step_times(hang_run: Hang
     assert value(final, "ft_lost_seconds_total") == pytest.approx(obs["lost_s"])
 
 
-def test_events_follow_the_schema_and_hold_the_incident_in_order(hang_run: HangRun) -> None:
+def events_follow_the_schema_and_hold_the_incident_in_order(hang_run: HangRun) -> None:
     events_path = Path(hang_run.launcher.summary()["observability"]["events"])
     assert events_path.parent.parent == hang_run.launcher.log_dir  # <log dir>/<run id>_<random>/events.jsonl
     events = read_events(events_path)  # each line validated against the schema
@@ -190,7 +190,7 @@ def test_events_follow_the_schema_and_hold_the_incident_in_order(hang_run: HangR
     assert stats["ranks"]["0"]["sections"]["step"]["count"] >= 80
 
 
-def test_the_live_view_shows_every_rank(hang_run: HangRun) -> None:
+def the_live_view_shows_every_rank(hang_run: HangRun) -> None:
     (rows,) = hang_run.status_json.values()
     assert [r["rank"] for r in rows] == [0, 1]
     for r in rows:
@@ -226,7 +226,7 @@ class _Shapes(HTMLParser):
         self.text.append(data)
 
 
-def test_the_html_report_renders_the_run(hang_run: HangRun) -> None:
+def the_html_report_renders_the_run(hang_run: HangRun) -> None:
     events_path = Path(hang_run.launcher.summary()["observability"]["events"])
     out = subprocess.run([sys.executable, "-m", "ft_monitor.cli", "report", str(events_path.parent)],
                          capture_output=True, text=True, timeout=60, cwd=ROOT)
@@ -247,6 +247,23 @@ def test_the_html_report_renders_the_run(hang_run: HangRun) -> None:
     assert "section 'step' open for" in text
     assert re.search(r"goodput\s+\d+(\.\d)? %", text)
     assert abs(float(shapes.goodput) - goodput) < 1e-9  # the launcher's number, shown as a percentage
+
+
+def test_a_run_that_hangs_and_recovers(hang_run: HangRun) -> None:
+    """Every fact of the shared run, one check each, all checked (the failures listed together).
+    One test, not one per check: pytest-xdist's worksteal handed this module's tests to several
+    workers, and each worker (and each return to the module after another one's tests) ran the
+    module fixture again: four runs of the same scenario in one whole run."""
+    failed = []
+    for check in (the_run_recovers, metrics_while_running_count_the_hang_and_the_restart_phases_of_the_summary,
+                  goodput_and_lost_work_are_consistent_with_the_step_times,
+                  events_follow_the_schema_and_hold_the_incident_in_order, the_live_view_shows_every_rank,
+                  the_html_report_renders_the_run):
+        try:
+            check(hang_run)
+        except AssertionError as e:
+            failed.append(f"{check.__name__}: {e}")
+    assert not failed, "\n\n".join(failed)
 
 
 def test_a_slow_rank_is_flagged_and_an_even_run_is_not(workdir: Path) -> None:

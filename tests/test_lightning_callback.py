@@ -193,3 +193,158 @@ def test_a_state_a_snapshot_cannot_hold_stops_the_snapshots_with_a_warning(
     cb._save_snapshot(trainer, 8)
     assert cb.snapshot_every == 0
     assert "no more snapshots in this run" in caplog.text and "holds a set" in caplog.text
+
+
+# -- the classes under the reference's names: its rules, lines and files ----------------------
+class LearningClient(FakeClient):
+    """FakeClient that also learns: each calculate_and_set_* call recorded, its timeouts those
+    the reference's tests read (setup, step and checkpointing listed)."""
+
+    rank = 0
+
+    def __init__(self, sections: dict[str, float] | None = None) -> None:
+        super().__init__()
+        from ft_client.timeouts import Timeouts
+        self.timeouts = Timeouts(initial_rank_heartbeat_timeout=4.0, rank_heartbeat_timeout=2.0,
+                                 rank_section_timeouts=sections if sections is not None else
+                                 {"setup": 20.0, "step": 5.0, "checkpointing": 15.0})
+
+    @property
+    def hb_timeouts(self) -> object:
+        return self.timeouts.hb
+
+    @property
+    def section_timeouts(self) -> object:
+        return self.timeouts.sections
+
+    def calculate_and_set_hb_timeouts(self, skip_if_not_ready: bool = False) -> bool:
+        from ft_client.timeouts import LEARNED_HB, LEARNED_INITIAL_HB
+        self.calls.append("learn hb")
+        self.timeouts = self.timeouts.with_updates(learned=frozenset({LEARNED_HB, LEARNED_INITIAL_HB}))
+        return True
+
+    def calculate_and_set_section_timeouts(self, selected_sections: list[str] | None = None,
+                                           calc_out_of_section: bool = True, skip_if_not_ready: bool = False) -> bool:
+        from ft_client.timeouts import LEARNED_OUT_OF_SECTION, learned_section_key
+        self.calls.append(f"learn {selected_sections} oos={calc_out_of_section}")
+        learned = set(self.timeouts.learned) | {learned_section_key(s) for s in selected_sections or ()}
+        if calc_out_of_section:
+            learned.add(LEARNED_OUT_OF_SECTION)
+        self.timeouts = self.timeouts.with_updates(rank_out_of_section_timeout=5.0, learned=frozenset(learned))
+        return True
+
+    def state_dict(self) -> dict[str, object]:
+        return {"format_version": 1, "timeouts": self.timeouts.to_wire()}
+
+
+def _trainer(step: int = 0) -> SimpleNamespace:
+    return SimpleNamespace(global_rank=0, global_step=step, max_steps=-1, max_epochs=None, current_epoch=0,
+                           strategy=SimpleNamespace())
+
+
+def _run(cb: ftl.FtCallback, batches: int, *, resumed: bool, save_at: tuple[int, ...] = (),
+         client: LearningClient | None = None) -> LearningClient:
+    """``batches`` training batches through the hooks, a save after each step in ``save_at``."""
+    fake = client or LearningClient()
+    cb.client = fake  # type: ignore[assignment]
+    cb._connected(_trainer())
+    if resumed:
+        cb.on_load_checkpoint(_trainer(), None, {})
+    cb.on_train_start(_trainer(), None)
+    for step in range(1, batches + 1):
+        cb.on_train_batch_start(_trainer(step), None, None, step)
+        cb.on_train_batch_end(_trainer(step), None, None, None, step)
+        if step in save_at:
+            cb.on_save_checkpoint(_trainer(step), None, {})
+    return fake
+
+
+def test_the_reference_classes_keep_the_references_file_names_and_ours_keeps_its_own() -> None:
+    assert ftl.FaultToleranceCallback.TIMEOUTS_FILENAME == "_ft_state.json"
+    assert ftl.FaultToleranceSectionsCallback.TIMEOUTS_FILENAME == "_ft_state_.json"
+    assert ftl.FtCallback.TIMEOUTS_FILENAME == ftl.TIMEOUTS_FILENAME == "_ft_state_.json"
+    from ft_client import RankMonitorClient
+    assert RankMonitorClient.CURRENT_TIMEOUTS_STATE_KEY == "current_timeouts"
+
+
+def test_the_heartbeat_class_learns_nothing_in_a_fresh_run(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("INFO")
+    cb = ftl.FaultToleranceCallback(autoresume=False, calculate_timeouts=True, exp_dir=tmp_path)
+    fake = _run(cb, 10, resumed=False, save_at=(5,))
+    cb.teardown(_trainer(10), None, "fit")
+    assert "learn hb" not in fake.calls and "Updat" not in caplog.text
+    assert not (tmp_path / "_ft_state.json").exists()
+
+
+def test_the_heartbeat_class_learns_once_at_the_end_of_a_resumed_run_that_saved(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    import json
+    caplog.set_level("INFO")
+    cb = ftl.FaultToleranceCallback(autoresume=False, calculate_timeouts=True, exp_dir=tmp_path)
+    fake = _run(cb, 10, resumed=True, save_at=(5, 8))
+    assert "learn hb" not in fake.calls  # not after a save: only at the end
+    assert fake.calls.count("beat") == 1 + 10 + 2  # train start, each batch, each save
+    cb.on_train_end(_trainer(10), None)
+    cb.teardown(_trainer(10), None, "fit")
+    assert fake.calls[-3:] == ["beat", "learn hb", "shutdown"]  # the end's heartbeat, then learning
+    assert "[FaultToleranceCallback@rank0] Updating FT timeouts..." in caplog.text
+    assert "[FaultToleranceCallback@rank0] Updated FT timeouts. New values: " in caplog.text
+    state = json.loads((tmp_path / "_ft_state.json").read_text())
+    assert state["format_version"] == 1 and state["current_timeouts"]["heartbeat"]["were_calculated"]
+    assert cb.state_dict() == {}  # with exp_dir, its file is the one store
+
+
+@pytest.mark.parametrize(("exception", "learns"), [(SystemExit(0), True), (SystemExit(1), False),
+                                                   (ValueError("x"), False)])
+def test_the_reference_classes_learn_on_sys_exit_0_and_ours_does_not(exception: BaseException, learns: bool) -> None:
+    cb = ftl.FaultToleranceCallback(autoresume=False, calculate_timeouts=True)
+    fake = _run(cb, 10, resumed=True, save_at=(5,))
+    cb.on_exception(_trainer(10), None, exception)
+    assert ("learn hb" in fake.calls) is learns and cb.client is None
+    sections = ftl.FaultToleranceSectionsCallback(autoresume=False, calculate_timeouts=True)
+    fake = _run(sections, 20, resumed=True, save_at=(5,))
+    fake.calls.clear()
+    sections.on_exception(_trainer(20), None, exception)
+    assert any(c.startswith("learn ['setup'") for c in fake.calls) is learns
+    ours = ftl.FtCallback(sections=False)
+    fake = _run(ours, 10, resumed=True)
+    ours.on_exception(_trainer(10), None, exception)
+    assert "learn hb" not in fake.calls
+
+
+def test_the_sections_class_learns_after_each_save_and_at_the_end_as_the_reference(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    import json
+    caplog.set_level("INFO")
+    cb = ftl.FaultToleranceSectionsCallback(autoresume=False, calculate_timeouts=True, exp_dir=tmp_path)
+    fake = _run(cb, 30, resumed=False, save_at=(10, 20))
+    cb.teardown(_trainer(30), None, "fit")
+    learned = [c for c in fake.calls if c.startswith("learn")]
+    # step 11 (after the save at 10: not yet 16 iterations), 21, and the end; no setup (fresh) nor oos
+    assert learned == ["learn ['checkpointing'] oos=False", "learn ['step', 'checkpointing'] oos=False",
+                       "learn ['step', 'checkpointing'] oos=False"]
+    assert caplog.text.count("Updating FT timeouts") == 3
+    state = json.loads((tmp_path / "_ft_state_.json").read_text())["current_timeouts"]["section"]
+    assert state["calculated_sections"] == ["checkpointing", "step"] and not state["is_out_of_section_calculated"]
+    resumed = ftl.FaultToleranceSectionsCallback(autoresume=False, calculate_timeouts=True, exp_dir=tmp_path)
+    fake = _run(resumed, 30, resumed=True, save_at=(25,))
+    resumed.teardown(_trainer(30), None, "fit")
+    assert [c for c in fake.calls if c.startswith("learn")][-1] == "learn ['setup', 'step', 'checkpointing'] oos=True"
+
+
+def test_the_sections_class_learns_nothing_after_a_failure() -> None:
+    cb = ftl.FaultToleranceSectionsCallback(autoresume=False, calculate_timeouts=True)
+    fake = _run(cb, 20, resumed=True)
+    cb.on_exception(_trainer(20), None, RuntimeError("boom"))
+    assert not [c for c in fake.calls if c.startswith("learn")] and cb.client is None
+
+
+@pytest.mark.parametrize("listed", [{}, {"setup": 1.0, "step": 1.0, "checkpointing": 1.0, "unexpected_section": 2.0}])
+def test_the_sections_class_refuses_a_config_without_exactly_its_sections(listed: dict[str, float]) -> None:
+    cb = ftl.FaultToleranceSectionsCallback(autoresume=False, calculate_timeouts=True)
+    fake = LearningClient(listed)
+    cb.client = fake  # type: ignore[assignment]
+    with pytest.raises(ValueError, match="needs exactly checkpointing, setup, step") as e:
+        cb._connected(_trainer())
+    assert isinstance(e.value, ftl.LightningIntegrationError) and isinstance(e.value, FtError)
+    assert cb.client is None and fake.calls == ["shutdown"]

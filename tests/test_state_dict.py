@@ -14,7 +14,9 @@ from ft_client.learning.state_dict import (
     StateDictError,
     from_state_dict,
     overlay_learned,
+    to_nvrx_state,
     to_state_dict,
+    with_nvrx_state,
 )
 from ft_client.timeouts import (
     LEARNED_HB,
@@ -262,3 +264,41 @@ def test_nvrx_bad_shapes_are_refused() -> None:
         match=r"^nvidia-resiliency-ext state_dict current_timeouts = 3: must be a dict$",
     ):
         from_state_dict({"current_timeouts": 3})
+
+
+# -- both in one dict: the file of the Lightning classes under the reference's names -----------
+def test_our_state_with_the_references_entry_reads_as_ours() -> None:
+    ours = learned_state()
+    loaded = from_state_dict(ours)
+    both = with_nvrx_state(ours, loaded.timeouts)
+    assert set(both) == set(ours) | {"current_timeouts"}
+    assert from_state_dict(json.loads(json.dumps(both))) == loaded
+    # ours wins: the other entry is not read, whatever it holds
+    assert from_state_dict({**ours, "current_timeouts": {"heartbeat": "junk"}}) == loaded
+    assert from_state_dict({**ours, "current_timeouts": 3}) == loaded
+
+
+def test_the_references_entry_is_laid_out_as_its_client_writes_it_and_reads_back_the_same() -> None:
+    timeouts = from_state_dict(learned_state()).timeouts
+    entry = to_nvrx_state(timeouts)
+    assert entry == {"current_timeouts": {
+        "heartbeat": {"initial": timeouts.initial_rank_heartbeat_timeout,
+                      "subsequent": timeouts.rank_heartbeat_timeout, "were_calculated": True},
+        "section": {"section": {"ckpt": None, "step": timeouts.rank_section_timeouts["step"]},
+                    "out_of_section": timeouts.rank_out_of_section_timeout, "calculated_sections": ["step"],
+                    "is_out_of_section_calculated": True},
+    }}
+    assert from_state_dict(entry).timeouts.learned == timeouts.learned
+    # nothing learned: an empty entry, as the reference's (heartbeats set but configured too)
+    assert to_nvrx_state(CONFIG) == {"current_timeouts": {}}
+    assert to_nvrx_state(NVRX_TIMEOUTS) == NVRX
+
+
+NVRX_TIMEOUTS = from_state_dict(NVRX).timeouts
+
+
+def test_a_dict_with_both_still_refuses_what_ours_refuses() -> None:
+    with pytest.raises(StateDictError, match="unknown key"):
+        from_state_dict({"format_version": 1, "current_timeouts": {}, "other": 1})
+    with pytest.raises(StateDictError, match="format_version"):
+        from_state_dict({"format_version": 2, "current_timeouts": {}})

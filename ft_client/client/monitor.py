@@ -67,6 +67,10 @@ class RankMonitorClient(ClientProgress, ClientLearning, ClientRestart, ClientLin
     seconds) is injectable for tests.
     """
 
+    CURRENT_TIMEOUTS_STATE_KEY = "current_timeouts"
+    """The key of nvidia-resiliency-ext's state dict, under its name: code that reads that entry
+    (its tests, its client) finds it in the file the Lightning classes under its names write."""
+
     def __init__(self, socket_path: str | None = None, *, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__(socket_path, clock)
         self._restart_hook = RestartHook(self)

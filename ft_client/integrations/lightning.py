@@ -37,8 +37,9 @@ A section the monitor's config does not list costs no IPC (ft_client's rule), so
 works with any config; the monitor acts on those it lists. nvidia-resiliency-ext's
 ``ptl_resiliency`` names, `FaultToleranceCallback` (heartbeats only) and
 `FaultToleranceSectionsCallback` (sections ``setup``, ``step`` and ``checkpointing``), take
-their constructor arguments: the migration is the import. Where ours differs from theirs,
-docs/integrations.md says so.
+their constructor arguments and follow their rules for learning, their log lines and their
+``exp_dir`` files (`lightning_reference`); the config and its socket's folder change as
+docs/migration.md says. Where ours differs from theirs, docs/integrations.md says so.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 try:
     from lightning.pytorch.callbacks import Callback
@@ -69,6 +70,8 @@ except ImportError:  # the older package name
 from ft_client import snapshot
 from ft_client.client import RankMonitorClient
 from ft_client.errors import FtError, MemorySnapshotError, RankMonitorClientError
+from ft_client.integrations.lightning_reference import HeartbeatReference, SectionsReference
+from ft_client.integrations.reference_rules import config_problem
 from ft_client.integrations.sections import CHECKPOINTING, SETUP, STEP, VALIDATION, OpenSections
 from ft_client.workload import WorkloadAction, WorkloadControlRequest
 
@@ -141,7 +144,13 @@ class FtCallback(OpenSections, Callback):
     (for instance, to exclude this node); ``simulated_fault_params``: see
     `SimulatedFaultParams`; ``snapshot_every``: save an `ft_client.snapshot` of the checkpoint
     every that many optimizer steps and resume from it (0: never).
+
+    The hooks the classes under the reference's names override (`lightning_reference`):
+    ``_connected``, ``_after_batch``, ``_saved``, ``_learn``, ``_checkpoint_keeps_timeouts``.
     """
+
+    TIMEOUTS_FILENAME: ClassVar[str] = TIMEOUTS_FILENAME
+    learn_on_clean_exit: ClassVar[bool] = False  # why not: docs/integrations.md, "an exception out of fit"
 
     def __init__(self, *, sections: bool = True, calculate_timeouts: bool = True, autoresume: bool = False,
                  exp_dir: str | pathlib.Path | None = None,
@@ -207,8 +216,9 @@ class FtCallback(OpenSections, Callback):
             return
         self.client = RankMonitorClient()
         self.client.init_workload_monitoring()
+        self._connected(trainer)
         if self.calculate_timeouts and self.exp_dir is not None:
-            path = self.exp_dir / TIMEOUTS_FILENAME
+            path = self.exp_dir / self.TIMEOUTS_FILENAME
             if path.is_file():
                 self.client.load_state_dict(json.loads(path.read_text()))
         if self._pending_state is not None:
@@ -235,8 +245,7 @@ class FtCallback(OpenSections, Callback):
             self._end(STEP)
         self.batches += 1
         self._beat()
-        if self._saved_at is not None and self.calculate_timeouts:
-            self._learn(final=False)
+        self._after_batch(trainer)
         step = trainer.global_step
         if self.snapshot_every and step % self.snapshot_every == 0 and step != self._snapshot_step:
             self._save_snapshot(trainer, step)
@@ -256,6 +265,7 @@ class FtCallback(OpenSections, Callback):
     def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
         if self.client is not None and not self._snapshotting:
             self._saved_at = trainer.global_step
+            self._saved(trainer)
             self._beat()
 
     def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
@@ -263,13 +273,15 @@ class FtCallback(OpenSections, Callback):
 
     def state_dict(self) -> dict[str, Any]:
         """What goes into Lightning's checkpoint: the learned timeouts and their observations."""
-        return {} if self.client is None else {"ft_client": self.client.state_dict()}
+        if self.client is None or not self._checkpoint_keeps_timeouts():
+            return {}
+        return {"ft_client": self.client.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """From Lightning's checkpoint: the learned timeouts are put in force (kept until
         ``setup`` connects, where Lightning restores before it)."""
         state = state_dict.get("ft_client") if isinstance(state_dict, dict) else None
-        if not isinstance(state, dict):
+        if not isinstance(state, dict) or not self._checkpoint_keeps_timeouts():
             return
         if self.client is None:
             self._pending_state = state_dict
@@ -287,6 +299,8 @@ class FtCallback(OpenSections, Callback):
             return
         self._failed = not (isinstance(exception, SystemExit) and not exception.code)
         self._abandon()  # a step cut short is not a step the framework ran
+        if self.learn_on_clean_exit and self.calculate_timeouts:
+            self._learn(final=True)  # the reference classes: their rules decide, a failure learns nothing
         if self.exc_handling_policy is not None:
             request = self.exc_handling_policy(exception)
             if not isinstance(request, WorkloadControlRequest):
@@ -357,6 +371,21 @@ class FtCallback(OpenSections, Callback):
         connector.resume_start = resume_start
 
     # -- learning, the flag, the end -------------------------------------------------------------
+    def _connected(self, trainer: Any) -> None:
+        """Right after the client connected, in ``setup``: nothing here."""
+
+    def _after_batch(self, trainer: Any) -> None:
+        """After each training batch: learn where a checkpoint was written since the last time."""
+        if self._saved_at is not None and self.calculate_timeouts:
+            self._learn(final=False)
+
+    def _saved(self, trainer: Any) -> None:
+        """A checkpoint is being saved (``on_save_checkpoint``): ``_saved_at`` is all ours needs."""
+
+    def _checkpoint_keeps_timeouts(self) -> bool:
+        """Whether Lightning's checkpoint holds the learned timeouts (ours: always)."""
+        return True
+
     def _learn(self, final: bool) -> None:
         """`OpenSections._learn`, and the learned timeouts into ``exp_dir``'s file where one is
         given (the reference's)."""
@@ -364,7 +393,7 @@ class FtCallback(OpenSections, Callback):
         super()._learn(final)
         client = self.client
         if client is not None and self.exp_dir is not None and client.rank == 0:
-            (self.exp_dir / TIMEOUTS_FILENAME).write_text(json.dumps(client.state_dict()))
+            (self.exp_dir / self.TIMEOUTS_FILENAME).write_text(json.dumps(client.state_dict()))
 
     def _empty_run(self) -> bool:
         """A fit that ran at most one batch and did not fail: nothing was left to train (a
@@ -392,9 +421,11 @@ def _completed(trainer: Any) -> bool:
     return isinstance(max_epochs, int) and max_epochs > 0 and trainer.current_epoch >= max_epochs
 
 
-class FaultToleranceCallback(FtCallback):
+class FaultToleranceCallback(HeartbeatReference, FtCallback):
     """nvidia-resiliency-ext's ``ptl_resiliency.FaultToleranceCallback``, under its name and
-    arguments: heartbeats only (no sections), timeouts learned at the end."""
+    arguments, and with its rules: heartbeats only, the heartbeat timeouts learned at most once
+    a run, at its end (`lightning_reference.HeartbeatReference`), kept in
+    ``exp_dir/_ft_state.json``."""
 
     def __init__(self, autoresume: bool, calculate_timeouts: bool,
                  simulated_fault_params: SimulatedFaultParams | dict[str, Any] | None = None,
@@ -404,9 +435,11 @@ class FaultToleranceCallback(FtCallback):
                          exp_dir=exp_dir, simulated_fault_params=simulated_fault_params, logger_name=logger_name)
 
 
-class FaultToleranceSectionsCallback(FtCallback):
+class FaultToleranceSectionsCallback(SectionsReference, FtCallback):
     """nvidia-resiliency-ext's ``ptl_resiliency.FaultToleranceSectionsCallback``, under its name
-    and arguments: sections ``setup``, ``step`` and ``checkpointing``."""
+    and arguments, and with its rules: sections ``setup``, ``step`` and ``checkpointing``, which
+    the monitor's config must list exactly, learned after each save and at the end
+    (`lightning_reference.SectionsReference`), kept in ``exp_dir/_ft_state_.json``."""
 
     def __init__(self, autoresume: bool, calculate_timeouts: bool,
                  simulated_fault_params: SimulatedFaultParams | dict[str, Any] | None = None,
@@ -416,3 +449,17 @@ class FaultToleranceSectionsCallback(FtCallback):
         super().__init__(sections=True, calculate_timeouts=calculate_timeouts, autoresume=autoresume,
                          exp_dir=exp_dir, exc_handling_policy=exc_handling_policy,
                          simulated_fault_params=simulated_fault_params, logger_name=logger_name)
+
+    def _connected(self, trainer: Any) -> None:
+        """The reference's check of the monitor's config (a ValueError, in ``setup``), and its
+        asynchronous checkpoint finalization timed as ``checkpointing`` too."""
+        super()._connected(trainer)
+        client = self.client
+        problem = None if client is None else config_problem(client.timeouts.rank_section_timeouts)
+        if problem is not None:
+            self._shutdown()
+            raise LightningIntegrationError(problem)
+        checkpoint_io = getattr(trainer.strategy, "checkpoint_io", None)
+        if hasattr(checkpoint_io, "maybe_finalize_save_checkpoint"):
+            self.async_checkpointing = True
+            self._wrap(checkpoint_io, "maybe_finalize_save_checkpoint")

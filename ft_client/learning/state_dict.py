@@ -13,7 +13,9 @@ nvidia-resiliency-ext's ``RankMonitorClient.state_dict()``. Layout, version 1::
     }
 
 Plain JSON types only, keys sorted where order could differ, so ranks that
-reduced the same observations write identical dicts. `overlay_learned` lays
+reduced the same observations write identical dicts. `with_nvrx_state` adds the
+reference's ``current_timeouts`` entry beside ours (the Lightning classes under the
+reference's names write that file; either client reads it). `overlay_learned` lays
 the learned values of a loaded checkpoint over the configured timeouts.
 Must not talk to the daemon, read files or import torch.
 """
@@ -84,11 +86,15 @@ def to_state_dict(
 
 def from_state_dict(state: Mapping[str, Any]) -> LoadedState:
     """Read a checkpoint dict: ours (format_version 1; missing keys take defaults,
-    so ``{}`` is an empty state) or nvidia-resiliency-ext's ``{"current_timeouts": ...}``."""
+    so ``{}`` is an empty state), nvidia-resiliency-ext's ``{"current_timeouts": ...}``,
+    or both in one dict (`with_nvrx_state`'s file): then ours is read, the other ignored
+    (it says the same, with less)."""
     if not isinstance(state, Mapping):
         raise StateDictError(f"ft state_dict = {state!r}: must be a dict")
-    if NVRX_STATE_KEY in state and "format_version" not in state:
-        return _from_nvrx(state)
+    if NVRX_STATE_KEY in state:
+        if "format_version" not in state:
+            return _from_nvrx(state)
+        state = {k: v for k, v in state.items() if k != NVRX_STATE_KEY}
     unknown = sorted(map(str, set(state) - set(_KEYS)))
     if unknown:
         raise StateDictError(f"ft state_dict has unknown key(s) {', '.join(unknown)}: expected only {', '.join(_KEYS)}")
@@ -108,6 +114,31 @@ def from_state_dict(state: Mapping[str, Any]) -> LoadedState:
     if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
         raise StateDictError(f"ft state_dict iteration = {iteration!r}: must be a whole number >= 0")
     return LoadedState(timeouts, _observations(state.get("observations") or {}), safety_factor, iteration)
+
+
+def to_nvrx_state(timeouts: Timeouts) -> dict[str, Any]:
+    """nvidia-resiliency-ext's ``{"current_timeouts": ...}`` for ``timeouts``, as its
+    ``RankMonitorClient.state_dict()`` lays it out (heartbeat timeouts only where both are set
+    and learned, section timeouts only where one was learned; names sorted), so that its
+    client, and its tests, can read a file ours wrote."""
+    current: dict[str, Any] = {}
+    hb = timeouts.hb
+    if hb.are_valid and hb.were_calculated:
+        current["heartbeat"] = {"initial": hb.initial, "subsequent": hb.subsequent, "were_calculated": True}
+    sec = timeouts.sections
+    if sec.calculated_sections or sec.is_out_of_section_calculated:
+        current["section"] = {
+            "section": dict(sorted(sec.section.items())),
+            "out_of_section": sec.out_of_section,
+            "calculated_sections": sorted(sec.calculated_sections),
+            "is_out_of_section_calculated": sec.is_out_of_section_calculated,
+        }
+    return {NVRX_STATE_KEY: current}
+
+
+def with_nvrx_state(state: Mapping[str, Any], timeouts: Timeouts) -> dict[str, Any]:
+    """Our state dict with the reference's entry beside it: one file both clients read."""
+    return {**state, **to_nvrx_state(timeouts)}
 
 
 def overlay_learned(configured: Timeouts, loaded: Timeouts) -> Timeouts:

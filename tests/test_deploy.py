@@ -4,9 +4,11 @@ settings, and keep their timing promises.
 What is checked, without Slurm, a cluster or a running systemd:
 * every ``--ft-<field>`` flag in deploy/ names a FaultToleranceConfig field (or a launcher flag);
 * Slurm: ``bash -n``; the #SBATCH lines; the signal lead covers the launcher's kill escalation;
-  the script run against fake ``srun``/``scontrol``/``scancel``/``ft-launcher`` commands: the
-  launcher's arguments, the exit code and requeue decision for each launcher exit code, and the
-  SIGTERM trap (forwarded with scancel, then requeued);
+  the script run against fake ``srun``/``scontrol``/``scancel``/``squeue``/``ft-launcher``
+  commands: the launcher's arguments (the rendezvous at the first node's NodeAddr), the exit code
+  and requeue decision for each launcher exit code, the SIGTERM trap (forwarded with scancel,
+  then requeued, unless the job was cancelled), and a slurmctld that is down or does not answer
+  (tests/test_slurm_e2e.py runs the script on a real Slurm);
 * Kubernetes: ``yaml.safe_load_all``; the kinds; the ConfigMap's YAML loads with load_config;
   terminationGracePeriodSeconds above the kill escalation computed from that YAML; the wiring
   (rendezvous DNS, /tmp and /dev/shm emptyDirs, podFailurePolicy on the launcher's exit codes);
@@ -114,19 +116,35 @@ def test_sbatch_directives_and_signal_lead() -> None:
 
 
 FAKE_HOST = "node-a"
+DOWN = "Slurmctld(primary) at ctl is DOWN"
 
 
 def fake_slurm(tmp_path: Path, launcher_body: str) -> tuple[dict[str, str], Path]:
-    """A PATH with fake srun/scontrol/scancel/ft-launcher; they log their calls to calls.log."""
+    """A PATH with fake srun/scontrol/scancel/squeue/ft-launcher; they log their calls to calls.log.
+    FAKE_CTLD=down: every call that needs slurmctld fails as Slurm's do when it is down;
+    FAKE_SQUEUE: squeue's answer ("STATE REASON"; a job being cancelled is COMPLETING);
+    FAKE_NODE_ADDR: the first node's NodeAddr in ``scontrol show node``."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     log = tmp_path / "calls.log"
+    down = '[[ "${FAKE_CTLD:-up}" == down ]]'
     scripts = {
-        "scontrol": f'echo "scontrol $*" >> "$FAKE_LOG"\n[[ "$1 $2" == "show hostnames" ]] && echo {FAKE_HOST}\n'
+        "scontrol": 'echo "scontrol $*" >> "$FAKE_LOG"\n'
+                    f'[[ "$1 $2" == "show hostnames" ]] && {{ echo {FAKE_HOST}; exit 0; }}\n'
+                    f'if [[ "$1" == ping ]]; then {down} && {{ echo "{DOWN}"; exit 1; }}; '
+                    'echo "Slurmctld(primary) at ctl is UP"; exit 0; fi\n'
+                    f'{down} && {{ echo "Unexpected message received for job $SLURM_JOB_ID" >&2; exit 1; }}\n'
+                    '[[ "$1 $2" == "show node" && -n "${FAKE_NODE_ADDR:-}" ]] && '
+                    'echo "NodeName=$4 Arch=x86_64 CoresPerSocket=1 NodeAddr=$FAKE_NODE_ADDR NodeHostName=$4"\n'
+                    '[[ "$1" == requeue && -n "${FAKE_REQUEUE_SLEEP:-}" ]] && sleep "$FAKE_REQUEUE_SLEEP"\n'
                     'exit 0\n',
         # scancel --signal=TERM signals the step: here, the process group fake srun started.
         "scancel": 'echo "scancel $*" >> "$FAKE_LOG"\n'
+                   f'{down} && {{ echo "slurm_load_jobs error: Unable to contact slurm controller" >&2; exit 1; }}\n'
                    '[[ "$1" == --signal=TERM ]] && kill -TERM -- "-$(cat "$FAKE_STEP_PGID")"\nexit 0\n',
+        "squeue": 'echo "squeue $*" >> "$FAKE_LOG"\n'
+                  f'{down} && {{ echo "slurm_load_jobs error: Unable to contact slurm controller" >&2; exit 1; }}\n'
+                  'echo "${FAKE_SQUEUE:-RUNNING None}"\n',
         "srun": 'echo "srun $*" >> "$FAKE_LOG"\nwhile [[ "$1" == --* ]]; do shift; done\n'
                 'SLURM_NODEID=0 SLURMD_NODENAME=' + FAKE_HOST + ' setsid "$@" &\n'
                 'echo $! > "$FAKE_STEP_PGID"\nwait $!\n',
@@ -156,6 +174,10 @@ def run_sbatch(env: dict[str, str], *args: str, **extra: str) -> subprocess.Comp
                           timeout=20)
 
 
+def ft_train_lines(out: str) -> list[str]:
+    return [line for line in out.splitlines() if line.startswith("ft-train:")]
+
+
 def test_sbatch_launches_one_launcher_with_the_rendezvous_on_the_first_node(tmp_path: Path) -> None:
     env, log = fake_slurm(tmp_path, "exit 0\n")
     proc = run_sbatch(env, "train.py", "--lr", "3e-4")
@@ -163,13 +185,30 @@ def test_sbatch_launches_one_launcher_with_the_rendezvous_on_the_first_node(tmp_
     args = (tmp_path / "launcher-args").read_text().splitlines()
     log_dir = tmp_path / "logs" / "4242" / "run-0" / FAKE_HOST
     assert args == [
-        "--log-dir", str(log_dir), "--ft-summary-json", str(log_dir / "summary.json"),
+        "--log-dir", str(log_dir), "--ft-summary-json", str(log_dir / "summary.json"), "--rdzv-conf=is_host=1",
         "--nnodes=1", "--nproc-per-node=8", "--rdzv-backend=c10d", f"--rdzv-endpoint={FAKE_HOST}:29500",
         "--rdzv-id=4242", "--max-restarts=3", f"--ft-cfg-path={ROOT / 'examples' / 'ft.yaml'}",
         "train.py", "--lr", "3e-4",
     ]
     assert (tmp_path / "logs" / "4242" / "run-0" / "exit-code.0").read_text().strip() == "0"
     assert "requeue" not in log.read_text()
+
+
+def test_sbatch_rendezvous_is_at_the_first_nodes_address_with_the_users_flags(tmp_path: Path) -> None:
+    """A Slurm node name need not resolve (NodeName=gpu17 NodeAddr=10.0.3.17): the endpoint is the
+    NodeAddr slurmctld gives; FT_LAUNCHER_FLAGS and FT_RDZV_CONF reach the launcher."""
+    env, log = fake_slurm(tmp_path, "exit 0\n")
+    proc = run_sbatch(env, "train.py", FAKE_NODE_ADDR="10.0.3.17", FT_RDZV_CONF="join_timeout=900",
+                      FT_LAUNCHER_FLAGS="--ft-warm-start --ft-preload torch.nn.parallel,ft_client")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    args = (tmp_path / "launcher-args").read_text().splitlines()
+    assert "--rdzv-endpoint=10.0.3.17:29500" in args
+    assert "--rdzv-conf=is_host=1,join_timeout=900" in args
+    assert args[-4:] == ["--ft-warm-start", "--ft-preload", "torch.nn.parallel,ft_client", "train.py"]
+    assert f"scontrol show node -o {FAKE_HOST}" in log.read_text()
+    assert f"rendezvous at 10.0.3.17:29500 ({FAKE_HOST})" in proc.stdout
+    proc = run_sbatch(env, "train.py", FT_RDZV_HOST="ib-node-a", FAKE_NODE_ADDR="10.0.3.17")
+    assert "--rdzv-endpoint=ib-node-a:29500" in (tmp_path / "launcher-args").read_text().splitlines()
 
 
 @pytest.mark.parametrize(
@@ -181,10 +220,12 @@ def test_sbatch_launches_one_launcher_with_the_rendezvous_on_the_first_node(tmp_
         (exit_codes.NO_PROGRESS, 3, False),
         (exit_codes.SHUTDOWN_REQUESTED, 4, False),
         (exit_codes.NODE_EXCLUDED, 5, False),
+        (exit_codes.STORE_UNREACHABLE, 6, True),
     ],
 )
 def test_sbatch_exit_code_policy(tmp_path: Path, launcher_code: int, job_code: int, requeued: bool) -> None:
-    """Requeue when the restart budget ran out; never when requeueing cannot help (2, 3, 4, 5)."""
+    """Requeue when the restart budget ran out or the store went away; never when requeueing
+    cannot help (2, 3, 4, 5)."""
     env, log = fake_slurm(tmp_path, f"exit {launcher_code}\n")
     proc = run_sbatch(env)
     assert proc.returncode == job_code, proc.stdout + proc.stderr
@@ -200,12 +241,34 @@ def test_sbatch_requeue_limits(tmp_path: Path) -> None:
     assert "requeue" not in log.read_text()
 
 
-def test_sbatch_forwards_sigterm_to_the_step_and_requeues(tmp_path: Path) -> None:
-    """--signal=B:TERM reaches the batch shell; the launcher gets it through scancel, not srun."""
+def test_sbatch_says_in_one_line_that_a_requeue_found_no_slurmctld(tmp_path: Path) -> None:
+    """Issue 43: slurmctld stopped mid-job. The job needs it only to requeue: the script tries,
+    says so in one line and keeps the launcher's code (1: restarts exhausted)."""
+    env, log = fake_slurm(tmp_path, "exit 1\n")
+    proc = run_sbatch(env, FAKE_CTLD="down")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    last = ft_train_lines(proc.stdout)[-1]
+    assert last == ("ft-train: could not requeue job 4242 (restarts exhausted): scontrol requeue: Unexpected message "
+                    f"received for job 4242 ({DOWN}); once slurmctld answers: scontrol requeue 4242"), last
+
+
+def test_sbatch_bounds_a_slurmctld_that_does_not_answer(tmp_path: Path) -> None:
+    """A controller that accepts and never answers: FT_SLURM_TIMEOUT ends the requeue's wait."""
+    env, _ = fake_slurm(tmp_path, "exit 1\n")
+    start = time.monotonic()
+    proc = run_sbatch(env, FAKE_REQUEUE_SLEEP="30", FT_SLURM_TIMEOUT="1")
+    assert time.monotonic() - start < 10
+    assert proc.returncode == 1
+    assert ft_train_lines(proc.stdout)[-1].startswith("ft-train: could not requeue job 4242 (restarts exhausted)")
+
+
+def _sigterm_the_batch_shell(tmp_path: Path, **extra: str) -> tuple[subprocess.CompletedProcess[str], str]:
+    """Run the script with a launcher that exits 143 on SIGTERM; SIGTERM the batch shell once the
+    launcher runs, as ``--signal=B:TERM`` (or ``scancel``) does."""
     started = tmp_path / "launcher-started"
     env, log = fake_slurm(tmp_path, f"trap 'exit 143' TERM\ntouch {started}\nsleep 30 & wait\n")
-    proc = subprocess.Popen(["bash", str(SBATCH)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    proc = subprocess.Popen(["bash", str(SBATCH)], env={**env, **extra}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 10
         while not started.exists():
@@ -218,11 +281,62 @@ def test_sbatch_forwards_sigterm_to_the_step_and_requeues(tmp_path: Path) -> Non
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == 143, out
-    calls = log.read_text()
+    assert (tmp_path / "logs" / "4242" / "run-0" / "exit-code.0").read_text().strip() == "143"
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, ""), log.read_text()
+
+
+def test_sbatch_forwards_sigterm_to_the_step_and_requeues(tmp_path: Path) -> None:
+    """--signal=B:TERM reaches the batch shell; the launcher gets it through scancel, not srun."""
+    proc, calls = _sigterm_the_batch_shell(tmp_path)
+    assert proc.returncode == 143, proc.stdout
     assert "scancel --signal=TERM 4242" in calls
     assert "scontrol requeue 4242" in calls
-    assert (tmp_path / "logs" / "4242" / "run-0" / "exit-code.0").read_text().strip() == "143"
+
+
+def test_sbatch_does_not_requeue_a_cancelled_job(tmp_path: Path) -> None:
+    """A plain scancel sends SIGTERM to the batch shell too, with the job already ending in
+    slurmctld (COMPLETING): requeueing would undo the cancel (tests/test_slurm_e2e.py saw it)."""
+    proc, calls = _sigterm_the_batch_shell(tmp_path, FAKE_SQUEUE="COMPLETING None")
+    assert proc.returncode == 143, proc.stdout
+    assert "requeue" not in calls
+    assert ft_train_lines(proc.stdout)[-1] == "ft-train: job 4242 was cancelled (slurmctld: COMPLETING None); not requeued"
+
+
+def test_sbatch_requeues_a_job_that_reached_its_time_limit(tmp_path: Path) -> None:
+    proc, calls = _sigterm_the_batch_shell(tmp_path, FAKE_SQUEUE="COMPLETING TimeLimit")
+    assert proc.returncode == 143, proc.stdout
+    assert "scontrol requeue 4242" in calls
+    assert "raise --signal's lead" in ft_train_lines(proc.stdout)[-1]
+
+
+def test_sbatch_sigterm_before_the_launchers_start_starts_none(tmp_path: Path) -> None:
+    """A SIGTERM that comes while the script sets up (the secret, the head node) is not lost: no
+    launcher is started, and the job is requeued as after any other SIGTERM."""
+    env, log = fake_slurm(tmp_path, "exit 0\n")
+    env["PATH"] = f"{tmp_path / 'slow'}:{env['PATH']}"
+    (tmp_path / "slow").mkdir()
+    pid_file = tmp_path / "setup-pid"
+    slow = tmp_path / "slow" / "python3"  # the script's secret generator, slow on purpose
+    slow.write_text(f"#!/bin/bash\necho $$ > {pid_file}.tmp; mv {pid_file}.tmp {pid_file}\nexec sleep 30\n")
+    slow.chmod(0o755)
+    proc = subprocess.Popen(["bash", str(SBATCH)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        deadline = time.monotonic() + 10
+        while not pid_file.exists():
+            assert time.monotonic() < deadline, "the script did not start"
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)  # bash runs the trap once the command it waits for ends:
+        os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        out, _ = proc.communicate(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 143, out
+    calls = log.read_text()
+    assert "srun" not in calls and "scontrol requeue 4242" in calls
+    assert "ft-train: SIGTERM received before the launchers started; not starting them" in out
 
 
 # ---------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 """Issue 28, across nodes: M simulated launchers (threads of this process) against ONE real
 torch.distributed TCPStore (its own process), driving the launcher's own protocol code.
 
-    bench/sim_nodes.py [--quick | --smoke] [--nodes 2,4,...,128] [--incidents K] [--out FILE.json] [--plot DIR]
+    bench/sim_nodes.py [--quick | --smoke] [--nodes 2,4,...,128] [--incidents K] [--stores tcp,etcd]
+                       [--out FILE.json] [--plot DIR]
 
 Each simulated node is what ft-launcher's agent is to the store, minus the processes:
 its own TCPStore client, a rendezvous handler built the way torchrun builds it for
@@ -30,6 +31,13 @@ while training runs.
 
 ``--protocols`` before,after: "before" is the code of commit BEFORE (755bffb, loaded from
 git), "after" the working tree's; both run in the same invocation, side by side.
+
+``--stores tcp,etcd`` (issue 43): each M also against a real etcd (tests/etcd.py's server, v2
+API, started in a temporary folder): every node builds what torchrun builds for
+``--rdzv-backend etcd-v2`` (torch's `create_backend`: one python-etcd client for the
+rendezvous backend and the EtcdStore, the round's store a PrefixStore over it) and the same
+incidents run through it; besides the store operations, each node's HTTP requests to etcd
+are counted (its client's urllib3 pool), and the rendezvous round is etcd-v2's.
 """
 
 from __future__ import annotations
@@ -70,7 +78,7 @@ def figures(mode: Any) -> list[Any]:
         if proc.returncode != 0:
             raise RuntimeError(f"bench/sim_nodes.py failed: {proc.stderr[-2000:]}")
         result = json.loads(out.read_text())
-    rows = result["rows"]
+    rows = [r for r in result["rows"] if r.get("store", "tcp") == "tcp"]  # the figures are TCPStore's
     top = max(r["nodes"] for r in rows)
     figs: list[Any] = []
     for proto in ("before", "after"):
@@ -109,9 +117,9 @@ def loadavg() -> str:
 def run(nodes: list[int], incidents: int, ranks_per_node: int, idle_s: float, protocols: list[str],
         log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True),
         partial: Path | None = None, incidents_at: dict[int, int] | None = None,
-        rendezvous: str = "c10d") -> dict[str, Any]:
-    """Every M, both protocols side by side; a job that fails is recorded (its error) and the
-    others go on; ``partial``: the JSON so far, rewritten after each job."""
+        rendezvous: str = "c10d", stores: tuple[str, ...] = ("tcp",)) -> dict[str, Any]:
+    """Every M, each store and both protocols side by side; a job that fails is recorded (its
+    error) and the others go on; ``partial``: the JSON so far, rewritten after each job."""
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # as ft-launcher sets it
     import logging
 
@@ -124,24 +132,23 @@ def run(nodes: list[int], incidents: int, ranks_per_node: int, idle_s: float, pr
             protos.append(p)
     runs = []
     load_start = loadavg()
-    for m in nodes:
-        for p in protos:  # side by side, at each M
-            t = time.monotonic()
-            log(f"sim_nodes: M={m} {p.name} ... (load {loadavg()})")
-            try:
-                r = run_nodes(m, p, (incidents_at or {}).get(m, incidents), ranks_per_node, idle_s,
-                              rendezvous=rendezvous)
-            except Exception as e:  # noqa: BLE001 - one M that the machine cannot host ends only its job
-                log(f"sim_nodes: M={m} {p.name} failed: {type(e).__name__}: {e}")
-                runs.append({"nodes": m, "protocol": p.name, "failed": f"{type(e).__name__}: {e}"[:2000],
-                             "wall_s": time.monotonic() - t, "loadavg": loadavg()})
-                continue
-            r["wall_s"] = time.monotonic() - t
-            r["loadavg"] = loadavg()
-            runs.append(r)
-            if partial is not None:
-                partial.write_text(json.dumps({"runs": runs, "rows": [summarize(x) for x in runs if "failed" not in x]},
-                                              indent=1, default=str) + "\n")
+    for m, store, p in ((m, store, p) for m in nodes for store in stores for p in protos):  # side by side
+        t = time.monotonic()
+        log(f"sim_nodes: M={m} {store} {p.name} ... (load {loadavg()})")
+        try:
+            r = run_nodes(m, p, (incidents_at or {}).get(m, incidents), ranks_per_node, idle_s,
+                          rendezvous=rendezvous, store=store)
+        except Exception as e:  # noqa: BLE001 - one M that the machine cannot host ends only its job
+            log(f"sim_nodes: M={m} {store} {p.name} failed: {type(e).__name__}: {e}")
+            runs.append({"nodes": m, "protocol": p.name, "store": store, "failed": f"{type(e).__name__}: {e}"[:2000],
+                         "wall_s": time.monotonic() - t, "loadavg": loadavg()})
+            continue
+        r["wall_s"] = time.monotonic() - t
+        r["loadavg"] = loadavg()
+        runs.append(r)
+        if partial is not None:
+            partial.write_text(json.dumps({"runs": runs, "rows": [summarize(x) for x in runs if "failed" not in x]},
+                                          indent=1, default=str) + "\n")
     rows = [summarize(r) for r in runs if "failed" not in r]
     return {"runs": runs, "rows": rows, "loadavg_start": load_start, "loadavg_end": loadavg(),
             "uptime": Path("/proc/uptime").read_text().split()[0], "before": BEFORE}
@@ -158,7 +165,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--idle", type=float, default=None, help="seconds of idle monitor loops per M")
     p.add_argument("--protocols", default="before,after")
     p.add_argument("--rendezvous", choices=("c10d", "given"), default="c10d",
-                   help="torch's c10d rendezvous (default), or none: each node's rank given, as a static rendezvous")
+                   help="torch's dynamic rendezvous (default: c10d's, etcd-v2's on etcd), or none: each node's rank "
+                        "given, as a static rendezvous")
+    p.add_argument("--stores", default="tcp",
+                   help="comma-separated: tcp (a TCPStore, torch's c10d backend), etcd (a real etcd the bench "
+                        "starts, torch's etcd-v2 backend and EtcdStore)")
     p.add_argument("--out", default=None)
     p.add_argument("--plot", default=None, help="folder for sim_nodes.png (default: none)")
     args = p.parse_args(argv)
@@ -171,15 +182,21 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"sim_nodes-{mode}-{stamp}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     at = {128: 2} if mode == "full" and args.incidents is None else None  # each 128-node round takes minutes here
+    stores = tuple(args.stores.split(","))
+    if set(stores) - {"tcp", "etcd"}:
+        p.error(f"--stores: tcp or etcd, not {args.stores}")
     result = run(nodes, incidents, args.ranks_per_node, idle_s, args.protocols.split(","),
-                 partial=out.with_suffix(".partial.json"), incidents_at=at, rendezvous=args.rendezvous)
+                 partial=out.with_suffix(".partial.json"), incidents_at=at, rendezvous=args.rendezvous,
+                 stores=stores)
     result["rendezvous"] = args.rendezvous
+    result["stores"] = list(stores)
     result["mode"] = mode
     text = table(result["rows"])
     print(text)
     for r in result["runs"]:
         if "failed" in r:
-            print(f"\nM={r['nodes']} {r['protocol']}: failed after {r['wall_s']:.0f} s (load {r['loadavg']}): "
+            print(f"\nM={r['nodes']} {r.get('store', 'tcp')} {r['protocol']}: failed after {r['wall_s']:.0f} s "
+                  f"(load {r['loadavg']}): "
                   f"{r['failed'][:300]}")
     out.write_text(json.dumps(result, indent=1, default=str) + "\n")
     print(f"sim_nodes: JSON written to {out}", file=sys.stderr)

@@ -1,7 +1,8 @@
-"""One job of bench/sim_nodes.py: M simulated launchers on a fresh store host, their first
-rendezvous, then incidents (a hang, its exchange and decision, the roll call, the next round,
-the slow-rank exchange twice) and an idle spell of monitor loops, each measured in store
-operations, bytes, keys left and the store host's CPU."""
+"""One job of bench/sim_nodes.py: M simulated launchers on a fresh store host (a TCPStore, or
+an etcd), their first rendezvous, then incidents (a hang, its exchange and decision, the roll
+call, the next round, the slow-rank exchange twice) and an idle spell of monitor loops, each
+measured in store operations, bytes, keys left and the store host's CPU (on etcd also in the
+HTTP requests the store operations and the rendezvous made)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bench.sim_nodes_node import Protocol, SimNode
-from bench.sim_nodes_store import StoreHost
+from bench.sim_nodes_store import EtcdHost, StoreHost
 
 MONITOR_INTERVAL = 0.1
 """torchrun's --monitor-interval default: how often an idle node's monitor loop runs."""
@@ -133,14 +134,17 @@ def left_keys(nodes: list[SimNode], round_index: int) -> int:
 
 
 def run_nodes(m: int, proto: Protocol, incidents: int, ranks_per_node: int, idle_s: float,
-              timeout: float = 5.0, rendezvous: str = "c10d") -> dict[str, Any]:
-    """One job of ``m`` nodes on a fresh store host: rendezvous, ``incidents`` incidents, idle."""
-    host = StoreHost()
+              timeout: float = 5.0, rendezvous: str = "c10d", store: str = "tcp") -> dict[str, Any]:
+    """One job of ``m`` nodes on a fresh store host (``store``: ``tcp``, a TCPStore and torch's
+    c10d backend; ``etcd``, an etcd and torch's etcd-v2 backend): rendezvous, ``incidents``
+    incidents, idle."""
+    host: Any = EtcdHost() if store == "etcd" else StoreHost()
     nodes: list[SimNode] = []
     out: dict[str, Any] = {"nodes": m, "protocol": proto.name, "ranks_per_node": ranks_per_node, "incidents": [],
-                           "rendezvous": rendezvous}
+                           "rendezvous": rendezvous, "store": store}
     try:
-        nodes = [SimNode(i, m, ranks_per_node, host.port, proto, timeout, rendezvous) for i in range(m)]
+        nodes = [SimNode(i, m, ranks_per_node, getattr(host, "port", 0), proto, timeout, rendezvous,
+                         etcd=getattr(host, "endpoint", None)) for i in range(m)]
         t = time.monotonic()
         errors = on_all(nodes, lambda n: n.rendezvous(), 300)
         out["first_rendezvous_s"] = time.monotonic() - t
@@ -161,16 +165,18 @@ def run_nodes(m: int, proto: Protocol, incidents: int, ranks_per_node: int, idle
     return out
 
 
-def one_incident(host: StoreHost, nodes: list[SimNode], k: int, timeout: float) -> dict[str, Any]:
+def one_incident(host: Any, nodes: list[SimNode], k: int, timeout: float) -> dict[str, Any]:
     m = len(nodes)
     results = {n.index: NodeResult() for n in nodes}
     keys0, cpu0 = host.num_keys(), host.cpu_s()
     ops0, bytes0 = totals(nodes)
     rops0, rbytes0 = totals(nodes, "rdzv_counter")
+    req0, _ = totals(nodes, "requests")
     plan = Plan(hung=(k * 7 + 1) % m, t0=time.monotonic() + 0.05, wall0=time.time() + 0.05)
     errors = on_all(nodes, lambda n: incident(n, plan, results[n.index], timeout), timeout * 4 + 30)
     cpu_incident = host.cpu_s() - cpu0
     ops1, bytes1 = totals(nodes)
+    req1, rbody1 = totals(nodes, "requests")
     incident_round = len(nodes[0].round_stores) - 1
     # the restart: every node joins the next round (the agent's _rendezvous, our tidying included)
     for n in nodes:
@@ -181,6 +187,8 @@ def one_incident(host: StoreHost, nodes: list[SimNode], k: int, timeout: float) 
         n.round_written.append(n.written)
     ops2, bytes2 = totals(nodes)
     rops1, rbytes1 = totals(nodes, "rdzv_counter")
+    req2, rbody2 = totals(nodes, "requests")
+    on_etcd = isinstance(host, EtcdHost)
     left_ours = left_keys(nodes, incident_round)
     # the slow-rank exchange, twice (the first of a round finds keys missing; the second is the steady state)
     local = {n.index: {w.global_rank: 0.1 + 0.001 * w.global_rank for w in n.wg.workers} for n in nodes}
@@ -202,7 +210,8 @@ def one_incident(host: StoreHost, nodes: list[SimNode], k: int, timeout: float) 
     decided = [r for r in results.values() if r.first_rank is not None]
     slowest = max(n.delay for n in nodes)
     owner = owners[0] if owners else None
-    rdzv = max(r.rdzv_end for r in results.values()) - min(r.rdzv_start for r in results.values())
+    rdzv = max(r.rdzv_end for r in results.values()) - min(r.rdzv_start for r in results.values()) \
+        if all(r.rdzv_end for r in results.values()) else None  # a node still in it after 300 s: none
     return {
         "hung_node": plan.hung,
         "errors": errors[:5],
@@ -219,6 +228,9 @@ def one_incident(host: StoreHost, nodes: list[SimNode], k: int, timeout: float) 
         "missing_ranks": owner.missing_ranks if owner else None,
         "incident_ops": ops1 - ops0,
         "incident_bytes": bytes1 - bytes0,
+        "incident_requests": req1 - req0 if on_etcd else None,
+        "rendezvous_requests": req2 - req1 if on_etcd else None,
+        "rendezvous_response_bytes": rbody2 - rbody1 if on_etcd else None,
         "tidy_ops": (ops2 - ops1),
         "rendezvous_s": rdzv,
         "rendezvous_ops": rops1 - rops0,
@@ -234,11 +246,12 @@ def one_incident(host: StoreHost, nodes: list[SimNode], k: int, timeout: float) 
     }
 
 
-def idle(host: StoreHost, nodes: list[SimNode], seconds: float) -> dict[str, Any]:
+def idle(host: Any, nodes: list[SimNode], seconds: float) -> dict[str, Any]:
     """Every node's monitor loop while training runs: store operations per second, store CPU."""
     if seconds <= 0:
         return {}
     ops0, _ = totals(nodes)
+    req0, _ = totals(nodes, "requests")
     rops0, rbytes0 = totals(nodes, "rdzv_counter")
     cpu0 = host.cpu_s()
     end = time.monotonic() + seconds
@@ -255,8 +268,10 @@ def idle(host: StoreHost, nodes: list[SimNode], seconds: float) -> dict[str, Any
     errors = on_all(nodes, loop, seconds + 60)
     ops1, _ = totals(nodes)
     rops1, rbytes1 = totals(nodes, "rdzv_counter")
+    req1, _ = totals(nodes, "requests")
     took = time.monotonic() - t0
     return {"ops_per_s": (ops1 - ops0) / took, "ops_per_s_per_node": (ops1 - ops0) / took / len(nodes),
+            "requests_per_s": (req1 - req0) / took if isinstance(host, EtcdHost) else None,
             "torch_ops_per_s": (rops1 - rops0) / took, "torch_bytes_per_s": (rbytes1 - rbytes0) / took,
             "store_cpu_share": (host.cpu_s() - cpu0) / took, "errors": errors[:3]}
 

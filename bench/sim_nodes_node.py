@@ -1,6 +1,7 @@
 """A simulated launcher of bench/sim_nodes.py, and the store protocols it drives: the working
 tree's, or those of commit BEFORE loaded from git. A `SimNode` is what ft-launcher's agent is to
-the store, minus the processes: its own TCPStore client, torch's c10d rendezvous handler,
+the store, minus the processes: its own TCPStore client and torch's c10d rendezvous handler
+(or, on etcd, torch's etcd-v2 backend, its etcd client and EtcdStore, as torchrun builds them),
 torch's `_assign_worker_ranks`, the agent's `NodeMessages` and a `RollCaller` whose monitors
 answer with evidence after a set delay (the seam is `RollCaller.local`)."""
 
@@ -17,7 +18,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from bench.sim_nodes_store import Counter, CountingStore
+from bench.sim_nodes_store import Counter, CountingBackend, CountingStore, count_requests
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -156,7 +157,9 @@ def sim_roll_caller(base: type, host: str, delay: float, timeout: float) -> Any:
 # -- a simulated node ---------------------------------------------------------------
 class SimNode:
     def __init__(self, index: int, nodes: int, ranks_per_node: int, port: int, proto: Protocol,
-                 timeout: float, rendezvous: str = "c10d") -> None:
+                 timeout: float, rendezvous: str = "c10d", etcd: str | None = None) -> None:
+        """``etcd``: the endpoint of the etcd that is the store (torch's etcd-v2 backend and its
+        EtcdStore), instead of the TCPStore at ``port``."""
         from torch.distributed import TCPStore
         from torch.distributed.elastic.rendezvous import RendezvousParameters
         from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
@@ -171,16 +174,33 @@ class SimNode:
         self.rdzv_counter = Counter()
         self.delay = 0.05 + 0.15 * ((index * 37) % nodes) / nodes
         """The simulated monitors' answer time (a stack dump): 50-200 ms."""
-        self.client = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
-                               timeout=timedelta(seconds=60))
-        params = RendezvousParameters(backend="c10d", endpoint=f"127.0.0.1:{port}", run_id=RUN_ID, min_nodes=nodes,
-                                      max_nodes=nodes, local_addr=self.host, is_host=False, join_timeout=600)
-        # what c10d_rendezvous_backend.create_backend + registry do, with the backend's store counted
-        backend = C10dRendezvousBackend(CountingStore(self.client, self.rdzv_counter), RUN_ID)
+        self.requests = Counter()
+        """On etcd: the HTTP requests of this node's etcd client (torch's and ours), by method."""
+        if etcd is None:
+            self.client: Any = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                                        timeout=timedelta(seconds=60))
+            params = RendezvousParameters(backend="c10d", endpoint=f"127.0.0.1:{port}", run_id=RUN_ID,
+                                          min_nodes=nodes, max_nodes=nodes, local_addr=self.host, is_host=False,
+                                          join_timeout=600)
+            # what c10d_rendezvous_backend.create_backend + registry do, with the backend's store counted
+            backend: Any = C10dRendezvousBackend(CountingStore(self.client, self.rdzv_counter), RUN_ID)
+        else:
+            from torch.distributed.elastic.rendezvous.etcd_rendezvous_backend import create_backend
+
+            from ft_monitor.launcher.store.store_board import read_etcd_folder_once
+
+            read_etcd_folder_once()  # as ft-launcher does on an etcd rendezvous
+            params = RendezvousParameters(backend="etcd-v2", endpoint=etcd, run_id=RUN_ID, min_nodes=nodes,
+                                          max_nodes=nodes, local_addr=self.host, join_timeout=600)
+            # what the registry does for --rdzv-backend etcd-v2: one etcd client for the backend and the store
+            etcd_backend, self.client = create_backend(params)
+            count_requests(self.client.client, self.requests)
+            backend = CountingBackend(etcd_backend, self.rdzv_counter)
         self.handler = create_handler(self.client, backend, params)
         self.rdzv = rendezvous
-        """``c10d``: torch's dynamic rendezvous; ``given``: none, each node's rank given (as torch's
-        static rendezvous does), under the same per-round store prefix as c10d's."""
+        """``c10d``: torch's dynamic rendezvous (over the c10d backend, or etcd-v2 on etcd); ``given``:
+        none, each node's rank given (as torch's static rendezvous does), under the same per-round
+        store prefix as the dynamic one's."""
         self.messages = proto.node_messages(SECRET)
         self.rollcall = sim_roll_caller(proto.roll_caller, self.host, self.delay, timeout)
         self.wg: Any = None

@@ -1,12 +1,16 @@
 """The store of bench/sim_nodes.py's simulated launchers: ONE real torch.distributed TCPStore
-in its own process (nobody's node; its CPU from /proc/PID/stat), and the counting face each
-node's store client wears (operations and bytes, keys and values both ways)."""
+in its own process (nobody's node; its CPU from /proc/PID/stat), or ONE real etcd (issue 43:
+tests/etcd.py's server, v2 API, in a temporary folder), and the counting face each node's
+store client wears (operations and bytes, keys and values both ways; on etcd also the HTTP
+requests python-etcd makes for them, and the bytes of their answers)."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 from collections import Counter as Tally
 from datetime import timedelta
@@ -40,8 +44,7 @@ class StoreHost:
                                timeout=timedelta(seconds=60))
 
     def cpu_s(self) -> float:
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return cpu_s(self.proc.pid)
 
     def num_keys(self) -> int:
         return int(self.client.num_keys())
@@ -52,6 +55,80 @@ class StoreHost:
         end_by_stdin(self.proc, 10)
         if self.proc.stdout is not None:
             self.proc.stdout.close()
+
+
+def cpu_s(pid: int) -> float:
+    """User and system CPU seconds of process ``pid`` so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+ETCD_STORE_FOLDER = "/torch/elastic/store"
+"""Where torch's etcd-v2 backend keeps its EtcdStore (etcd_rendezvous_backend.create_backend)."""
+
+
+class EtcdHost:
+    """A real etcd in its own process and a temporary folder (nobody's node), as the job's
+    rendezvous store: its CPU from /proc, its keys over the v2 HTTP API."""
+
+    def __init__(self) -> None:
+        from tests.etcd import Etcd  # the tests' server: one way to start etcd in the project
+
+        if shutil.which("etcd") is None:
+            raise RuntimeError("no etcd here (scripts/setup-env installs Debian's etcd-server)")
+        self.dir = Path(tempfile.mkdtemp(prefix="ftb-etcd-"))
+        self.server = Etcd(self.dir)
+        self.endpoint = self.server.endpoint
+
+    def cpu_s(self) -> float:
+        return cpu_s(self.server.proc.pid)
+
+    def num_keys(self) -> int:
+        """The keys of torch's EtcdStore (every run's and round's: one folder)."""
+        return len(self.server.keys(ETCD_STORE_FOLDER))
+
+    def close(self) -> None:
+        self.server.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def count_requests(client: Any, counter: Counter) -> None:
+    """Count every HTTP request python-etcd's ``client`` makes (by method), with the bytes of
+    each answer: what one EtcdStore or rendezvous operation costs etcd."""
+    def counting(send: Any) -> Any:
+        def counted(method: str, *args: Any, **kwargs: Any) -> Any:
+            answer = send(method, *args, **kwargs)
+            counter.count(method, len(answer.data))  # python-etcd reads it at once too (a watch: when it fires)
+            return answer
+
+        return counted
+
+    http = client.http
+    for name in ("request", "request_encode_body"):  # GET and DELETE; PUT and POST (python-etcd's api_execute)
+        setattr(http, name, counting(getattr(http, name)))
+
+
+class CountingBackend:
+    """torch's rendezvous backend (etcd-v2's), its ``get_state`` and ``set_state`` counted as the
+    rendezvous's store operations (with the bytes of the state)."""
+
+    def __init__(self, inner: Any, counter: Counter) -> None:
+        self.inner = inner
+        self.counter = counter
+
+    @property
+    def name(self) -> str:
+        return str(self.inner.name)
+
+    def get_state(self) -> Any:
+        out = self.inner.get_state()
+        self.counter.count("get_state", len(out[0]) if out else 0)
+        return out
+
+    def set_state(self, state: bytes, token: Any = None) -> Any:
+        out = self.inner.set_state(state, token)
+        self.counter.count("set_state", len(state) + (len(out[0]) if out else 0))
+        return out
 
 
 # -- counting ---------------------------------------------------------------------
@@ -140,6 +217,10 @@ class CountingStore:
     def num_keys(self) -> int:
         self.counter.count("num_keys", 0)
         return int(self.inner.num_keys())
+
+    def clone(self) -> CountingStore:
+        """A new connection, counted as this one (ft_client.store.counter adds on a clone: issue 38)."""
+        return CountingStore(self.inner.clone(), self.counter, self.written)
 
     def __getattr__(self, name: str) -> Any:  # timeout, set_timeout, ...: not store operations
         return getattr(self.inner, name)

@@ -3,22 +3,19 @@ rendezvous (``--master-port``, with ``--node-rank`` and ``--master-addr`` on sev
 way many Slurm scripts start torchrun) always shared the agent's store with the workers, whose
 keys carry no attempt: attempt 1's gloo read attempt 0's peer addresses and died in
 ``connectFullMesh ... Connection refused`` (4 of 4 runs), or hung there. c10d is every other
-launcher test's rendezvous; etcd is issue 43's."""
+launcher test's rendezvous; torch's two etcd backends are tests/test_etcd_e2e.py's (issue 43:
+there with a rank that starts its process group late after the restart too)."""
 
 from __future__ import annotations
 
-import importlib.util
-import shutil
-import subprocess
-import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from ft_monitor.launcher import exit_codes
 from tests.launchers import JOB_SECRET, Launcher
-from tests.procs import free_port, wait_until
+from tests.procs import free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -67,59 +64,3 @@ def test_two_launchers_with_node_ranks_and_a_master_port_restart_after_a_hang(wo
     nodes = _run_to_the_end(workdir, lambda g: ("--nnodes", "2", "--node-rank", str(g), "--master-addr", "127.0.0.1",
                                                 "--master-port", port), 2)
     assert all(len(n.summary()["attempts"]) == 2 for n in nodes)
-
-
-class Etcd:
-    """A real etcd (Debian's etcd-server, installed by scripts/setup-env), its v2 API on, listening
-    on loopback ports in a private folder; started and stopped by the test."""
-
-    def __init__(self, workdir: Path) -> None:
-        self.port, peer = free_port(), free_port()
-        self.log = open(workdir / "etcd.log", "w")
-        self.proc = subprocess.Popen(
-            ["etcd", "--data-dir", str(workdir / "etcd-data"), "--name", "ft-test",
-             "--listen-client-urls", f"http://127.0.0.1:{self.port}",
-             "--advertise-client-urls", f"http://127.0.0.1:{self.port}",
-             "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-             "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-             "--initial-cluster", f"ft-test=http://127.0.0.1:{peer}", "--enable-v2=true"],
-            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        wait_until(self._answers, 60, "etcd answering on its client port")
-
-    def _answers(self) -> bool:
-        assert self.proc.poll() is None, (Path(self.log.name).read_text())
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/v2/keys", timeout=2) as r:
-                return bool(r.status == 200)
-        except OSError:
-            return False
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
-        self.log.close()
-
-
-@pytest.fixture
-def etcd(workdir: Path) -> Iterator[Etcd]:
-    if shutil.which("etcd") is None:
-        pytest.skip("no etcd here (scripts/setup-env installs Debian's etcd-server where it runs as root with apt)")
-    if importlib.util.find_spec("etcd") is None:
-        pytest.skip("no python-etcd (torch's client for the etcd rendezvous; the test extra installs it)")
-    server = Etcd(workdir)
-    yield server
-    server.stop()
-
-
-@pytest.mark.parametrize("launchers", [1, 2])
-@pytest.mark.parametrize("backend", ["etcd", "etcd-v2"])
-def test_launchers_on_a_real_etcd_restart_after_a_hang(workdir: Path, etcd: Etcd, backend: str, launchers: int) -> None:
-    """torch's two etcd rendezvous (the classic one, whose state is JSON, and the dynamic one over
-    etcd's v2 API) with a rank that starts its process group late after the restart."""
-    rdzv = ("--nnodes", str(launchers), "--rdzv-backend", backend, "--rdzv-endpoint", f"127.0.0.1:{etcd.port}",
-            "--rdzv-id", f"ft-etcd-{backend}")
-    _run_to_the_end(workdir, lambda g: rdzv, launchers)

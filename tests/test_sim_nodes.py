@@ -7,7 +7,9 @@ exchange and of idle monitor loops grow at most linearly with M."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import shutil
 from typing import Any
 
 import pytest
@@ -62,3 +64,19 @@ def test_store_operations_grow_at_most_linearly_with_the_nodes(runs: dict[int, d
         assert run["idle"]["ops_per_s_per_node"] <= 10, (m, run["idle"])
     per_node = {m: max(i["incident_ops"] for i in r["incidents"]) / m for m, r in runs.items()}
     assert per_node[8] <= 2 * per_node[2] + 20, per_node  # flat per node, not growing with M
+
+
+@pytest.mark.timeout(120)
+def test_on_etcd_two_nodes_agree_and_every_answer_comes_back() -> None:
+    """Issue 43: the bench's etcd store (a real etcd; torch's etcd-v2 backend and EtcdStore, which
+    has no append, multi_get nor delete_key) runs the same incident through the per-key path,
+    its HTTP requests to etcd counted."""
+    if shutil.which("etcd") is None or importlib.util.find_spec("etcd") is None:
+        pytest.skip("no etcd or no python-etcd here (scripts/setup-env installs them)")
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    run = sim_nodes.run_nodes(2, sim_nodes.protocol_after(), incidents=1, ranks_per_node=2, idle_s=0.5,
+                              timeout=5.0 * slack(), store="etcd")
+    (inc,) = run["incidents"]
+    assert inc["errors"] == [] and inc["agreed"] and inc["owners"] == 1, inc
+    assert inc["answered_nodes"] == 2 and inc["missing_ranks"] == 0, inc
+    assert inc["incident_requests"] > 0 and inc["incident_ops"] > 0, inc

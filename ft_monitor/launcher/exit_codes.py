@@ -14,6 +14,9 @@ SHUTDOWN_REQUESTED = 4
 """A rank asked to shut the workload down (WorkloadAction.ShutdownWorkload)."""
 NODE_EXCLUDED = 5
 """A rank asked that this node leave the job (WorkloadAction.ExcludeThisNode)."""
+STORE_UNREACHABLE = 6
+"""The rendezvous store (etcd, or the c10d store's host) stopped answering after the workers
+had started (rdzv/store_gone.py): the job is intact, requeue once the store is back."""
 
 
 def how(exitcode: int) -> str:

@@ -31,6 +31,8 @@ from ft_monitor.core import timeout_order
 from ft_monitor.core.settings import Settings, SettingsError
 from ft_monitor.launcher import early_check, exit_codes, nvrx_flags
 from ft_monitor.launcher.agent import secret_env, torch_support
+from ft_monitor.launcher.rdzv import store_gone
+from ft_monitor.launcher.store import store_board
 from ft_monitor.launcher.store.store_auth import SECRET_FILE_ENV, SecretError, load_job_secret
 from ft_monitor.launcher.warm import template_fork
 
@@ -238,9 +240,12 @@ def launch(args: argparse.Namespace, config: Settings | FaultToleranceConfig, su
         shutil.rmtree(run_dir, ignore_errors=True)
         return exit_codes.LAUNCHER_ERROR
     code = exit_codes.SUCCESS
+    if args.rdzv_backend.startswith("etcd"):
+        store_board.read_etcd_folder_once()  # torch's EtcdStore reads its whole folder per key
     try:
         monitors.start()
-        with _agent_swapped_in(ft, telemetry), routed(telemetry.torch_event, telemetry.torch_metrics, args):
+        with _agent_swapped_in(ft, telemetry), routed(telemetry.torch_event, telemetry.torch_metrics, args), \
+                store_gone.quiet_client(args.rdzv_backend):
             run_torch: Any = torch_run  # untyped in torch
             run_torch(args)
     except ChildFailedError as e:
@@ -252,8 +257,12 @@ def launch(args: argparse.Namespace, config: Settings | FaultToleranceConfig, su
         log.warning("ft-launcher: stopped by %s", e.sigval.name)
         code = 128 + int(e.sigval)
     except Exception as e:  # noqa: BLE001 - rendezvous errors, monitors that cannot start: one clear line
-        log.error("ft-launcher: %s: %s", type(e).__name__, e)
-        code = ft.outcome if ft.outcome is not None else exit_codes.LAUNCHER_ERROR
+        gone = store_gone.outcome(e, args.rdzv_backend, args.rdzv_endpoint, started=bool(ft.attempts))
+        line, fallback = gone or (f"{type(e).__name__}: {e}", exit_codes.LAUNCHER_ERROR)
+        log.error("ft-launcher: %s", line)
+        code = ft.outcome if ft.outcome is not None else fallback
+        if gone and not ft.outcome_message:
+            ft.outcome_message = line
     finally:
         ft.groups.kill()
         ft.groups.close()

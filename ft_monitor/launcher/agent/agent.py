@@ -122,7 +122,7 @@ class FtLocalElasticAgent(HangHandling, _lea.LocalElasticAgent):
         if previous is not None and previous is not worker_group.store \
                 and rounds_apart(worker_group.spec.rdzv_handler):  # every node has left that round
             self.nodes.leave_round(previous, previous_rank, self.rollcall.written)
-        self.nodes.round = rendezvous_round(worker_group.spec.rdzv_handler, self._rounds - 1)
+        self.nodes.round = rendezvous_round(worker_group.spec.rdzv_handler, self._rounds - 1, worker_group.store)
         self.rollcall.new_round(self.nodes.round)
         self.ft.own_worker_store = fresh_worker_store(worker_group.spec.rdzv_handler)
         if self.ft.own_worker_store:  # static: a worker store of the attempt's own (static_rdzv.py)
@@ -267,7 +267,7 @@ class FtLocalElasticAgent(HangHandling, _lea.LocalElasticAgent):
         wg = self._worker_group
         if wg.group_world_size is None or wg.group_world_size <= 1:
             return verdict
-        round_ = rendezvous_round(wg.spec.rdzv_handler, self._rounds - 1)
+        round_ = rendezvous_round(wg.spec.rdzv_handler, self._rounds - 1, wg.store)
         if verdict.root_seen:
             self.nodes.publish_crash(wg, CrashRecord(verdict.root, verdict.how, socket.gethostname()), round_)
             return verdict
@@ -280,7 +280,7 @@ class FtLocalElasticAgent(HangHandling, _lea.LocalElasticAgent):
         and this node's restart is listed as that failure's (a summary row, one line)."""
         pending = self.ft.restarts and self.ft.restarts[-1].stop_began is None
         if not pending and worker_group.group_world_size and worker_group.group_world_size > 1:
-            round_ = rendezvous_round(worker_group.spec.rdzv_handler, self._rounds - 1)
+            round_ = rendezvous_round(worker_group.spec.rdzv_handler, self._rounds - 1, worker_group.store)
             remote = self.nodes.crash_elsewhere(worker_group, round_)
             if remote is not None:
                 verdict = on_another_node(remote.rank, remote.how, remote.host, None)

@@ -3,19 +3,29 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
+ETCD_VERSION = re.compile(r"/rdzv/v_(\d{1,9})/kv/?$")
+"""The folder of torch's ``etcd`` handler's store for one rendezvous version (etcd_rendezvous.py:
+``<prefix>/run_<run id>/rdzv/v_<version>/kv``)."""
 
-def rendezvous_round(handler: Any, joined: int) -> int:
+
+def rendezvous_round(handler: Any, joined: int, store: Any = None) -> int:
     """The rendezvous round just joined, the same number on every node: torch's dynamic
-    handler's own (its store prefix names it too); else (a static rendezvous, whose one store
+    handler's own (its store prefix names it too); torch's ``etcd`` handler's rendezvous
+    version, read from the folder of the round's ``store`` (issue 43: a launcher that replaced
+    a dead one counted its joins from 0 while the survivor was at 1, and each refused the
+    other's hang records and roll call as replayed); else (a static rendezvous, whose one store
     every attempt shares, and whose nodes all restart together) ``joined``, the count of
     rendezvous this agent has done before."""
     state = getattr(getattr(handler, "_state_holder", None), "state", None)
     number = getattr(state, "round", None)
     if isinstance(number, int) and not isinstance(number, bool) and 0 <= number < 2**31:
         return number
-    return joined
+    prefix = getattr(store, "prefix", None)
+    version = ETCD_VERSION.search(prefix) if isinstance(prefix, str) else None
+    return int(version.group(1)) if version else joined
 
 
 def rounds_apart(handler: Any) -> bool:

@@ -35,6 +35,15 @@ Only the first `index_limit` bytes of any index are ever parsed.
 A store without torch's extended API (``has_extended_api()`` false: no ``append`` nor
 ``multi_get``, as torch's etcd store) gets no index: a look whose counter moved reads every
 wanted node's key, one ``check`` and one ``get`` each, as before the board.
+
+Issue 43, against a real etcd (bench/sim_nodes.py ``--stores etcd``): torch's EtcdStore answers
+every ``get`` and ``check`` by reading its whole etcd folder (every key of every run and round
+of that etcd: it cannot delete one), so reading the keys of 64 nodes read that folder 64 times
+(the slow-rank exchange of 64 nodes took 29-53 s). With an etcd rendezvous the launcher gives
+torch's EtcdStore a ``multi_get`` that reads the folder once for all its keys
+(`read_etcd_folder_once`), which `read_all` uses (0.2-0.7 s). A counter is still added 0 to there:
+EtcdStore's ``add`` reads the one key (and writes twice), 2-2.5 ms whatever the folder holds,
+where a ``check`` and a ``get`` read the folder twice (20 ms at 2,000 keys).
 """
 
 from __future__ import annotations
@@ -128,11 +137,47 @@ def extended(store: Any) -> bool:
         return False
 
 
+def etcd_multi_get(self: Any, keys: list[str]) -> list[bytes]:
+    """``multi_get`` for torch's EtcdStore (``self``), which has none of its own: one read of its
+    etcd folder for all ``keys`` (waiting, as its ``get`` does, until they are all there or
+    the store's timeout), where torch's base class reads the folder once per key."""
+    wanted = [self.prefix + self._encode(k) for k in keys]
+    found = self._try_wait_get(wanted)
+    if found is None:
+        raise LookupError(f"{len(keys)} key(s) not all found in EtcdStore ({keys[0]!r}, ...)")
+    return [self._decode(found[k]) for k in wanted]
+
+
+def read_etcd_folder_once() -> bool:
+    """Give torch's EtcdStore `etcd_multi_get` (once; torch's own multi_get users, the agent's
+    rank assignment among them, get it too, through a PrefixStore as well). Not where torch
+    defines a ``multi_get`` of its own or lacks the helpers it uses. Whether it has it."""
+    try:
+        from torch.distributed.elastic.rendezvous.etcd_store import EtcdStore
+    except ImportError:
+        return False
+    if vars(EtcdStore).get("multi_get") is etcd_multi_get:
+        return True
+    if "multi_get" in vars(EtcdStore) or not all(callable(getattr(EtcdStore, n, None))
+                                                 for n in ("_try_wait_get", "_encode", "_decode")):
+        return False
+    EtcdStore.multi_get = etcd_multi_get  # type: ignore[method-assign]
+    return True
+
+
+def reads_folder_once(store: Any) -> bool:
+    """Whether ``store`` (or the store under its prefix) is an EtcdStore with `etcd_multi_get`."""
+    base = getattr(store, "underlying_store", store)
+    return getattr(type(base), "multi_get", None) is etcd_multi_get
+
+
 def read_all(store: Any, keys: list[str]) -> list[bytes]:
     """The values of ``keys`` (all in the store): one ``multi_get``, or a ``get`` each."""
     if not keys:
         return []
-    return list(store.multi_get(keys)) if extended(store) else [store.get(k) for k in keys]
+    if extended(store) or reads_folder_once(store):
+        return list(store.multi_get(keys))
+    return [store.get(k) for k in keys]
 
 
 def existing(store: Any, keys: list[str]) -> list[str]:

@@ -193,6 +193,10 @@ def test_two_launchers_on_etcd_a_replaced_node_then_a_hang(workdir: Path, etcd: 
                    "both nodes' ranks training")
         _kill_tree(b)
         go.touch()  # node A's ranks go on into an all-reduce with node B's dead ones
+        # the replacement only once node A has seen its ranks fail: arrived earlier, it is a node
+        # waiting to join, and torch restarts A's still-running ranks for it without counting an
+        # attempt (seen under the whole suite's load), so the scenario's attempts would differ
+        wait_until(lambda: "ft-launcher: attempt 0 failed" in a.output(), 120, "node A's ranks to fail")
         c = launcher("nodeC", 0)
         nodes.append(c)
         assert a.wait() == exit_codes.SUCCESS, a.output()

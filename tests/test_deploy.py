@@ -34,6 +34,7 @@ import yaml
 from ft_monitor import cli
 from ft_monitor.config import FIELDS, FaultToleranceConfig, cli_overrides, load_config
 from ft_monitor.launcher import exit_codes
+from tests.procs import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -322,10 +323,7 @@ def test_sbatch_sigterm_before_the_launchers_start_starts_none(tmp_path: Path) -
     proc = subprocess.Popen(["bash", str(SBATCH)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     try:
-        deadline = time.monotonic() + 10
-        while not pid_file.exists():
-            assert time.monotonic() < deadline, "the script did not start"
-            time.sleep(0.01)
+        wait_until(pid_file.exists, 10, "the script's setup to start")
         proc.send_signal(signal.SIGTERM)  # bash runs the trap once the command it waits for ends:
         os.kill(int(pid_file.read_text()), signal.SIGKILL)
         out, _ = proc.communicate(timeout=10)

@@ -6,6 +6,8 @@ import json
 from typing import Any
 
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from ft_client.learning.calc import Observations, TimeoutsRecorder, learn_hb_timeouts, learn_section_timeouts
 from ft_client.learning.state_dict import (
@@ -302,3 +304,21 @@ def test_a_dict_with_both_still_refuses_what_ours_refuses() -> None:
         from_state_dict({"format_version": 1, "current_timeouts": {}, "other": 1})
     with pytest.raises(StateDictError, match="format_version"):
         from_state_dict({"format_version": 2, "current_timeouts": {}})
+
+
+_JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+                     lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=12), c, max_size=4),
+                     max_leaves=20)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.dictionaries(st.sampled_from(["format_version", "timeouts", "observations", "iteration", "safety_factor",
+                                        "current_timeouts", "x"]), _JSON, max_size=6))
+@example({"timeouts": 1})
+def test_any_file_another_process_wrote_is_read_or_refused_with_state_dict_error(state: dict[str, object]) -> None:
+    """The exp_dir file (ours and the reference's layout in one) is written by another process:
+    reading it raises nothing but StateDictError (``{"timeouts": 1}`` raised TypeError)."""
+    try:
+        from_state_dict(state)
+    except StateDictError:
+        pass

@@ -104,8 +104,11 @@ def from_state_dict(state: Mapping[str, Any]) -> LoadedState:
             f"ft state_dict format_version = {version!r}: this ft_client reads format_version "
             f"{FORMAT_VERSION} only; load it with the ft_client version that wrote it"
         )
+    wire = state.get("timeouts") or {}
+    if not isinstance(wire, Mapping):
+        raise StateDictError(f"ft state_dict timeouts = {wire!r:.100}: must be a dict")
     try:
-        timeouts = Timeouts.from_wire(state.get("timeouts") or {})
+        timeouts = Timeouts.from_wire(wire)
         safety_factor = check_safety_factor(state.get("safety_factor", DEFAULT_SAFETY_FACTOR))
     except ValueError as e:
         raise StateDictError(f"ft state_dict: {e}") from e

@@ -23,7 +23,7 @@ from typing import Any
 
 from ft_monitor.launcher import exit_codes
 from tests import zygote
-from tests.procs import ROOT, free_port, slack
+from tests.procs import ROOT, free_port, launcher_summary, slack
 
 TRAIN = str(ROOT / "examples" / "train_ddp.py")
 FT_FLAGS = ["--ft-cfg-path", str(ROOT / "examples" / "ft.yaml"), "--ft-termination-grace-time", "2"]
@@ -59,13 +59,15 @@ class Launcher:
     def __init__(self, workdir: Path, *args: str, train_args: tuple[str, ...] = (), name: str = "launcher",
                  launcher_flags: tuple[str, ...] = ("--standalone",), env: dict[str, str] | None = None,
                  relative: bool = False, entry: tuple[str, ...] = (TRAIN,), warm: bool = True,
-                 cold_launcher: bool = False, preload: tuple[str, ...] = ()) -> None:
+                 cold_launcher: bool = False, preload: tuple[str, ...] = (), summary_flag: bool = True) -> None:
         """``relative``: started in ``workdir``, with --log-dir and --ft-summary-json relative to it;
         ``entry``: what torchrun runs (the training script; a module name after ``-m``);
         ``warm``: with `WARM`'s flags (False: every worker a new interpreter, as by default);
         ``cold_launcher``: the launcher itself a new interpreter too, as a user starts it;
         ``preload``: modules the warm template imports besides `WARM`'s (a framework: once per
-        launcher instead of once per worker and attempt)."""
+        launcher instead of once per worker and attempt); ``summary_flag``: False leaves out
+        --ft-summary-json (the summary then goes where the launcher writes it by default, and
+        `summary` reads the path the launcher printed)."""
         if warm and set(args) & OWN_WARM_FLAGS:
             raise ValueError(f"{sorted(set(args) & OWN_WARM_FLAGS)} and warm=True: pass warm=False to test your own")
         self.marker = uuid.uuid4().hex
@@ -76,8 +78,9 @@ class Launcher:
         self.warm = warm
         paths = (self.log_dir, self.summary_path)
         log_dir, summary = (p.relative_to(workdir) if relative else p for p in paths)
+        self.summary_flag = summary_flag
         argv = launcher_argv(*launcher_flags, "--nproc-per-node", "2", "--log-dir", str(log_dir),
-                             "--ft-summary-json", str(summary), *FT_FLAGS, *(_warm(preload) if warm else ()), *args,
+                             *(("--ft-summary-json", str(summary)) if summary_flag else ()), *FT_FLAGS, *(_warm(preload) if warm else ()), *args,
                              *entry, "--ckpt-dir", str(workdir / "ckpt"), *train_args)
         self._out = open(self.out_path, "w")
         try:
@@ -110,6 +113,8 @@ class Launcher:
         return self.out_path.read_text()
 
     def summary(self) -> dict[str, Any]:
+        if not self.summary_flag:  # the path the closing summary printed
+            self.summary_path = Path(dict(launcher_summary(self.output()))["summary"])
         data: dict[str, Any] = json.loads(self.summary_path.read_text())
         return data
 

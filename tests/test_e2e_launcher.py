@@ -124,7 +124,10 @@ def test_the_rank_behind_is_named_everywhere_when_a_waiting_ranks_monitor_fires_
 
 
 def test_restart_budget_exhausted_reports_the_hung_rank_as_root_cause(workdir: Path) -> None:
-    la = Launcher(workdir, "--max-restarts", "0", train_args=("--hang", "rank=1,step=12,attempt=0"))
+    # without --ft-summary-json, as a new user runs it: the summary is written all the same, beside
+    # the run's events.jsonl, and its path is printed
+    la = Launcher(workdir, "--max-restarts", "0", train_args=("--hang", "rank=1,step=12,attempt=0"),
+                  summary_flag=False)
     try:
         assert la.wait() == exit_codes.WORKERS_FAILED, la.output()
     finally:
@@ -134,6 +137,10 @@ def test_restart_budget_exhausted_reports_the_hung_rank_as_root_cause(workdir: P
     assert "rank      : 1" in root.split("\n\n")[0] or "rank      : 1 " in root
     assert "RankHang: section 'step' open for" in root
     assert "write_metrics_to_stuck_filesystem" in root
+    summary = la.summary()
+    assert la.summary_path.name == "summary.json" and la.log_dir in la.summary_path.parents
+    assert la.summary_path.parent == Path(summary["observability"]["events"]).parent
+    assert summary["exit_code"] == exit_codes.WORKERS_FAILED and summary["hangs"][0]["rank"] == 1
 
 
 def test_crashed_rank_restarts_the_job(workdir: Path) -> None:

@@ -32,12 +32,37 @@ def test_compose_calls_the_last_listed_first_and_hands_on_what_each_returns() ->
     assert seen == [("c", "x"), ("b", "from c"), ("a", "from b")]
     seen.clear()
     hooks = Compose(step("a"), step("b"), step("c"))  # hooks that return nothing: each gets the CallWrapper
-    assert hooks("call") is None
+    with pytest.warns(UserWarning, match=r"^Compose didn't chain arguments after calling .* with \('call',\)") as got:
+        assert hooks("call") is None
     assert seen == [("c", "call"), ("b", "call"), ("a", "call")]
+    assert len(got) == 3  # one per call that returned None, as the reference's
     seen.clear()
     assert Compose(lambda x, y: x + y, lambda: (1, 2))() == 3  # a tuple is spread as the arguments
     assert chain.instances[0] is not None and len(chain.instances) == 3
     assert "Compose(" in repr(chain)
+
+
+def test_compose_is_an_instance_of_what_its_callables_share_as_the_references() -> None:
+    import abc
+
+    class Abort(abc.ABC):  # the user's own base, as nvidia-resiliency-ext's users check it
+        @abc.abstractmethod
+        def __call__(self, call: object) -> object: ...
+
+    class LogAbort(Abort):
+        def __call__(self, call: object) -> object:
+            return call
+
+    class FreeCache(LogAbort):
+        pass
+
+    composed = Compose(FreeCache(), LogAbort())
+    assert isinstance(composed, Abort) and isinstance(composed, LogAbort) and isinstance(composed, Compose)
+    assert not isinstance(Compose(FreeCache(), print), Abort)
+    assert composed("call") == "call"
+    plain = Compose(print, len)  # builtins and functions share nothing a class may derive from
+    assert type(plain) is Compose
+    assert type(Compose(lambda: 1, lambda: 2)) is Compose
 
 
 def test_compose_stops_at_an_exception_and_refuses_what_is_not_a_callable() -> None:
@@ -65,6 +90,7 @@ COMPOSED_HOOKS = """
     def note(name):
         def hook(call):
             order.append(f"{name}@{call.iteration}")
+            return call  # hands the CallWrapper on, as the reference's hooks return their state
         return hook
 
     @Wrapper(soft_timeout=30, hard_timeout=60, monitor_thread_interval=0.01,

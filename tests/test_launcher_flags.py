@@ -225,10 +225,29 @@ def test_the_training_scripts_own_arguments_are_never_parsed_as_the_launchers() 
 
     argv = ["--nproc-per-node", "2", "--max-restarts", "1", "train.py", "--workers", "2", "--term", "x",
             "--ft-cfg-path", "mine.yaml", "--max-rest", "9"]
-    with pytest.raises(SystemExit):  # what a bare parse does with them
-        build_parser().parse_args(argv)
+    assert build_parser().parse_args(argv).training_script_args == argv[5:]  # no prefix is taken for a flag now
     args = parse_launch(build_parser(), argv)
     assert args.training_script == "train.py" and args.nproc_per_node == "2" and args.max_restarts == 1
     assert args.training_script_args == argv[5:] and args.ft_cfg_path is None
     module = parse_launch(build_parser(), ["--nproc-per-node", "2", "-m", "pkg.train", "--steps", "3"])
     assert module.module and module.training_script == "pkg.train" and module.training_script_args == ["--steps", "3"]
+
+
+@pytest.mark.parametrize(("argv", "said"), [
+    (["--max-restart", "2", "train.py"], "unknown flag --max-restart (did you mean --max-restarts?)"),
+    (["--nproc-per-nodes", "2", "train.py"], "unknown flag --nproc-per-nodes (did you mean --nproc-per-node?)"),
+    (["--nnode=1", "--rdzv-endpont=h:1", "train.py"],
+     "unknown flag --nnode (did you mean --nnodes?); unknown flag --rdzv-endpont (did you mean --rdzv-endpoint?)"),
+])
+def test_a_torchrun_flag_mistyped_is_one_line_with_the_nearest_and_never_a_prefix_taken(
+        argv: list[str], said: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A new user's ``--max-restart 2`` was silently taken as ``--max-restarts`` and a wrong torch
+    flag printed torchrun's whole usage: now one line, as for our --ft-* flags, and exit 2."""
+    from ft_monitor.launcher.early_check import parse_launch
+    from ft_monitor.launcher.main import build_parser
+
+    with pytest.raises(SystemExit) as info:
+        parse_launch(build_parser(), argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2
+    assert err == f"ft-launcher: {said} (ft-launcher --help lists the flags)\n", err

@@ -63,7 +63,8 @@ class AbortTorchDistributed:
     def __init__(self, close_tcp: bool = True) -> None:
         self.close_tcp = close_tcp
 
-    def __call__(self, call: AbortedCall) -> None:
+    def __call__(self, call: AbortedCall) -> AbortedCall:
+        """Abort, and return ``call``: so `Compose` hands it to the next hook unwarned."""
         import torch.distributed as dist
 
         if self.close_tcp:
@@ -72,6 +73,7 @@ class AbortTorchDistributed:
                 log.info("rank %d: shut down %d TCP connection(s) of the aborted iteration", call.rank, closed)
         if dist.is_available() and dist.is_initialized() and _uses_nccl():
             release_process_groups()  # NCCL: abort the communicators from this (monitor) thread
+        return call
 
 
 def _uses_nccl() -> bool:

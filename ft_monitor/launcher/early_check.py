@@ -20,6 +20,7 @@ import logging
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from ft_client.errors import FtError
 from ft_monitor.config_text import FIELDS, IGNORED_NVRX_FIELDS, add_config_flags
@@ -71,6 +72,30 @@ def add_launcher_flags(parser: argparse.ArgumentParser) -> None:
                         help="with --ft-warm-restart: comma-separated modules the template imports besides torch, "
                              "or 'auto': those the first attempt's workers had loaded")
     nvrx_flags.add_flags(parser, FIELDS + tuple(sorted(IGNORED_NVRX_FIELDS)))  # the reference's other flags
+
+
+def unknown_flag(arg: str, parser: argparse.ArgumentParser, ours_only: bool = False) -> str:
+    """"unknown flag X", with the nearest of ``parser``'s flags (of the --ft-* ones with ``ours_only``)."""
+    name = arg.split("=", 1)[0]
+    known = [o for o in parser._option_string_actions  # noqa: SLF001 - argparse's own table of flags
+             if o.startswith("--") and (o.startswith("--ft") or not ours_only)]
+    close = difflib.get_close_matches(name.replace("_", "-"), [k.replace("_", "-") for k in known], n=1, cutoff=0.75)
+    return f"unknown flag {name}" + (f" (did you mean {close[0]}?)" if close else "")
+
+
+def refuse_in_one_line(parser: argparse.ArgumentParser) -> None:
+    """torchrun's parser (`main.build_parser`), made to refuse as ours do: no prefix of a flag is
+    taken for the flag (``--max-restart 2`` was silently ``--max-restarts``), and a flag it does
+    not know is one line with the nearest known one and exit 2, not torchrun's whole usage."""
+    parser.allow_abbrev = False
+
+    def error(message: str) -> NoReturn:
+        words = message.removeprefix("unrecognized arguments: ").split()
+        flags = [w for w in words if w.startswith("-")] if message.startswith("unrecognized arguments") else []
+        line = "; ".join(unknown_flag(w, parser) for w in flags) if flags else message
+        parser.exit(2, f"{parser.prog}: {line} (ft-launcher --help lists the flags)\n")
+
+    parser.error = error  # type: ignore[method-assign]
 
 
 def launcher_part(argv: Sequence[str]) -> tuple[list[str], str | None] | None:
@@ -125,7 +150,7 @@ def problem(argv: Sequence[str], environ: Mapping[str, str]) -> str | None:
     ours, _ = found
     if any(a in HELP_FLAGS for a in ours):
         return None
-    parser = _Quiet(prog="ft-launcher", add_help=False)
+    parser = _Quiet(prog="ft-launcher", add_help=False, allow_abbrev=False)
     add_launcher_flags(parser)
     try:
         args, rest = parser.parse_known_args(ours)
@@ -133,11 +158,7 @@ def problem(argv: Sequence[str], environ: Mapping[str, str]) -> str | None:
         return e.message
     for arg in rest:
         if arg.startswith(("--ft-", "--ft_")):
-            name = arg.split("=", 1)[0]
-            known = [o for o in parser._option_string_actions if o.startswith("--ft")]  # noqa: SLF001 - argparse's
-            close = difflib.get_close_matches(name.replace("_", "-"), [k.replace("_", "-") for k in known], n=1,
-                                              cutoff=0.75)
-            return f"unknown flag {name}" + (f" (did you mean {close[0]}?)" if close else "")
+            return unknown_flag(arg, parser, ours_only=True)
     refused = nvrx_flags.apply(args).refusal  # its warnings are logged once, by the launch's own parse
     if refused is not None:
         return refused

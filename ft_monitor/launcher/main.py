@@ -28,6 +28,7 @@ from typing import Any
 from ft_client.safefiles import write_json_atomic
 from ft_monitor.config import ConfigError, FaultToleranceConfig, cli_overrides, load_config
 from ft_monitor.core import timeout_order
+from ft_monitor.core.server_log import printable
 from ft_monitor.core.settings import Settings, SettingsError
 from ft_monitor.launcher import early_check, exit_codes, nvrx_flags
 from ft_monitor.launcher.agent import secret_env, torch_support
@@ -49,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.description = ("torchrun with a hang monitor beside every rank: hung or crashed ranks are detected, "
                           "dumped and the job restarted. Every torchrun flag keeps its meaning.")
     early_check.add_launcher_flags(parser)
+    early_check.refuse_in_one_line(parser)
     return parser
 
 
@@ -273,10 +275,19 @@ def launch(args: argparse.Namespace, config: Settings | FaultToleranceConfig, su
         server.stop()
         shutil.rmtree(run_dir, ignore_errors=True)
     data = summary_data(ft, code, telemetry.summary())
-    _print_summary(ft, data)
-    if summary_json:
-        _write_summary(data, summary_json)
+    written = _write_summary(data, summary_json or _default_summary_path(telemetry.events.path))
+    _print_summary(ft, data, written)
     return code
+
+
+SUMMARY_FILE = "summary.json"
+"""The summary's name in the run's log folder, beside events.jsonl, where no --ft-summary-json is given."""
+
+
+def _default_summary_path(events: Path | None) -> str | None:
+    """``summary.json`` beside the run's events.jsonl (torch's per-run log folder, kept after
+    exit); None where no such folder was made (the launch failed before any worker started)."""
+    return None if events is None else str(events.parent / SUMMARY_FILE)
 
 
 def _warm_starts(args: argparse.Namespace, run_dir: Path, early: Any = None) -> Any:
@@ -363,22 +374,28 @@ def summary_data(ft: Any, code: int, observed: dict[str, Any] | None = None) -> 
             "observability": observed or {}}
 
 
-def _print_summary(ft: Any, data: dict[str, Any]) -> None:
+def _print_summary(ft: Any, data: dict[str, Any], written: str | None = None) -> None:
     """The closing summary on stderr, once, after every run, a clean one too: aligned
-    ``key : value`` lines (summary_text.py)."""
+    ``key : value`` lines (summary_text.py), with the summary file's path where it was written."""
     from ft_monitor.launcher.telemetry import summary_text
 
-    text = summary_text.format_rows(summary_text.rows(data, summary_text.read_evidence()))
-    print("\n" + text, file=sys.stderr)
+    rows = summary_text.rows(data, summary_text.read_evidence())
+    if written is not None:
+        rows.insert(len(rows) - 1, ("summary", printable(written)))  # before the exit code
+    print("\n" + summary_text.format_rows(rows), file=sys.stderr)
 
 
-def _write_summary(data: dict[str, Any], path: str) -> None:
+def _write_summary(data: dict[str, Any], path: str | None) -> str | None:
     """Atomically, through a temporary file and a rename: a symlink planted at ``path``
-    is replaced, never followed."""
+    is replaced, never followed. The path written, or None."""
+    if path is None:
+        return None
     try:
         write_json_atomic(path, data)
     except OSError as e:
         log.error("ft-launcher: cannot write the summary %s: %s", path, e)
+        return None
+    return path
 
 
 def entrypoint() -> None:

@@ -124,7 +124,7 @@ class WarmStarts:
         self.resume()
         self._paused = [t for t in self._paused if t.alive()]
         if self._pending not in self._paused:  # a paused one cannot answer: adopted once it goes on
-            self._adopt(0.0)
+            self._adopt(0.0, restarting=False)
         if self._auto_done:
             return
         found: set[str] = set()
@@ -141,10 +141,11 @@ class WarmStarts:
                  "the next restart", len(wanted))
         self._pending = self._launch(wanted)
 
-    def _adopt(self, wait: float) -> None:
+    def _adopt(self, wait: float, restarting: bool = True) -> None:
         """The template made again replaces the old one once it answers (waiting up to ``wait`` s);
         the old one is asked to stop without being waited for (`close` reaps it). One that exits
-        or does not answer in time leaves the old one serving."""
+        or does not answer in time leaves the old one serving: said once, by the restart that
+        forks from the old one (``restarting``), not by every poll of the monitor loop."""
         from ft_monitor.launcher.warm.forked import TemplateError
 
         new = self._pending
@@ -158,8 +159,8 @@ class WarmStarts:
                 self._retired.append(new)
                 log.warning("ft-launcher: warm restart: the template made again with the workers' modules "
                             "exited; the first one goes on serving: %s", e)
-            elif self.template is not None and self._ready:
-                log.warning("ft-launcher: warm restart: the template made again with the workers' modules (pid %d) "
+            elif restarting and self.template is not None and self._ready:
+                log.info("ft-launcher: warm restart: the template made again with the workers' modules (pid %d) "
                             "is still importing; this restart forks from the ready one (pid %d, %s)", new.pid,
                             self.template.pid, ", ".join(self.preload) or "no module")
             return

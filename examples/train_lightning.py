@@ -11,7 +11,8 @@ timeouts after each checkpoint and keeps them in the checkpoint.
 
 ``--hang rank=R,step=S,attempt=A`` makes rank R hang in its training step S of attempt A
 (TORCHELASTIC_RESTART_COUNT), in ``write_metrics_to_stuck_filesystem`` so that the stack
-dump says where; ``--die rank=R,step=S,attempt=A`` makes it SIGKILL itself there instead.
+dump says where; ``--die rank=R,step=S,attempt=A`` makes it SIGKILL itself there instead,
+and ``--raise rank=R,step=S,attempt=A`` raise a RuntimeError.
 ``--workers N`` loads batches in N data-loader worker processes (started by ``--worker-start
 fork`` or ``spawn``); ``--worker-hang rank=R,step=S,attempt=A`` makes the worker loading rank
 R's batch S hang instead, the rank waiting for it. ``--snapshot-every K`` keeps an
@@ -79,9 +80,10 @@ class Samples(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
 
 class Regression(L.LightningModule):
     def __init__(self, step_time: float, hang: dict[str, int] | None, compile_backend: str | None = None,
-                 die: dict[str, int] | None = None) -> None:
+                 die: dict[str, int] | None = None, fail: dict[str, int] | None = None) -> None:
         super().__init__()
         self.die = die
+        self.fail = fail
         self.last_loss = float("nan")
         self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
         if compile_backend:
@@ -112,6 +114,9 @@ class Regression(L.LightningModule):
         if d and (self.global_rank, self.global_step, attempt) == (d["rank"], d["step"], d["attempt"]):
             print(f"[rank {self.global_rank}] SIGKILL at step {self.global_step}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
+        f = self.fail
+        if f and (self.global_rank, self.global_step, attempt) == (f["rank"], f["step"], f["attempt"]):
+            raise RuntimeError(f"rank {self.global_rank} failed at step {self.global_step} (on purpose)")
         time.sleep(self.step_time)
         x, y = batch
         loss = nn.functional.mse_loss(self.net(x), y)
@@ -142,6 +147,7 @@ def main() -> None:
     p.add_argument("--step-time", type=float, default=0.05)
     p.add_argument("--hang", default=None, help="rank=R,step=S,attempt=A")
     p.add_argument("--die", default=None, help="rank=R,step=S,attempt=A: the rank SIGKILLs itself there")
+    p.add_argument("--raise", dest="fail", default=None, help="rank=R,step=S,attempt=A: the rank raises there")
     p.add_argument("--snapshot-every", type=int, default=0, help="an in-memory snapshot every K steps (0: none)")
     p.add_argument("--workers", type=int, default=0, help="data-loader worker processes")
     p.add_argument("--worker-start", choices=("fork", "spawn"), default="fork")
@@ -166,7 +172,7 @@ def main() -> None:
     loader = DataLoader(data, batch_size=BATCH, shuffle=False, num_workers=args.workers,
                         multiprocessing_context=args.worker_start if args.workers else None,
                         persistent_workers=args.workers > 0)
-    model = Regression(args.step_time, hang, args.compile, spec(args.die))
+    model = Regression(args.step_time, hang, args.compile, spec(args.die), spec(args.fail))
     trainer.fit(model, loader, ckpt_path="last" if last.is_file() else None)
     print(f"[rank {trainer.global_rank}] attempt {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}: "
           f"finished {trainer.global_step} steps, loss {model.last_loss:.6f}", flush=True)

@@ -20,7 +20,7 @@ import torch
 
 from ft_monitor.launcher import exit_codes
 from tests.launchers import Launcher, final_losses, restarted_once_for_a_sigkill, run_to_success
-from tests.procs import ROOT
+from tests.procs import ROOT, launcher_summary
 
 pytestmark = pytest.mark.e2e
 
@@ -39,9 +39,9 @@ def _one_connection_per_rank(la: Launcher) -> None:
         assert log.read_text().count(" connected (session") == 1, log.read_text()
 
 
-def _run(workdir: Path, name: str, *train_args: str) -> Launcher:
-    return run_to_success(workdir, "--max-restarts", "1", *CONFIG, name=name, entry=(SCRIPT,), train_args=train_args,
-                          preload=PRELOAD)
+def _run(workdir: Path, name: str, *train_args: str, restarts: int = 1) -> Launcher:
+    return run_to_success(workdir, "--max-restarts", str(restarts), *CONFIG, name=name, entry=(SCRIPT,),
+                          train_args=train_args, preload=PRELOAD)
 
 
 def test_a_lightning_job_whose_rank_hangs_is_named_resumed_from_last_ckpt_and_keeps_learned_timeouts(
@@ -68,12 +68,38 @@ def test_a_lightning_job_whose_rank_hangs_is_named_resumed_from_last_ckpt_and_ke
     learned = state["timeouts"]["rank_section_timeouts"]["step"]
 
     # A fresh job from the same checkpoint: its hang at step 33 comes before its first save (35),
-    # so the timeout that catches it is the one Lightning's checkpoint brought back
-    second = _run(workdir, "second", "--steps", "40", "--hang", "rank=1,step=33,attempt=0")
-    (hang,) = second.summary()["hangs"]
+    # so the timeout that catches it is the one Lightning's checkpoint brought back. Then rank 1
+    # raises in attempt 1: Lightning runs its teardown (our callback's too) before the exception
+    # ends the process, and the exception's story is in every output all the same
+    second = _run(workdir, "second", "--steps", "40", "--hang", "rank=1,step=33,attempt=0",
+                  "--raise", "rank=1,step=37,attempt=1", restarts=2)
+    summary = second.summary()
+    (hang,) = summary["hangs"]
     assert (hang["rank"], hang["iteration"]) == (1, 33)
     assert hang["timeout_s"] == pytest.approx(learned)
-    assert "[rank 0] attempt 1: finished 40 steps" in second.output()
+    out = second.output()
+    assert "[rank 0] attempt 2: finished 40 steps" in out
+    _check_the_exceptions_story(summary, out, rank=1, text="RuntimeError: rank 1 failed at step 37 (on purpose)",
+                                frame="in training_step")
+
+
+def _check_the_exceptions_story(summary: dict[str, object], out: str, rank: int, text: str, frame: str) -> None:
+    """A rank that raised (a script without ``@record``) is named with its exception in the
+    launcher's failure line, the summary's failure row and its printed lines, and its own
+    error.json holds the exception's type, message and traceback, as ``@record`` writes it."""
+    failures = [r for r in summary["restarts"] if r["cause"] == "failure"]  # type: ignore[attr-defined,index]
+    (row,) = failures
+    assert row["rank"] == rank and row["root_seen"] and text in row["how"], row
+    assert f"ERROR ft-launcher: attempt {row['attempt']} failed: rank {rank} (pid " in out
+    assert f"raised {text} and exited with code 1" in out
+    error = json.loads(Path(row["error_file"]).read_text())
+    assert Path(row["error_file"]).parent.name == str(rank)
+    assert error["message"]["message"] == text
+    callstack = error["message"]["extraInfo"]["py_callstack"]
+    assert callstack.startswith("Traceback (most recent call last):") and frame in callstack, callstack
+    lines = launcher_summary(out)
+    assert ("error file", row["error_file"]) in lines, lines
+    assert any(k == "failed" and v.startswith(f"rank {rank} (pid ") and text in v for k, v in lines), lines
 
 
 def test_a_hung_spawned_data_loader_worker_is_its_ranks_hang_and_the_verdict_says_so(workdir: Path) -> None:

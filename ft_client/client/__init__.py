@@ -12,7 +12,8 @@ RankMonitorClient``) loads it. The class is made of parts, each a module here:
 - `control`: the control connection (ABORT, FR_DUMP), a thread of its own;
 - `flight_recorder`: writing the rank's Flight Recorder trace when asked;
 - `stackdump`: the faulthandler registration for the monitor's dump signal;
-- `exiting`: telling the monitor the process is on its way out.
+- `exiting`: telling the monitor the process is on its way out;
+- `error_file`: the raising rank's error.json, as torch's ``@record`` writes it.
 
 Why the parts are mixins of one class and not collaborators is said in `state`.
 

@@ -15,18 +15,24 @@ traceback, runs atexit handlers and destroys its objects (a process group's tear
 take many seconds). Until the process is gone its monitor saw an active rank with no
 progress, and reported a crash as a hang (and restarted the job for a hang). The first
 `RankMonitorClient` that connects chains a `sys.excepthook` (the previous hook runs after
-it, unchanged); on an exception that reaches it, every connected client sends EXITING
-with the exception's type and message, and its monitor stops timing the rank.
+it, unchanged); on an exception that reaches it, the rank's error.json is written as torch's
+``@record`` would (`error_file`: its type, message and traceback, for a script without
+``@record``), every connected client sends EXITING with the exception's type and message,
+and its monitor stops timing the rank. The hook stays installed after the client shuts down
+(under Lightning the callback's teardown runs before the exception reaches it).
 """
 
 from __future__ import annotations
 
 import atexit
+import os
 import sys
 import threading
 import weakref
 from types import TracebackType
 from typing import Protocol
+
+from ft_client.client import error_file
 
 MAX_REASON = 1000
 
@@ -50,8 +56,10 @@ def watch(client: _Client) -> None:
         if not _installed:
             _installed = True
             previous = sys.excepthook
+            owner = os.getpid()
 
             def hook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+                error_file.write_uncaught(kind, value, tb, owner)  # before anything that could take long
                 tell(f"{kind.__name__}: {value}"[:MAX_REASON] if str(value) else kind.__name__)
                 previous(kind, value, tb)
 

@@ -253,12 +253,16 @@ class FtLocalElasticAgent(HangHandling, _lea.LocalElasticAgent):
         self.crash = self._across_nodes(self.crash)
         log.error("ft-launcher: attempt %d failed: %s", attempt, printable(self.crash.message))
         self.ft.last_failure = f"attempt {attempt} failed: {self.crash.message}"
-        if self._remaining_restarts > 0:
-            self.ft.restarts.append(failure_restart(self.crash, attempt))
         if self.crash.root not in failures:  # on another node: torch's failures here are all victims
+            if self._remaining_restarts > 0:
+                self.ft.restarts.append(failure_restart(self.crash, attempt))
             return result
-        return RunResult(state=result.state, failures=self._root_first(failures, self.crash),
-                         return_values=result.return_values)
+        ordered = self._root_first(failures, self.crash)
+        if self._remaining_restarts > 0:
+            root_file = ordered[self.crash.root].error_file
+            self.ft.restarts.append(failure_restart(self.crash, attempt,
+                                                    root_file if os.path.isfile(root_file) else None))
+        return RunResult(state=result.state, failures=ordered, return_values=result.return_values)
 
     def _across_nodes(self, verdict: CrashVerdict) -> CrashVerdict:
         """With several nodes: a root seen here is published for the others (crossnode.py); where

@@ -101,8 +101,22 @@ class FailedRank:
         return self.raised_at if self.error is not None and self.raised_at is not None else self.gone_at
 
     def describe(self) -> str:
-        raised = f"raised {self.error[:200]} and " if self.error else ""
+        raised = f"raised {clip(self.error, MAX_ERROR)} and " if self.error else ""
         return f"rank {self.rank} (pid {self.pid}) {raised}{how(self.exitcode)}"
+
+
+MAX_ERROR = 200
+"""The characters of a rank's exception text a verdict quotes (its error file has it whole)."""
+
+
+def clip(text: str, limit: int) -> str:
+    """``text``, or its first words within ``limit`` characters and an ellipsis: never a word
+    cut in two ("Check the logs o and was killed by SIGTERM")."""
+    if len(text) <= limit:
+        return text
+    cut = text[:limit]
+    space = cut.rfind(" ")
+    return (cut[:space] if space > limit // 2 else cut).rstrip(" ,;:.") + "…"
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +139,8 @@ class CrashVerdict:
     """The one line every output takes."""
     host: str | None = None
     """The root's host when it was on another node (that node's crash record), else None."""
+    raised: bool = False
+    """The root raised an exception (its error file, where it wrote one, has the traceback)."""
 
     def row(self) -> dict[str, object]:
         """The fields a failure's summary row, its event and its report entry take."""
@@ -160,7 +176,8 @@ def decide_crash(failed: Iterable[FailedRank]) -> CrashVerdict:
         message += f"; then {others_how}"
     if victims:
         message += f"; failed because of it: {victims_how}"
-    return CrashVerdict(root.rank, seen, root.describe(), victims, others, others_how, victims_how, message)
+    return CrashVerdict(root.rank, seen, root.describe(), victims, others, others_how, victims_how, message,
+                        raised=root.kind == RAISED)
 
 
 def on_another_node(rank: int, how_: str, host: str, here: CrashVerdict | None) -> CrashVerdict:

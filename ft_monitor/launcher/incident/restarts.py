@@ -40,11 +40,13 @@ class RestartTiming:
     message: str = ""
     crash: CrashVerdict | None = None
     """A failure's verdict: the root and the ranks that failed because of it (crash.py)."""
+    error_file: str | None = None
+    """A failure's root's error.json on this node (what it raised, with its traceback), if any."""
 
     def row(self) -> dict[str, Any]:
         """The summary's row: cause, rank, attempt, message and the phases (`breakdown`); a
-        failure's also whether its root was seen here and its victims."""
-        extra = {} if self.crash is None else self.crash.row()
+        failure's also whether its root was seen here, its victims and its error file."""
+        extra: dict[str, Any] = {} if self.crash is None else {**self.crash.row(), "error_file": self.error_file}
         return {"cause": self.cause, "rank": self.rank, "attempt": self.attempt, "message": self.message,
                 **extra, **self.breakdown()}
 
@@ -92,11 +94,12 @@ def _error_file_message(f: ProcessFailure) -> str | None:
     return text.splitlines()[0][:500] if text else None
 
 
-def failure_restart(verdict: CrashVerdict, attempt: int) -> RestartTiming:
-    """The restart that follows a failed attempt, naming the root of the crash (crash.py)."""
+def failure_restart(verdict: CrashVerdict, attempt: int, error_file: str | None = None) -> RestartTiming:
+    """The restart that follows a failed attempt, naming the root of the crash (crash.py) and,
+    where it is on this node, its error file."""
     now = time.time()
     return RestartTiming(verdict.root, now, now, cause="failure", attempt=attempt, message=verdict.message,
-                         crash=verdict)
+                         crash=verdict, error_file=error_file)
 
 
 def all_stepping(timing: RestartTiming, statuses: Mapping[int, MonitorStatus | None]) -> bool:

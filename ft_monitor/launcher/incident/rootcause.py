@@ -57,9 +57,12 @@ def crash_error_data(verdict: CrashVerdict, timestamp: float) -> dict[str, Any]:
     headline = f"RankCrash: {verdict.how}"
     if verdict.victims:
         headline += f"; rank(s) {', '.join(map(str, verdict.victims))} failed because of it"
-    callstack = (headline + "\n" + verdict.message + "\n(no stack: the process did not raise; a signal it did "
-                 "not get from ft-launcher or torch (the OOM killer, kill -9, a fault in native code) or an exit "
-                 "without an exception ended it)")
+    if verdict.raised:  # it said what it raised, but its own error file was not written (no folder, a link)
+        why = "(no traceback: the rank raised the exception above, but wrote no error file of its own)"
+    else:
+        why = ("(no stack: the process did not raise; a signal it did not get from ft-launcher or torch (the OOM "
+               "killer, kill -9, a fault in native code) or an exit without an exception ended it)")
+    callstack = headline + "\n" + verdict.message + "\n" + why
     return error_data(headline, callstack, timestamp)
 
 

@@ -144,6 +144,8 @@ def _failure_rows(restart: Mapping[str, Any]) -> list[Row]:
         out = [("failed", f"in attempt {restart.get('attempt')}, every failed rank here lost a peer (the rank "
                           "that failed first was not seen here); the worker group restarted"),
                ("first here", printable(restart["how"]))]
+    if restart.get("error_file"):
+        out.append(("error file", printable(restart["error_file"])))
     if restart.get("others_how"):
         out.append(("then", printable(restart["others_how"])))
     if restart.get("victims_how"):

@@ -237,6 +237,24 @@ def test_flight_recorder_names_the_rank_that_never_entered_the_collective() -> N
     assert doc["process_groups"][0]["ranks"]["1"] == {"last_enqueued": 4, "last_completed": 4}
 
 
+def test_diagnosis_json_names_the_culprit_as_hung_and_the_waiting_rank_whose_monitor_fired_as_reporter() -> None:
+    """Rank 0's monitor fired first (it waited for rank 1 in all_reduce): diagnosis.json's ``hung``
+    was rank 0 while ``verdict.behind`` was [1]. The culprit is decided once; rank 0's notice is
+    ``reported_by``."""
+    from dataclasses import replace
+
+    evidence = [ev(0, trace(5, 4)), ev(1, trace(4, 4), STACK_SLEEPING)]
+    reported = replace(HUNG, rank=0, pid=100, message="section 'step' open for 4.0 s, timeout 4.0 s")
+    doc = diagnose(reported, evidence, FACTS, world_size=2).document(2000.0)
+    assert doc["verdict"]["behind"] == [1]
+    assert doc["hung"]["rank"] == 1 and doc["hung"]["message"] == doc["verdict"]["line"]
+    assert doc["hung"]["pid"] == evidence[1].pid and doc["hung"]["host"] == evidence[1].host
+    assert doc["reported_by"]["rank"] == 0 and doc["reported_by"]["pid"] == 100
+    assert doc["reported_by"]["section"] == "step" and doc["reported_by"]["reason"] == "section"
+    own = diagnose(HUNG, evidence, FACTS, world_size=2).document(2000.0)  # the culprit's own monitor fired
+    assert own["hung"]["rank"] == 1 and own["hung"]["section"] == "step" and own["reported_by"] is None
+
+
 def test_the_first_collective_not_entered_is_named_when_others_ran_ahead() -> None:
     # rank 0 issued two async collectives (#5, #6); rank 1 stopped after #4
     d = diagnose(HUNG, [ev(0, trace(6, 4)), ev(1, trace(4, 4), STACK_SLEEPING)], FACTS)

@@ -51,6 +51,7 @@ def test_hung_rank_is_caught_dumped_and_the_job_resumes_from_its_checkpoint(work
     assert "RankHang: section 'step' open for" in error["message"]["message"]
     (restart,) = summary["restarts"]
     assert restart["total"] is not None
+    assert restart["message"] and restart["message"] == (hang.get("verdict") or hang["message"])  # it was ""
     assert [a["started"] for a in summary["attempts"]] == (["forked", "forked"] if warm else ["exec", "exec"])
     if warm:  # attempt 0 too (--ft-warm-start), each from the launcher's one template
         assert "attempt 0: 2 worker(s) forked from the worker template" in out, out

@@ -227,8 +227,9 @@ class HangHandling:
                                  error_file=decision.error_file)
         self.ft.hangs.append(decision.summary)
         self._pending_error = (decision.error_file, decision.error_data)
+        verdict = decision.summary.get("verdict") or decision.summary.get("message") or ""
         self.ft.restarts.append(RestartTiming(decision.root_cause.rank, decision.detected, decision.received,
-                                              attempt=self._attempt()))  # the culprit, on whichever node
+                                              attempt=self._attempt(), message=str(verdict)))  # the culprit's
         self._end_attempt(decision.attempt)
         return RunResult(state=WorkerState.FAILED, failures={worker.global_rank: failure})
 

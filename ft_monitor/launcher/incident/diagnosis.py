@@ -241,18 +241,38 @@ class Diagnosis:
                 "flight_recorder": None if ev.fr is None else ev.fr.to_wire(), "flight_recorder_note": ev.fr_note,
                 "files": ev.files, "notes": ev.notes,
             })
+        reported = {"rank": self.hung.rank, "host": self.hung.host, "pid": self.hung.pid,
+                    "reason": self.hung.reason, "section": self.hung.section, "message": self.hung.message,
+                    "iteration": self.hung.iteration, "detected_time": self.hung.detected_time,
+                    "report": self.hung.report}
         return {
             "schema": SCHEMA, "version": VERSION, "attempt": self.attempt, "written_time": written_time,
-            "hung": {"rank": self.hung.rank, "host": self.hung.host, "pid": self.hung.pid,
-                     "reason": self.hung.reason, "section": self.hung.section, "message": self.hung.message,
-                     "iteration": self.hung.iteration, "detected_time": self.hung.detected_time,
-                     "report": self.hung.report},
+            **self._hung(reported),
             "verdict": self.verdict.to_json(),
             "roll_call": self.roll_call.to_json(),
             "process_groups": [g.to_json() for g in self.groups],
             "ranks": ranks,
             "missing_ranks": self.missing_ranks,
         }
+
+    def culprit(self) -> int:
+        """The rank the incident names: the first the evidence puts behind, else the one whose
+        monitor fired (a verdict on the monitor's word alone)."""
+        v = self.verdict
+        return v.behind[0] if v.basis != "monitor" and v.behind else self.hung.rank
+
+    def _hung(self, reported: dict[str, Any]) -> dict[str, Any]:
+        """``hung``: the culprit, decided once (`culprit`); where another rank's monitor fired
+        first (it waited for the culprit), what it reported is ``reported_by``."""
+        rank = self.culprit()
+        if rank == self.hung.rank:
+            return {"hung": reported, "reported_by": None}
+        ev = next((e for e in self.evidence if e.rank == rank), None)
+        hung = {"rank": rank, "host": None if ev is None else ev.host, "pid": None if ev is None else ev.pid,
+                "reason": "roll call", "section": None, "message": self.verdict.line,
+                "iteration": None if ev is None else ev.iteration, "detected_time": self.hung.detected_time,
+                "report": None}
+        return {"hung": hung, "reported_by": reported}
 
 
 def _ranks(rs: Iterable[int]) -> str:

@@ -91,8 +91,10 @@ def test_a_victim_and_a_reporter_are_named_as_the_decision_named_them() -> None:
     victim = {**HANG, "victim_of": 3, "stack_dump_captured": False}
     reported = {**HANG, "reported_by": {"rank": 0, "message": "section 'step' open for 2.1 s"}}
     got = fields(text(summary(hangs=[victim, reported], restarts=[RESTART, RESTART])))
-    assert ("hung rank", "rank 3 (another node) in attempt 0; rank 1 (local rank 1, pid 4080) here waited for it") \
-        in got
+    assert ("hung rank", "rank 3 (another node) in attempt 0") in got
+    # the waiting rank's own timer and frame are said under its name, never under the culprit's "what"/"where"
+    assert ("waiting here", f"rank 1 (local rank 1, pid 4080): {HANG['message']}") in got
+    assert [k for k, _ in got].count("what") == 1  # the reporter's incident only
     assert ("reported by", "rank 0's monitor, whose rank waited for it: section 'step' open for 2.1 s") in got
     assert [k for k, _ in got].count("restart") == 2 and [k for k, _ in got].count("caught") == 1
 

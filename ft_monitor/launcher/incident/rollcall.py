@@ -439,7 +439,8 @@ class RollCaller:
         self.answered_at = self.clock()
         self.last_started = time.time()
         budget = max(0.2, request.budget_s - 2 * POLL_INTERVAL - MARGIN)
-        log.warning("ft-launcher: roll call %d from %s (rank %d hung): dumping this node's %d rank(s)",
+        log.warning("ft-launcher: roll call %d from %s (rank %d's monitor reported a hang): dumping this node's "
+                    "%d rank(s)",
                     request.incident, printable(request.host), request.hung_rank, len(ranks))
         evidence = self.local(ranks, request.incident, budget)
         self.last_evidence = {e.rank: e for e in evidence}

@@ -98,10 +98,10 @@ def _hang_rows(hang: Mapping[str, Any], restart: Mapping[str, Any] | None, evide
     here: Mapping[str, Any] = waiting if isinstance(waiting, Mapping) else hang  # a culprit elsewhere: ours waited
     who = f"rank {here.get('rank')} (local rank {here.get('local_rank')}, pid {here.get('pid')})"
     out: list[Row] = []
-    if hang.get("victim_of") is not None:
-        out.append(("hung rank", f"rank {hang['victim_of']} (another node) in attempt {hang.get('attempt')}; {who} "
-                                 "here waited for it"))
-        out.append(("what", printable(hang.get("message", ""))))
+    victim = hang.get("victim_of") is not None
+    if victim:  # what this node saw is its waiting rank's: said under that name, never as the culprit's
+        out.append(("hung rank", f"rank {hang['victim_of']} (another node) in attempt {hang.get('attempt')}"))
+        out.append(("waiting here", f"{who}: {printable(hang.get('message', ''))}"))
     else:
         out.append(("hung rank", f"{who} in attempt {hang.get('attempt')}"))
         out.append(("what", printable(hang.get("message", ""))))
@@ -115,12 +115,12 @@ def _hang_rows(hang: Mapping[str, Any], restart: Mapping[str, Any] | None, evide
     dump = hang.get("stack_dump") if hang.get("stack_dump_captured") else None
     where = evidence.where(str(dump)) if dump else None
     if where is not None:
-        out.append(("where", printable(where)))
+        out.append(("waiting at" if victim else "where", printable(where)))
     if hang.get("verdict"):
         out.append(("verdict", printable(hang["verdict"])))
         out.append(("diagnosis", printable(hang.get("diagnosis"))))
     if dump:
-        out.append(("stack dump", printable(dump)))
+        out.append(("waiting dump" if victim else "stack dump", printable(dump)))
     out.append(("error file", printable(hang.get("error_file"))))
     if restart is not None and restart.get("total") is not None:
         out.append(("restart", f"all ranks running again {_secs(restart['total'])} after detection "

@@ -487,6 +487,28 @@ def test_the_clients_snapshots_round_trip_through_the_real_daemon(workdir: Path,
     assert open_pair(str(sock), "peer", 0, 0) is None
 
 
+def test_a_jobs_first_start_with_no_snapshot_is_one_quiet_line_not_a_warning(
+        workdir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Attempt 0 holds no snapshot anywhere: the normal case, said once at INFO (a new user saw a
+    per-rank WARNING at every fresh start); a restart that finds none still warns (previous test)."""
+    pytest.importorskip("torch")
+    from ft_client.snapshot import Snapshotter
+    from tests.procs import Daemon
+
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    daemon = Daemon(workdir).wait_ready()
+    try:
+        lines: list[str] = []
+        fresh = Snapshotter(socket_path=str(daemon.socket), job="j", rank=0, log_line=lines.append)
+        with caplog.at_level(logging.INFO, logger="ft_client"):
+            assert fresh.restore() is None
+        assert lines == [] and fresh.why_not is not None
+        said = [r for r in caplog.records if "no snapshot to restore" in r.getMessage()]
+        assert [r.levelno for r in said] == [logging.INFO], caplog.text
+    finally:
+        daemon.stop()
+
+
 def test_a_monitor_restart_loses_its_snapshots_and_says_so(workdir: Path) -> None:
     """The memory dies with the monitor: a new process finds nothing (one line, the file
     checkpoint next); a live rank notices the new monitor at its next save and saves there."""

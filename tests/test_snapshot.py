@@ -236,6 +236,7 @@ def test_the_newest_step_every_rank_holds_is_agreed() -> None:
     lost = [_h((0, 40)), _h()]
     assert agree(lost).step is None and "no monitor holds a snapshot of rank(s) 1" in agree(lost).why
     assert "no step is held for every rank" in agree([_h((0, 40)), _h((1, 30))]).why
+    assert agree([_h(), _h()]).nothing and not agree(lost).nothing  # a first start: nothing anywhere
     assert to_row(table[1]) == [1, 30, 1, 20, -1, -1, -1, -1] and from_row(to_row(table[1])) == table[1]
 
 

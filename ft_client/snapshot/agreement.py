@@ -48,6 +48,8 @@ class Agreement:
     """rank -> (the rank whose monitor holds its snapshot of ``step``, the slot there), for every
     rank that does not hold it in its own pair (it lost its node, or its rank changed)."""
     why: str = ""
+    nothing: bool = False
+    """No monitor holds any snapshot at all: a fresh start, nothing is wrong."""
 
 
 def agree(table: list[Holdings]) -> Agreement:
@@ -66,6 +68,8 @@ def agree(table: list[Holdings]) -> Agreement:
     common = set.intersection(*options) if options else set()
     if not common:
         missing = [q for q, o in enumerate(options) if not o]
+        if len(missing) == world:
+            return Agreement(None, {}, "no snapshot was taken yet", nothing=True)
         if missing:
             why = f"no monitor holds a snapshot of rank(s) {', '.join(map(str, missing[:8]))}"
         else:
@@ -81,7 +85,7 @@ def agree_alone(held: Holdings, rank: int) -> Agreement:
     """Without a process group: this rank's own newest complete snapshot."""
     steps = [h.step for h in held[:2] if h is not None and h.rank == rank]
     if not steps:
-        return Agreement(None, {}, "no complete snapshot of this rank")
+        return Agreement(None, {}, "no complete snapshot of this rank", nothing=all(h is None for h in held))
     return Agreement(max(steps))
 
 

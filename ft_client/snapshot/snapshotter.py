@@ -243,7 +243,11 @@ class Snapshotter:
             mine = any(h is not None and h.rank == self.rank for h in held[:2])
             why = failure or (agreed.why if mine else "; ".join(notes) or agreed.why) or "no snapshot"
             self.why_not = f"no snapshot to restore: {why}; falling back to the file checkpoint"
-            self._say(f"ft_client.snapshot: {self.why_not}")
+            if agreed.nothing and not failure and os.environ.get(env.RESTART_COUNT) == "0":
+                if self.rank == 0:  # a job's first start: said once, quietly, not a warning per rank
+                    log.info("ft_client.snapshot: %s", self.why_not)
+            else:
+                self._say(f"ft_client.snapshot: {self.why_not}")
             return None
         for note in notes:
             self._say(f"ft_client.snapshot: {note}")

@@ -136,9 +136,7 @@ def main(argv: list[str] | None = None, early: Any = None) -> int:
         return exit_codes.LAUNCHER_ERROR
     logging.getLogger("ft_monitor").setLevel(config.log_level)
     if config.startup_timeout is None:
-        log.info("ft-launcher: start-up is not timed (startup_timeout off): a worker that hangs before it connects "
-                 "to its monitor (imports, data setup, init_process_group before the client starts) waits for "
-                 "torch's own timeouts; --ft-startup-timeout 600 times it (docs/hang-handling.md)")
+        log.info("ft-launcher: start-up is not timed (startup_timeout off): --ft-startup-timeout 600 times it")
     if not _timeouts_in_order(config, args):
         return exit_codes.LAUNCHER_ERROR
     missing = early_check.missing_script(argv)  # one line, not torch's 32 and exit 1

@@ -117,7 +117,7 @@ def the_run_recovers(hang_run: HangRun) -> None:
 def metrics_while_running_count_the_hang_and_the_restart_phases_of_the_summary(hang_run: HangRun) -> None:
     before, during = hang_run.before, hang_run.during
     assert sum_where(before, "ft_hangs_total") == 0
-    assert value(during, "ft_hangs_total", reason="section", section="step") == 1
+    assert value(during, "ft_hangs_total", rank="1", reason="section", section="step") == 1  # the rank that hung
     assert sum_where(during, "ft_hangs_total") == 1
     assert value(during, "ft_restarts_total", kind="process") == 1
     assert value(during, "ft_restarts_total", kind="inprocess") == 0

@@ -118,7 +118,7 @@ def test_metrics_are_the_snapshot_in_prometheus_names_and_units() -> None:
                         sections={"step": _hist(0.05, 0.2)}, timeouts=t.to_wire(), slow=True, slow_ratio=2.5,
                         snapshot_held=3 << 20, snapshot_limit=16 << 30),
                RankView(rank=5, local_rank=1, last_progress=None, iteration=None, sections={}, timeouts={}),),
-        hangs={("section", "step"): 1}, restarts={"process": 1},
+        hangs={("4", "section", "step"): 1}, restarts={"process": 1},
         restart_phases={("process", "total"): (3.0,), ("process", "stop"): (0.05,)}, incident_lost=(7.5,),
         goodput=goodput({4: 5.0}, [], start=1000.0, now=1010.0))
     text = generate_latest(registry(lambda: snap)).decode()
@@ -128,7 +128,7 @@ def test_metrics_are_the_snapshot_in_prometheus_names_and_units() -> None:
     def v(name: str, **labels: str) -> float:
         return samples[(name, tuple(sorted(labels.items())))]
 
-    assert v("ft_hangs_total", reason="section", section="step") == 1
+    assert v("ft_hangs_total", rank="4", reason="section", section="step") == 1  # which rank hung
     assert v("ft_restarts_total", kind="process") == 1 and v("ft_restarts_total", kind="inprocess") == 0
     assert v("ft_restart_phase_seconds_bucket", kind="process", phase="total", le="2.5") == 0
     assert v("ft_restart_phase_seconds_bucket", kind="process", phase="total", le="5.0") == 1
@@ -255,7 +255,7 @@ def test_telemetry_turns_a_hang_and_its_restart_into_events_metrics_and_goodput(
     assert restart["phases"] == timing.breakdown() and restart["redone_iterations"] == 2
     assert restart["lost_s"] == pytest.approx(1005.0 - 1000.5 + 2 * 0.1)
     snap = tel.snapshot
-    assert snap.hangs == {("section", "step"): 1} and snap.restarts == {"process": 1, "inprocess": 0}
+    assert snap.hangs == {("1", "section", "step"): 1} and snap.restarts == {"process": 1, "inprocess": 0}
     assert snap.restart_phases["process", "total"] == (timing.breakdown()["total"],)
     assert snap.goodput is not None and snap.goodput.productive_s == pytest.approx(15 * 0.1 - 0.2)
     assert tel.summary()["slow_ranks"] == [1]
@@ -476,7 +476,7 @@ def test_an_inprocess_restart_is_counted_with_its_own_phases(tmp_path: Path) -> 
     assert restart["mode"] == "inprocess" and restart["cause"] == "hang" and restart["phases"] == phases
     assert restart["lost_s"] == pytest.approx(50.0 + 0.22 - 48.0)  # onset -> every rank stepping again
     snap = tel.snapshot
-    assert snap.restarts == {"process": 0, "inprocess": 1} and snap.hangs == {("section", "step"): 1}
+    assert snap.restarts == {"process": 0, "inprocess": 1} and snap.hangs == {("1", "section", "step"): 1}
     assert snap.restart_phases["inprocess", "total"] == (0.22,) and ("process", "total") not in snap.restart_phases
 
 
@@ -495,7 +495,7 @@ def test_notices_of_ranks_that_waited_for_the_hung_one_are_one_inprocess_hang(tm
     tel.finish(0, "")
     tel.close(None)
     events = read_events(tmp_path / "events.jsonl")
-    assert [e["kind"] for e in events].count("hang") == 1 and tel.snapshot.hangs == {("section", "step"): 1}
+    assert [e["kind"] for e in events].count("hang") == 1 and tel.snapshot.hangs == {("1", "section", "step"): 1}
     (restart,) = (e for e in events if e["kind"] == "restart")
     assert restart["lost_s"] == pytest.approx(50.0 + 0.22 - 48.0)  # from the hung rank's onset
     assert len(tel.incidents) == 1 and tel.incidents[0].rank == 1
@@ -521,7 +521,7 @@ def test_an_inprocess_hang_notice_that_comes_after_its_restart_row_is_named_afte
     tel.close(None)
     hangs = [e for e in read_events(tmp_path / "events.jsonl") if e["kind"] == "hang"]
     assert [(h["rank"], h.get("reported_by", {}).get("rank")) for h in hangs] == [(1, 0)], hangs
-    assert len(tel.incidents) == 1 and tel.incidents[0].rank == 1 and tel.snapshot.hangs == {("section", "step"): 1}
+    assert len(tel.incidents) == 1 and tel.incidents[0].rank == 1 and tel.snapshot.hangs == {("1", "section", "step"): 1}
 
 
 def test_an_inprocess_hang_whose_ranks_never_come_back_is_still_an_event(tmp_path: Path) -> None:

@@ -55,8 +55,8 @@ class RankView:
 class Snapshot:
     start: float
     ranks: tuple[RankView, ...] = ()
-    hangs: Mapping[tuple[str, str], int] = field(default_factory=dict)
-    """(reason, section or "") -> hangs."""
+    hangs: Mapping[tuple[str, str, str], int] = field(default_factory=dict)
+    """(the culprit's rank, reason, section or "") -> hangs."""
     restarts: Mapping[str, int] = field(default_factory=dict)
     """kind ("process", "inprocess") -> restarts."""
     failures: Mapping[tuple[str, str], int] = field(default_factory=dict)
@@ -129,10 +129,10 @@ def collect(snap: Snapshot) -> Iterator[Metric]:
             snap_limit.add_metric(ids, r.snapshot_limit)
     yield from (progress, iteration, durations, timeouts, slow, ratio, snap_held, snap_limit)
 
-    hangs = CounterMetricFamily("ft_hangs", "Hangs detected on this node, by reason and section.",
-                                labels=["reason", "section"])
-    for (reason, section), n in sorted(snap.hangs.items()):
-        hangs.add_metric([reason, section], n)
+    hangs = CounterMetricFamily("ft_hangs", "Hangs acted on by this node, by the rank that hung (the incident's "
+                                "culprit), reason and section.", labels=["rank", "reason", "section"])
+    for (rank, reason, section), n in sorted(snap.hangs.items()):
+        hangs.add_metric([rank, reason, section], n)
     yield hangs
     failed = CounterMetricFamily("ft_failed_ranks", "Ranks of this node whose process failed (a crash, not a "
                                  "hang), by role: root (it failed on its own: killed, exited, raised) or victim "

@@ -76,7 +76,7 @@ class Telemetry:
         self.max_restarts = max_restarts
         self.attempt = 0
         self.group_starts = 0
-        self.hang_counts: dict[tuple[str, str], int] = {}
+        self.hang_counts: dict[tuple[str, str, str], int] = {}
         self.restart_counts: dict[str, int] = {"process": 0, "inprocess": 0}
         self._inprocess_incidents: dict[tuple[int, int], int] = {}
         """(attempt, Wrapper iteration) -> index in `incidents` of a hang recovered in place."""
@@ -187,8 +187,7 @@ class Telemetry:
                 self.incidents[index] = replace(inc, rank=int(notice["rank"]), onset=float(onset))
                 self._inprocess_hangs[key] = dict(notice)
             return
-        self._count_hang(notice)
-        self._incident(notice, now)
+        self._incident(notice, now)  # counted (ft_hangs_total) with its hang event, once the culprit is known
         self._inprocess_incidents[key] = len(self.incidents) - 1
         self._inprocess_hangs[key] = dict(notice)  # its "hang" event waits for the ranks' word on the culprit
         done = self._inprocess_done.get(key)
@@ -227,6 +226,7 @@ class Telemetry:
         if notice is not None:
             self._inprocess_told.add(key)
             told, reported_by = culprit_notice(notice, row)  # reported_by: the rank reported first waited for it
+            self._count_hang(told)
             self.events.emit("hang", now, **hang_fields(told, "inprocess"),
                              **({"reported_by": reported_by} if reported_by else {}))
         if index is None:
@@ -262,7 +262,9 @@ class Telemetry:
         now = self.clock()
         for key in [k for k in self._inprocess_hangs if k[0] == self.attempt]:  # never back in place: the
             # fallback stopped the processes; the hang is the one its monitor reported
-            self.events.emit("hang", now, **hang_fields(self._inprocess_hangs.pop(key), "inprocess"))
+            notice = self._inprocess_hangs.pop(key)
+            self._count_hang(notice)
+            self.events.emit("hang", now, **hang_fields(notice, "inprocess"))
         statuses = self._poll(now)
         self.local.progress(now, self.attempt, forced=True)
         high = self.local.highest_iteration()
@@ -328,7 +330,9 @@ class Telemetry:
 
     # -- inside ----------------------------------------------------------------------
     def _count_hang(self, summary: Mapping[str, Any]) -> None:
-        key = (str(summary.get("reason") or "unknown"), str(summary.get("section") or ""))
+        """One more hang of the culprit ``summary`` names (a row whose culprit is on another node
+        names it too), as its ``hang`` event does."""
+        key = (str(summary.get("rank")), str(summary.get("reason") or "unknown"), str(summary.get("section") or ""))
         self.hang_counts[key] = self.hang_counts.get(key, 0) + 1
 
     def _poll(self, now: float) -> dict[int, MonitorStatus | None]:

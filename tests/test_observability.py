@@ -336,6 +336,40 @@ def test_a_crash_restart_is_timed_by_the_telemetry_itself(tmp_path: Path) -> Non
     assert restart["lost_s"] is None
 
 
+def test_a_crash_is_an_incident_whose_redone_work_from_the_file_checkpoint_is_counted(tmp_path: Path) -> None:
+    """A new user's crash resumed from a file checkpoint showed no lost work (``resumed_from`` and
+    ``redone_iterations`` null) and was missing from ``observability.incidents``."""
+    from ft_monitor.launcher.incident.crash import FailedRank, decide_crash
+
+    clock = {"t": 0.0}
+    mon = FakeMonitors()
+    tel = Telemetry(config=Settings(), monitors=mon, host="h", nproc=2, max_restarts=1,
+                    clock=lambda: clock["t"], monotonic=lambda: clock["t"])
+    tel.attempt_started(0, "run", 0, {0: 0, 1: 1}, {}, str(tmp_path))
+    _stepped(mon, 0, 8)  # 8 steps done; the last checkpoint was at step 5
+    clock["t"] = 4.0
+    tel.tick()
+    clock["t"] = 5.0
+    crash = decide_crash([FailedRank(1, 101, 1, "ValueError: bad batch", raised_at=4.9),
+                          FailedRank(0, 100, -15, "RuntimeError: Connection closed by peer")])
+    tel.attempt_ended("FAILED", {1: SimpleNamespace(exitcode=1), 0: SimpleNamespace(exitcode=-15)}, 1, crash=crash)
+    tel.workers_stopping()
+    tel.workers_stopped(5.0, "failure", "SIGTERM", 3.0)
+    clock["t"] = 6.0
+    tel.rendezvous_done()
+    tel.attempt_started(1, "run", 0, {0: 0, 1: 1}, {}, str(tmp_path))
+    clock["t"] = 8.0
+    _stepped(mon, 5, 1)  # resumed from the file checkpoint's step 5
+    tel.tick()
+    tel.close(None)
+    (restart,) = [e for e in read_events(tmp_path / "events.jsonl") if e["kind"] == "restart"]
+    assert restart["cause"] == "failure" and restart["rank"] == 1
+    (incident,) = tel.summary()["incidents"]
+    assert incident["rank"] == 1 and incident["resumed_from"] == 5 and incident["redone_iterations"] == 3, incident
+    assert restart["redone_iterations"] == 3 and restart["lost_s"] == pytest.approx(incident["lost_s"])
+    assert restart["lost_s"] > 3.0  # detection to stepping again, and the redone steps
+
+
 # -- live view, report ----------------------------------------------------------------------------
 def test_the_live_view_table_and_json_from_statuses() -> None:
     mon = FakeMonitors()

@@ -58,7 +58,7 @@ def test_a_hang_restarted_reads_as_aligned_key_value_lines() -> None:
                               "stop 0.221s, rendezvous 2.292s, worker_start 13.888s, first_step 0.265s)")
     assert got["worker pids"] == "attempt 0: 4079, 4080; attempt 1: 4581, 4584"
     assert got["warm restarts"] == "attempt 1 (2 forked), attempt 2 (2 forked)"
-    assert got["goodput"] == "0.034 (1.8 s productive step time of 53.8 s wall time; 19.1 s lost to hangs)"
+    assert got["goodput"] == "0.034 (1.8 s productive step time of 53.8 s wall time; 19.1 s lost to hangs and crashes)"
     assert got["slow ranks"] == "3, 5"
     assert got["report"] == f"ft-monitor report {LOGS}"
     assert got["exit code"] == "0"

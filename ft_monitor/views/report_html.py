@@ -302,8 +302,8 @@ def _goodput_one(la: LauncherView) -> str:
                           f"{_e(human.percent(ratio))}</b>"),
               ("productive", f"{_e(human.seconds(prod))} of step time (the mean over the node's ranks of their "
                              "<code>step</code> sections, less the work done again after restarts)"),
-              ("lost to hangs", f"{_e(human.seconds(lost))} (each hang's onset to every rank stepping again, "
-                                "plus the work done again)"),
+              ("lost to hangs and crashes", f"{_e(human.seconds(lost))} (each incident's onset to every rank "
+                                            "stepping again, plus the work done again)"),
               ("wall time", f"{_e(human.seconds(wall))} since the launcher started")]
     bar = ""
     if wall > 0 and prod is not None:
@@ -313,11 +313,11 @@ def _goodput_one(la: LauncherView) -> str:
         bar = (f'<svg class="goodput-bar" width="480" height="14" viewBox="0 0 480 14" role="img" '
                f'aria-label="goodput"><rect width="{480 * p:.1f}" height="14" fill="#31a354"><title>productive '
                f'{_e(human.seconds(prod))}</title></rect><rect x="{480 * p:.1f}" width="{480 * lo:.1f}" height="14" '
-               f'fill="#de2d26"><title>lost to hangs {_e(human.seconds(lost))}</title></rect>'
+               f'fill="#de2d26"><title>lost to hangs and crashes {_e(human.seconds(lost))}</title></rect>'
                f'<rect x="{480 * (p + lo):.1f}" width="{480 * rest:.1f}" height="14" fill="#d9d9d9"><title>the rest: '
                f'start-up, data loading, checkpoints, time outside the step</title></rect></svg>'
                '<div class="legend"><ul><li><span class="swatch" style="background:#31a354"></span>productive</li>'
-               '<li><span class="swatch" style="background:#de2d26"></span>lost to hangs</li>'
+               '<li><span class="swatch" style="background:#de2d26"></span>lost to hangs and crashes</li>'
                '<li><span class="swatch" style="background:#d9d9d9"></span>the rest: start-up, data loading, '
                "checkpoints, outside the step</li></ul></div>")
     dl = "".join(f"<dt>{k}</dt><dd>{v}</dd>" for k, v in counts)

@@ -23,11 +23,12 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class Incident:
-    """One hang that restarted the processes, as far as it is known so far."""
+    """One hang or crash that restarted the processes, as far as it is known so far."""
 
     rank: int
+    """The culprit: the rank that hung, or the root of the crash."""
     onset: float
-    """Wall clock of the hung rank's last progress."""
+    """Wall clock of the hung rank's last progress, or of the crash's detection."""
     iteration_before: int | None
     """The highest iteration any local rank had reached when the hang was handled."""
     step_median_s: float | None

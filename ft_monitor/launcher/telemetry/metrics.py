@@ -163,7 +163,7 @@ def collect(snap: Snapshot) -> Iterator[Metric]:
         wall = GaugeMetricFamily("ft_wall_seconds", "Wall time since this ft-launcher started.")
         wall.add_metric([], gp.wall_s)
         yield wall
-        lost_total = CounterMetricFamily("ft_lost_seconds", "Time lost to hangs on this node, all incidents.")
+        lost_total = CounterMetricFamily("ft_lost_seconds", "Time lost to hangs and crashes on this node.")
         lost_total.add_metric([], gp.lost_s)
         yield lost_total
         if gp.productive_s is not None:

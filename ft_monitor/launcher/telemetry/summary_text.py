@@ -218,7 +218,7 @@ def rows(summary: Mapping[str, Any], evidence: Evidence = NO_EVIDENCE) -> list[R
     obs = summary.get("observability") or {}
     if obs.get("goodput") is not None:
         run.append(("goodput", f"{obs['goodput']:.3f} ({obs['productive_s']:.1f} s productive step time of "
-                               f"{obs['wall_s']:.1f} s wall time; {obs['lost_s']:.1f} s lost to hangs)"))
+                               f"{obs['wall_s']:.1f} s wall time; {obs['lost_s']:.1f} s lost to hangs and crashes)"))
     if obs.get("slow_ranks"):
         run.append(("slow ranks", ", ".join(str(r) for r in obs["slow_ranks"])))
     if obs.get("metrics_url"):

@@ -54,7 +54,7 @@ class _PendingRestart:
     cause: str
     attempt: int
     incident: int | None = None
-    """Index into Telemetry.incidents (hangs), None for a failure."""
+    """Index into Telemetry.incidents (a hang's, or a failure's whose root was decided)."""
 
 
 class Telemetry:
@@ -277,11 +277,17 @@ class Telemetry:
             for rank, role in [(crash.root, "root" if crash.root_seen else "victim"),
                                *((r, "root") for r in crash.others), *((r, "victim") for r in crash.victims)]:
                 self.failed_ranks[(str(rank), role)] = self.failed_ranks.get((str(rank), role), 0) + 1
+        incident = None
+        if state != "SUCCEEDED" and not self._hang_this_attempt and crash is not None:
+            # a crash is an incident as a hang is: its time and the work redone count as lost
+            onset = getattr(timing, "detected", None) or now
+            self._incident({"rank": crash.root, "onset_time": onset}, now)
+            incident = len(self.incidents) - 1
         if state != "SUCCEEDED" and not self._hang_this_attempt and restarts_left > 0:
             if timing is None:
                 first = crash.root if crash is not None else min(failures) if failures else -1
                 timing = self._failure_timing = RestartTiming(first, now, now, cause="failure", attempt=self.attempt)
-            self.pending = _PendingRestart(timing, "failure", self.attempt + 1)
+            self.pending = _PendingRestart(timing, "failure", self.attempt + 1, incident)
         self._stats(now, statuses)
 
     def workload_request(self, rank: int, action: str, reason: str) -> None:

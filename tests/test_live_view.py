@@ -5,6 +5,7 @@ in a real terminal)."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -88,3 +89,40 @@ def test_clip_never_exceeds_its_width(text: str, width: int) -> None:
     out = clip(text, width)
     assert display_width(out) <= width or (width == 0 and out == "")
     assert out == text or out.endswith("…") or width == 0
+
+
+def test_status_lists_running_launchers_only_and_takes_the_runs_log_folder(tmp_path: Path,
+                                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """A new user's ``ft-launcher status`` listed other jobs' folders left by killed launchers as
+    ``down ... Connection refused`` rows, and ``ft-launcher status RUN_DIR`` took another folder
+    than ``ft-monitor report RUN_DIR``: now only folders whose sockets listen are listed, and the
+    run's log folder leads to its launcher's."""
+    import json
+    import socket
+
+    from ft_monitor.launcher.main import status_main
+    from ft_monitor.views.live_view import find_run_dirs, listening_sockets, run_dir_of_log_folder
+
+    live, stale = tmp_path / "ft-launcher-live", tmp_path / "ft-launcher-stale"
+    live.mkdir(mode=0o700)
+    stale.mkdir(mode=0o700)
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(live / "monitor0.sock"))
+    listener.listen()
+    gone = socket.socket(socket.AF_UNIX)
+    gone.bind(str(stale / "monitor0.sock"))  # bound, never listening, closed: a file with no server, as after kill -9
+    gone.close()
+    try:
+        assert str(live / "monitor0.sock") in listening_sockets()
+        assert str(stale / "monitor0.sock") not in listening_sockets()
+        assert find_run_dirs(str(tmp_path)) == [live]
+        assert find_run_dirs(str(tmp_path), listening=set()) == [live, stale]  # no table: nothing passed over
+        logs = tmp_path / "run_abc"
+        logs.mkdir()
+        (logs / "events.jsonl").write_text(json.dumps({"kind": "launcher_start", "run_dir": str(live)}) + "\n")
+        assert run_dir_of_log_folder(logs) == live and run_dir_of_log_folder(tmp_path) is None
+        (logs / "events.jsonl").write_text(json.dumps({"kind": "launcher_start", "run_dir": str(tmp_path / "x")}))
+        assert status_main([str(logs)]) == 1
+        assert f"the launcher of {logs} has exited" in capsys.readouterr().err
+    finally:
+        listener.close()

@@ -71,15 +71,24 @@ def _agent_swapped_in(ft: Any, telemetry: Any) -> Iterator[None]:
 
 def status_main(argv: list[str]) -> int:
     """`ft-launcher status [DIR ...] [--json] [--watch [S]] [--count N]`: the live view of running launchers
-    (DIR: a launcher's run directory; default: every one of this user's under /tmp)."""
+    (DIR: a launcher's run directory, or the run's log folder that `ft-monitor report` takes; default:
+    every running one of this user's under /tmp)."""
     from ft_monitor.cli import EXIT_FAILURE, add_live_view_flags, live_view
-    from ft_monitor.views.live_view import find_run_dirs
+    from ft_monitor.views.live_view import find_run_dirs, run_dir_of_log_folder
 
     parser = argparse.ArgumentParser(prog="ft-launcher status", description=status_main.__doc__)
     parser.add_argument("dirs", nargs="*", metavar="DIR")
     add_live_view_flags(parser)
     args = parser.parse_args(argv)
-    dirs = args.dirs or [str(d) for d in find_run_dirs()]
+    dirs = []
+    for d in args.dirs:  # the run's log folder (what `ft-monitor report` takes) names its launcher's
+        found = run_dir_of_log_folder(d)
+        if found is not None and not found.is_dir():
+            print(f"ft-launcher status: the launcher of {d} has exited (its monitors are gone); "
+                  f"ft-monitor report {d} makes the run's page", file=sys.stderr)
+            return EXIT_FAILURE
+        dirs.append(str(found or d))
+    dirs = dirs or [str(d) for d in find_run_dirs()]
     if not dirs:
         print("ft-launcher status: no running ft-launcher of yours found under /tmp (give its run directory, "
               "logged as 'monitor(s) ready in DIR')", file=sys.stderr)
@@ -232,7 +241,7 @@ def launch(args: argparse.Namespace, config: Settings | FaultToleranceConfig, su
     telemetry = Telemetry(config=config, monitors=monitors, host=socket.gethostname(), nproc=monitors.nproc,
                           max_restarts=args.max_restarts, job_secret=job_secret)
     try:
-        metrics = _start_metrics(config, telemetry)
+        metrics = _start_metrics(config, telemetry, str(run_dir))
     except OSError as e:
         log.error("ft-launcher: cannot serve /metrics on %s port %s: %s", config.metrics_address, config.metrics_port,
                   e.strerror or e)
@@ -317,7 +326,7 @@ def _warm_starts(args: argparse.Namespace, run_dir: Path, early: Any = None) -> 
     return warm
 
 
-def _start_metrics(config: Settings, telemetry: Any) -> Any:
+def _start_metrics(config: Settings, telemetry: Any, run_dir: str | None = None) -> Any:
     """/metrics (``metrics_port``) and the node-exporter textfile (``metrics_textfile``), if asked for."""
     from ft_monitor.launcher.telemetry.metrics import registry, write_textfile
     from ft_monitor.launcher.telemetry.metrics_http import MetricsServer
@@ -330,7 +339,7 @@ def _start_metrics(config: Settings, telemetry: Any) -> Any:
     textfile = config.metrics_textfile
     if textfile is not None:
         telemetry.write_textfile = functools.partial(write_textfile, textfile, reg)
-    telemetry.launcher_started(None if server is None else server.url, textfile)
+    telemetry.launcher_started(None if server is None else server.url, textfile, run_dir)
     return server
 
 

@@ -17,6 +17,7 @@ two), and `view_lines` fits a view to its height, so that `--watch` redraws in p
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import stat
@@ -74,17 +75,56 @@ def gather(directory: str | os.PathLike[str], timeout: float = 2.0) -> list[Row]
     return rows
 
 
-def find_run_dirs(base: str = "/tmp") -> list[Path]:
-    """This user's ft-launcher run directories under ``base`` that hold monitor sockets."""
+def find_run_dirs(base: str = "/tmp", listening: set[str] | None = None) -> list[Path]:
+    """This user's ft-launcher run directories under ``base`` whose monitors still listen: a
+    launcher killed with SIGKILL leaves its folder and sockets behind, and they are not
+    listed (their rows said only "down ... Connection refused")."""
+    live = listening_sockets() if listening is None else listening
     out = []
     for d in sorted(Path(base).glob(RUN_DIR_GLOB)):
         try:
             st = d.lstat()
         except OSError:
             continue
-        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and monitor_sockets(d):
+        if not (stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()):
+            continue
+        socks = monitor_sockets(d)
+        if socks and (not live or any(str(p) in live for p in [*socks, d / "launcher.sock"])):
             out.append(d)
     return out
+
+
+def listening_sockets(table: str = "/proc/net/unix") -> set[str]:
+    """The paths of the Unix sockets some process listens on now (the kernel's table: nothing is
+    connected to); empty where the table cannot be read, and then no folder is passed over."""
+    try:
+        with open(table, encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()[1:]
+    except OSError:
+        return set()
+    out = set()
+    for line in lines:  # Num RefCount Protocol Flags Type St Inode Path; Flags 00010000: __SO_ACCEPTCON
+        parts = line.split(None, 7)
+        if len(parts) == 8 and parts[3] == "00010000":
+            out.add(parts[7])
+    return out
+
+
+def run_dir_of_log_folder(folder: str | os.PathLike[str]) -> Path | None:
+    """The launcher's run directory (its monitors' sockets) for a run's log folder, the folder
+    ``ft-monitor report`` takes (events.jsonl there names it); None where it names none."""
+    events = Path(folder) / "events.jsonl"
+    try:
+        with open(events, encoding="utf-8", errors="replace") as f:
+            first = f.readline(1 << 16)
+    except OSError:
+        return None
+    try:
+        data = json.loads(first)
+    except ValueError:
+        return None
+    run_dir = data.get("run_dir") if isinstance(data, dict) and data.get("kind") == "launcher_start" else None
+    return Path(run_dir) if isinstance(run_dir, str) and run_dir.startswith("/") else None
 
 
 def _secs(v: float | None, digits: int = 1) -> str:

@@ -45,7 +45,7 @@ ENVELOPE: dict[str, tuple[type, ...]] = {"v": (int,), "seq": (int,), "time": NUM
 
 SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
     "launcher_start": {"nproc_per_node": (int,), "max_restarts": (int,), "metrics_url": OPT_STR,
-                       "metrics_textfile": OPT_STR},
+                       "metrics_textfile": OPT_STR, "run_dir": OPT_STR},
     "attempt_start": {"attempt": (int,), "run_id": (str,), "node_rank": OPT_INT, "ranks": (dict,),
                       "log_dir": OPT_STR},
     "hang": {"attempt": (int,), "rank": (int,), "local_rank": OPT_INT, "pid": (int,), "reason": (str,),

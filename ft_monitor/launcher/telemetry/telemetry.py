@@ -112,10 +112,12 @@ class Telemetry:
         return self.slow.flagged
 
     # -- the agent tells ---------------------------------------------------------
-    def launcher_started(self, metrics_url: str | None, textfile: str | None) -> None:
+    def launcher_started(self, metrics_url: str | None, textfile: str | None, run_dir: str | None = None) -> None:
+        """``run_dir``: the launcher's private folder of monitor sockets (`ft-launcher status`
+        finds it from the run's log folder through this event)."""
         self.metrics_url, self.textfile = metrics_url, textfile
         self.events.emit("launcher_start", self.clock(), nproc_per_node=self.nproc, max_restarts=self.max_restarts,
-                         metrics_url=metrics_url, metrics_textfile=textfile)
+                         metrics_url=metrics_url, metrics_textfile=textfile, run_dir=run_dir)
 
     def attempt_started(self, attempt: int, run_id: str, node_rank: int | None, ranks: Mapping[int, int],
                         pids: Mapping[int, int], log_dir: str | None) -> None:

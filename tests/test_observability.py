@@ -571,3 +571,23 @@ def test_an_inprocess_hang_whose_ranks_never_come_back_is_still_an_event(tmp_pat
     tel.close(None)
     kinds = [(e["kind"], e.get("rank")) for e in read_events(tmp_path / "events.jsonl")]
     assert ("hang", 1) in kinds and kinds.index(("hang", 1)) < kinds.index(("attempt_end", None))
+
+
+def test_a_waiting_nodes_hang_event_names_the_culprit_and_its_own_rank_only_as_waiting() -> None:
+    """On the node whose rank waited for another node's hung rank, the ``hang`` event said
+    ``rank: 0`` (its own rank): it names the culprit now, its waiting rank under ``waiting``."""
+    from ft_monitor.launcher.telemetry.telemetry_fields import hang_fields
+
+    row = {"attempt": 0, "rank": 3, "local_rank": None, "pid": None, "victim_of": 3, "reason": "section",
+           "section": "step", "message": "section 'step' open for 2.1 s", "elapsed_s": 2.1, "timeout_s": 2.0,
+           "onset_time": 10.0, "detected_time": 12.1, "iteration": 7, "report": "/r0.json",
+           "stack_dump": "/s0.txt", "error_file": "/e0.json", "waiting": {"rank": 0, "local_rank": 0, "pid": 4080}}
+    fields = hang_fields(row, "kill")
+    assert (fields["rank"], fields["victim_of"], fields["local_rank"], fields["pid"]) == (3, 3, None, None)
+    assert fields["waiting"] == {"rank": 0, "local_rank": 0, "pid": 4080}
+    assert fields["stack_dump"] == "/s0.txt" and fields["message"] == "section 'step' open for 2.1 s"
+    event = _ev("hang", 1, 12.2, **fields)  # schema-valid
+    from ft_monitor.views.report_model import build
+
+    (inc,) = build([_start(0, 0.0), event]).incidents  # only the waiting node's folder
+    assert inc.rank == 3 and inc.waited_on_other_nodes == (0,) and "rank 0 on h waited for it" in inc.what

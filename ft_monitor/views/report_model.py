@@ -282,7 +282,7 @@ def _incidents(events: Sequence[Event], diagnoses: Mapping[str, DiagnosisDoc], s
             restart = restart_for(base, "process", attempt + 1, cause=None)
         node = None
         if hang_ev is None:  # only other nodes' ranks that waited for it reported: the culprit is theirs
-            what = f"hung (decided from the roll call; rank {base['rank']} on {base['host']} waited for it)"
+            what = f"hung (decided from the roll call; rank {_waiting_rank(base)} on {base['host']} waited for it)"
             host = pid = None
         else:
             what, host, pid = str(hang_ev["message"]), str(hang_ev["host"]), int(hang_ev["pid"])
@@ -315,7 +315,7 @@ def _incidents(events: Sequence[Event], diagnoses: Mapping[str, DiagnosisDoc], s
             action=action, verdict=doc.verdict if doc is not None else (
                 str(d_event["verdict"]) if d_event is not None else None),
             diagnosis=doc, diagnosis_path=str(d_event["path"]) if d_event is not None else None,
-            restart=restart, waited_on_other_nodes=tuple(sorted({int(v["rank"]) for v in others})), files=files,
+            restart=restart, waited_on_other_nodes=tuple(sorted({_waiting_rank(v) for v in others})), files=files,
             culprit_stack=culprit_stack, waiting=waiting, waiting_stacks=waiting_stacks))
     hung = {(i.attempt, i.rank) for i in out}
     for d in diag_events:  # a roll call with no hang event: on_hang dump, the job ran on
@@ -447,3 +447,12 @@ def _lanes(events: Sequence[Event], incidents: Sequence[Incident],
             chosen.append(ln)
     chosen.sort(key=lambda ln: ln.rank)
     return chosen, len(ordered) - len(chosen)
+
+
+def _waiting_rank(e: Event) -> int:
+    """The rank that waited, of a hang event whose culprit is on another node: its ``waiting``
+    (the event names the culprit as ``rank``), or, in an older event, its ``rank``."""
+    w = e.get("waiting")
+    if isinstance(w, dict) and isinstance(w.get("rank"), int):
+        return int(w["rank"])
+    return int(e["rank"])

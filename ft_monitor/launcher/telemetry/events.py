@@ -45,10 +45,10 @@ ENVELOPE: dict[str, tuple[type, ...]] = {"v": (int,), "seq": (int,), "time": NUM
 
 SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
     "launcher_start": {"nproc_per_node": (int,), "max_restarts": (int,), "metrics_url": OPT_STR,
-                       "metrics_textfile": OPT_STR, "run_dir": OPT_STR},
+                       "metrics_textfile": OPT_STR},  # and run_dir: not required (older files lack it)
     "attempt_start": {"attempt": (int,), "run_id": (str,), "node_rank": OPT_INT, "ranks": (dict,),
                       "log_dir": OPT_STR},
-    "hang": {"attempt": (int,), "rank": (int,), "local_rank": OPT_INT, "pid": (int,), "reason": (str,),
+    "hang": {"attempt": (int,), "rank": (int,), "local_rank": OPT_INT, "pid": OPT_INT, "reason": (str,),
              "section": OPT_STR, "message": (str,), "elapsed_s": NUM, "timeout_s": NUM, "onset_time": NUM,
              "detected_time": NUM, "iteration": OPT_INT, "action": (str,), "report": OPT_STR,
              "stack_dump": OPT_STR, "error_file": OPT_STR, "victim_of": OPT_INT},

@@ -18,11 +18,15 @@ def recent_median(h: SectionHistogram | None) -> float | None:
 
 
 def hang_fields(s: Mapping[str, Any], action: str) -> dict[str, Any]:
-    """A ``hang`` event's fields from a summary row: a row whose culprit is on another node is
-    the event of this node's rank that waited for it (``waiting``), with ``victim_of``."""
+    """A ``hang`` event's fields from a summary row. A row whose culprit is on another node
+    names the culprit as ``rank`` (and ``victim_of``), as every output of the incident does;
+    this node's rank that waited for it is ``waiting`` (its rank, local rank and pid), and the
+    timer, report and dump are that waiting rank's."""
     waiting = s.get("waiting")
     if isinstance(waiting, Mapping):
-        s = {**s, **waiting}
+        own = hang_fields({**s, **waiting, "waiting": None}, action)
+        return {**own, "rank": int(s["rank"]), "local_rank": None, "pid": None,
+                "waiting": {"rank": own["rank"], "local_rank": own["local_rank"], "pid": own["pid"]}}
     return {"attempt": int(s.get("attempt") or 0), "rank": int(s["rank"]), "local_rank": s.get("local_rank"),
             "pid": int(s.get("pid") or 0), "reason": str(s.get("reason") or "unknown"), "section": s.get("section"),
             "message": str(s.get("message") or ""), "elapsed_s": float(s.get("elapsed_s") or 0.0),

@@ -38,3 +38,10 @@ class WorkloadAction(Enum):
 class WorkloadControlRequest:
     action: WorkloadAction
     description: str = ""
+
+
+CONFIGURATION_ERROR = "ConfigurationError"
+"""The launcher-only request a rank's own code sends (never a `WorkloadAction`: the reference has
+none such) when it finds the job's configuration cannot work, before it raises: a configuration
+error is not a fault, so ft-launcher stops the job at once with its configuration exit code (2)
+instead of spending every restart on the same refusal."""

@@ -160,3 +160,22 @@ def test_a_rank_killed_with_sigkill_resumes_from_the_snapshot_with_the_loss_of_a
         assert f"[rank {r}] attempt 1: resumed at step 16" in out
     assert final_losses(out) == baseline
     restarted_once_for_a_sigkill(killed, 1)
+
+
+def test_a_forgotten_config_is_a_configuration_error_that_spends_no_restart(workdir: Path) -> None:
+    """A new user's reference-style script without the config its callback needs spent all its restarts (about
+    50 s) on the same deterministic refusal, then exited 1: a configuration error is not a fault,
+    so the launcher stops at once with the configuration exit code, and says why in one line."""
+    la = Launcher(workdir, "--max-restarts", "3", "--nproc-per-node", "1", name="noconfig",
+                  entry=(str(ROOT / "tests" / "workers" / "lightning_sections.py"),), preload=PRELOAD[:1])
+    try:
+        assert la.wait() == exit_codes.LAUNCHER_ERROR, la.output()[-4000:]
+    finally:
+        la.kill()
+    out = la.output()
+    assert out.count("attempt 0: starting") == 1 and "attempt 1: starting" not in out, out[-4000:]
+    said = [line for line in out.splitlines() if "ERROR ft-launcher: configuration error on rank 0: " in line]
+    assert len(said) == 1 and "FaultToleranceSectionsCallback needs exactly" in said[0], out[-4000:]
+    summary = la.summary()
+    assert summary["restarts"] == [] and summary["exit_code"] == exit_codes.LAUNCHER_ERROR
+    assert summary["outcome"].startswith("configuration error on rank 0: ")

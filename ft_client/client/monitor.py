@@ -55,9 +55,12 @@ from ft_client.client.restart import ClientRestart, RestartHook
 from ft_client.client.state import CONNECT_TIMEOUT
 from ft_client.errors import RankMonitorClientError
 from ft_client.wire.transport import TransportError, connect
-from ft_client.workload import WorkloadAction, WorkloadControlRequest
+from ft_client.workload import CONFIGURATION_ERROR, WorkloadAction, WorkloadControlRequest
 
 __all__ = ["RankMonitorClient"]
+
+MAX_CONTROL_REASON = 4000
+"""Characters of a reason sent to the launcher (it refuses more than 4096)."""
 
 
 class RankMonitorClient(ClientProgress, ClientLearning, ClientRestart, ClientLink):
@@ -89,6 +92,20 @@ class RankMonitorClient(ClientProgress, ClientLearning, ClientRestart, ClientLin
             action, description = req.action, req.description or description
         else:
             action = WorkloadAction.parse(req)
+        self._ask_launcher(action.value, description)
+
+    def _configuration_error(self, reason: str) -> None:
+        """Tell ft-launcher (where it started this rank) that the job's configuration cannot
+        work: it stops the job at once, without a restart (`CONFIGURATION_ERROR`). Never raises;
+        the caller raises its own error next."""
+        if not os.environ.get(env.LAUNCHER_SOCKET):
+            return
+        try:
+            self._ask_launcher(CONFIGURATION_ERROR, reason[:MAX_CONTROL_REASON])
+        except RankMonitorClientError:
+            pass
+
+    def _ask_launcher(self, action: str, description: str) -> None:
         path = os.environ.get(env.LAUNCHER_SOCKET)
         if not path:
             raise RankMonitorClientError(
@@ -99,10 +116,10 @@ class RankMonitorClient(ClientProgress, ClientLearning, ClientRestart, ClientLin
         except (TransportError, OSError) as e:
             raise RankMonitorClientError(f"cannot reach the launcher at {path}: {e}") from e
         try:
-            reply = t.request(wire.Control(action.value, description))
+            reply = t.request(wire.Control(action, description))
         except TransportError as e:
-            raise RankMonitorClientError(f"launcher did not accept {action.value}: {e}") from e
+            raise RankMonitorClientError(f"launcher did not accept {action}: {e}") from e
         finally:
             t.close()
         if not isinstance(reply, wire.Ack):
-            raise RankMonitorClientError(f"launcher refused {action.value}: {reply}")
+            raise RankMonitorClientError(f"launcher refused {action}: {reply}")

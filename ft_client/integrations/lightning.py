@@ -457,6 +457,8 @@ class FaultToleranceSectionsCallback(SectionsReference, FtCallback):
         client = self.client
         problem = None if client is None else config_problem(client.timeouts.rank_section_timeouts)
         if problem is not None:
+            assert client is not None
+            client._configuration_error(problem)  # ft-launcher stops the job: no restart would go otherwise
             self._shutdown()
             raise LightningIntegrationError(problem)
         checkpoint_io = getattr(trainer.strategy, "checkpoint_io", None)

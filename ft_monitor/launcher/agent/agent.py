@@ -197,6 +197,11 @@ class FtLocalElasticAgent(HangHandling, _lea.LocalElasticAgent):
                 self._on_dump(wg, event.notice)
                 return None
             return self._on_hang(wg, event.notice)
+        if event.kind is EventKind.CONFIGURATION:  # not a fault: no restart would go otherwise
+            message = f"configuration error on rank {event.rank}: {printable(event.reason or '-')}"
+            log.error("ft-launcher: %s; stopping the job without a restart", message)
+            self.nodes.publish_shutdown(wg, message, event.rank)
+            return self._stop_for_good(wg, exit_codes.LAUNCHER_ERROR, message, event.rank)
         assert event.action is not None
         log.warning("ft-launcher: rank %d requests %s: %s", event.rank, event.action.value,
                     printable(event.reason or "-"))

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from ft_client import wire
-from ft_client.workload import WorkloadAction
+from ft_client.workload import CONFIGURATION_ERROR, WorkloadAction
 from ft_monitor.core.notices import HangNotice, NoticeError
 from ft_monitor.core.server_log import printable
 from ft_monitor.processes.procinfo import peer_credentials
@@ -39,6 +39,8 @@ MAX_REASON = 4096
 class EventKind(Enum):
     HANG = "hang"
     CONTROL = "control"
+    CONFIGURATION = "configuration"
+    """A rank's own code found the job's configuration unworkable (`ft_client.workload.CONFIGURATION_ERROR`)."""
 
 
 @dataclass(frozen=True)
@@ -169,12 +171,15 @@ class LauncherServer:
                             peer_pid)
                 return wire.Error(wire.ErrorCode.FORBIDDEN, "workload requests are taken from this launcher's "
                                                             "workers only")
+            if len(msg.reason) > MAX_REASON:
+                return wire.Error(wire.ErrorCode.BAD_REQUEST, f"reason longer than {MAX_REASON} characters")
+            if msg.action == CONFIGURATION_ERROR:
+                self.events.put(LauncherEvent(EventKind.CONFIGURATION, hello.rank, peer_pid, reason=msg.reason))
+                return wire.Ack({"action": CONFIGURATION_ERROR})
             try:
                 action = WorkloadAction.parse(msg.action)
             except ValueError as e:
                 return wire.Error(wire.ErrorCode.BAD_REQUEST, str(e))
-            if len(msg.reason) > MAX_REASON:
-                return wire.Error(wire.ErrorCode.BAD_REQUEST, f"reason longer than {MAX_REASON} characters")
             self.events.put(LauncherEvent(EventKind.CONTROL, hello.rank, peer_pid, action=action, reason=msg.reason))
             return wire.Ack({"action": action.value})
         if isinstance(msg, wire.Ping):

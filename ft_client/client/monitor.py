@@ -92,34 +92,38 @@ class RankMonitorClient(ClientProgress, ClientLearning, ClientRestart, ClientLin
             action, description = req.action, req.description or description
         else:
             action = WorkloadAction.parse(req)
-        self._ask_launcher(action.value, description)
+        ask_launcher(self.rank, action.value, description)
 
-    def _configuration_error(self, reason: str) -> None:
-        """Tell ft-launcher (where it started this rank) that the job's configuration cannot
-        work: it stops the job at once, without a restart (`CONFIGURATION_ERROR`). Never raises;
-        the caller raises its own error next."""
-        if not os.environ.get(env.LAUNCHER_SOCKET):
-            return
-        try:
-            self._ask_launcher(CONFIGURATION_ERROR, reason[:MAX_CONTROL_REASON])
-        except RankMonitorClientError:
-            pass
 
-    def _ask_launcher(self, action: str, description: str) -> None:
-        path = os.environ.get(env.LAUNCHER_SOCKET)
-        if not path:
-            raise RankMonitorClientError(
-                f"no launcher socket: {env.LAUNCHER_SOCKET} is not set (run under ft-launcher to use workload control)"
-            )
-        try:
-            t, _ = connect(path, CONNECT_TIMEOUT, wire.Role.RANK, self.rank)
-        except (TransportError, OSError) as e:
-            raise RankMonitorClientError(f"cannot reach the launcher at {path}: {e}") from e
-        try:
-            reply = t.request(wire.Control(action, description))
-        except TransportError as e:
-            raise RankMonitorClientError(f"launcher did not accept {action}: {e}") from e
-        finally:
-            t.close()
-        if not isinstance(reply, wire.Ack):
-            raise RankMonitorClientError(f"launcher refused {action}: {reply}")
+def ask_launcher(rank: int, action: str, description: str) -> None:
+    """One request to ft-launcher ($FT_LAUNCHER_IPC_SOCKET) for ``rank``, answered before this
+    returns; a refusal or no launcher raises `RankMonitorClientError`."""
+    path = os.environ.get(env.LAUNCHER_SOCKET)
+    if not path:
+        raise RankMonitorClientError(
+            f"no launcher socket: {env.LAUNCHER_SOCKET} is not set (run under ft-launcher to use workload control)"
+        )
+    try:
+        t, _ = connect(path, CONNECT_TIMEOUT, wire.Role.RANK, rank)
+    except (TransportError, OSError) as e:
+        raise RankMonitorClientError(f"cannot reach the launcher at {path}: {e}") from e
+    try:
+        reply = t.request(wire.Control(action, description))
+    except TransportError as e:
+        raise RankMonitorClientError(f"launcher did not accept {action}: {e}") from e
+    finally:
+        t.close()
+    if not isinstance(reply, wire.Ack):
+        raise RankMonitorClientError(f"launcher refused {action}: {reply}")
+
+
+def configuration_error(rank: int, reason: str) -> None:
+    """Tell ft-launcher (where it started this rank) that the job's configuration cannot work:
+    it stops the job at once, without a restart (`CONFIGURATION_ERROR`). Never raises; the
+    caller raises its own error next."""
+    if not os.environ.get(env.LAUNCHER_SOCKET):
+        return
+    try:
+        ask_launcher(rank, CONFIGURATION_ERROR, reason[:MAX_CONTROL_REASON])
+    except RankMonitorClientError:
+        pass

@@ -457,8 +457,9 @@ class FaultToleranceSectionsCallback(SectionsReference, FtCallback):
         client = self.client
         problem = None if client is None else config_problem(client.timeouts.rank_section_timeouts)
         if problem is not None:
-            assert client is not None
-            client._configuration_error(problem)  # ft-launcher stops the job: no restart would go otherwise
+            from ft_client.client.monitor import configuration_error
+
+            configuration_error(getattr(client, "rank", 0), problem)  # ft-launcher stops: no restart spent on it
             self._shutdown()
             raise LightningIntegrationError(problem)
         checkpoint_io = getattr(trainer.strategy, "checkpoint_io", None)

@@ -175,6 +175,12 @@ def test_crashed_rank_restarts_the_job(workdir: Path) -> None:
     assert restart["victims"] + restart["others"] == [1], restart
     assert ("failed", f"{restart['how']} in attempt 0, the root of the failure; the worker group restarted") \
         in launcher_summary(out)
+    # the exception's story, in a plain script without @record: its own error.json, named by the summary
+    error = json.loads(Path(restart["error_file"]).read_text())["message"]
+    assert error["message"] == "RuntimeError: rank 0 crashed at step 7 (on purpose)", error
+    assert error["extraInfo"]["py_callstack"].startswith("Traceback (most recent call last):")
+    assert 'raise RuntimeError(f"rank {rank} crashed at step {step} (on purpose)")' in error["extraInfo"]["py_callstack"]
+    assert ("error file", restart["error_file"]) in launcher_summary(out)
 
 
 def test_a_rank_killed_with_sigkill_is_named_in_every_output_and_its_peer_as_its_victim(workdir: Path) -> None:

@@ -39,7 +39,6 @@ SECRET_FILE_ONCE_ENV = "FT_JOB_SECRET_FILE_ONCE"
 """``1``: the file ``$FT_JOB_SECRET_FILE`` names was made for this launcher alone: it is
 removed as soon as it is read (the Slurm recipe's per-node files)."""
 _PR_SET_DUMPABLE = 4
-_PR_GET_DUMPABLE = 3
 
 _value = bytearray()
 """``$FT_JOB_SECRET``'s value, until `job_secret` or `forget` overwrites it."""
@@ -101,15 +100,6 @@ def forget() -> None:
     taken with py-spy)."""
     wipe(_value)
     set_dumpable(True)
-
-
-def dumpable() -> bool | None:
-    """Whether this process is dumpable (None where prctl cannot say)."""
-    try:
-        got = ctypes.CDLL(None, use_errno=True).prctl(_PR_GET_DUMPABLE, 0, 0, 0, 0)
-    except (OSError, AttributeError):
-        return None
-    return None if got < 0 else bool(got)
 
 
 def set_dumpable(on: bool) -> None:

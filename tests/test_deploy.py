@@ -433,7 +433,8 @@ def test_sbatch_refuses_a_log_folder_another_user_made(tmp_path: Path) -> None:
     with symlinks at exit-code.0 and the node's summary.json to files of the job's user, and
     NO_REQUEUE: the script used the folder, and the exit-code write went through the link. Now
     the folder is refused in one line, exit 2, not requeued, and nothing is written in it; the
-    job's own folder left writable by others is refused the same way."""
+    job's own folder left writable by others is refused the same way, and so is a root of another
+    user's (its owner could swap the job's folder in it)."""
     root = tmp_path / "logs"
     root.mkdir()
     root.chmod(0o1777)  # shared, sticky, as /tmp
@@ -464,6 +465,14 @@ def test_sbatch_refuses_a_log_folder_another_user_made(tmp_path: Path) -> None:
     assert proc.returncode == 2 and ft_train_lines(proc.stdout)[0].startswith(
         f"ft-train: refusing the log folder {job}: mode 777: others can write to it;"), proc.stdout
     assert victim.read_text() == "the job user's own\n"
+    shutil.rmtree(job)
+    os.chown(root, NOBODY, NOBODY)  # a root of another user's: it could swap the job's folder in it
+    root.chmod(0o777)
+    proc = run_sbatch(env)
+    assert proc.returncode == 2 and ft_train_lines(proc.stdout)[0].startswith(
+        f"ft-train: refusing the log folder {root}: uid {NOBODY}, mode 777: the root must be yours or root's"), \
+        proc.stdout
+    assert list(root.iterdir()) == []
 
 
 # ---------------------------------------------------------------------------

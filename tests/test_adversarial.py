@@ -125,6 +125,42 @@ def test_job_secret_must_be_private_and_long_enough(tmp_path: Path) -> None:
     assert load_job_secret(None, {}) is None
 
 
+def test_a_secret_file_made_for_one_launch_is_removed_once_read_good_or_bad(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    # issue 49: the launcher left the file FT_JOB_SECRET_FILE named in place for the whole run
+    from ft_monitor.launcher.agent import secret_env
+
+    def fresh(name: str, text: str) -> Path:
+        f = tmp_path / name
+        f.write_text(text)
+        f.chmod(0o600)
+        return f
+
+    for content, error in (("c" * 32 + "\n", None), ("short\n", "holds 5 bytes")):
+        monkeypatch.setattr(secret_env, "_value", bytearray())
+        monkeypatch.setattr(secret_env, "_file", {})
+        f = fresh("once", content)
+        env = {"FT_JOB_SECRET_FILE": str(f), "FT_JOB_SECRET_FILE_ONCE": "1", "OTHER": "kept"}
+        if error is None:
+            assert secret_env.job_secret(None, env) == b"c" * 32
+        else:
+            with pytest.raises(SecretError, match=error):
+                secret_env.job_secret(None, env)
+        assert env == {"OTHER": "kept"} and not f.exists()
+    monkeypatch.setattr(secret_env, "_value", bytearray())
+    monkeypatch.setattr(secret_env, "_file", {})
+    kept = fresh("kept", "k" * 20)  # the user's own file, no once-flag: read, left in place
+    assert secret_env.job_secret(None, {"FT_JOB_SECRET_FILE": str(kept)}) == b"k" * 20 and kept.exists()
+    link = tmp_path / "link"
+    link.symlink_to(kept)
+    with pytest.raises(SecretError, match="is a symbolic link; refusing to follow it"):
+        load_job_secret(str(link), {})
+    monkeypatch.setattr(secret_env, "_file", {})
+    value = secret_env._value
+    assert secret_env.job_secret(None, {"FT_JOB_SECRET": "v" * 16}) == b"v" * 16
+    assert value == bytes(16)  # the taken value, overwritten once handed over
+
+
 # == High 2: no process group is signalled once its id may have been recycled ================
 
 @ROOT_ONLY

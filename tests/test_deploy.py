@@ -22,6 +22,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -124,7 +125,8 @@ def fake_slurm(tmp_path: Path, launcher_body: str) -> tuple[dict[str, str], Path
     """A PATH with fake srun/scontrol/scancel/squeue/ft-launcher; they log their calls to calls.log.
     FAKE_CTLD=down: every call that needs slurmctld fails as Slurm's do when it is down;
     FAKE_SQUEUE: squeue's answer ("STATE REASON"; a job being cancelled is COMPLETING);
-    FAKE_NODE_ADDR: the first node's NodeAddr in ``scontrol show node``."""
+    FAKE_NODE_ADDR: the first node's NodeAddr in ``scontrol show node``; scancel finds "No active
+    steps" until srun has made the step."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     log = tmp_path / "calls.log"
@@ -142,11 +144,15 @@ def fake_slurm(tmp_path: Path, launcher_body: str) -> tuple[dict[str, str], Path
         # scancel --signal=TERM signals the step: here, the process group fake srun started.
         "scancel": 'echo "scancel $*" >> "$FAKE_LOG"\n'
                    f'{down} && {{ echo "slurm_load_jobs error: Unable to contact slurm controller" >&2; exit 1; }}\n'
+                   '[[ -s "$FAKE_STEP_PGID" ]] || { echo "scancel: error: Kill job error on job id $2: No active '
+                   'steps" >&2; exit 1; }\n'
                    '[[ "$1" == --signal=TERM ]] && kill -TERM -- "-$(cat "$FAKE_STEP_PGID")"\nexit 0\n',
         "squeue": 'echo "squeue $*" >> "$FAKE_LOG"\n'
                   f'{down} && {{ echo "slurm_load_jobs error: Unable to contact slurm controller" >&2; exit 1; }}\n'
                   'echo "${FAKE_SQUEUE:-RUNNING None}"\n',
+        # FAKE_STEP_GATE (a FIFO): srun creates the step only once a line is written to it
         "srun": 'echo "srun $*" >> "$FAKE_LOG"\nwhile [[ "$1" == --* ]]; do shift; done\n'
+                '[[ -n "${FAKE_STEP_GATE:-}" ]] && read -r _ < "$FAKE_STEP_GATE"\n'
                 'SLURM_NODEID=0 SLURMD_NODENAME=' + FAKE_HOST + ' setsid "$@" &\n'
                 'echo $! > "$FAKE_STEP_PGID"\nwait $!\n',
         "ft-launcher": 'printf "%s\\n" "$@" > "$FAKE_ARGS"\n' + launcher_body,
@@ -335,6 +341,138 @@ def test_sbatch_sigterm_before_the_launchers_start_starts_none(tmp_path: Path) -
     calls = log.read_text()
     assert "srun" not in calls and "scontrol requeue 4242" in calls
     assert "ft-train: SIGTERM received before the launchers started; not starting them" in out
+
+
+@pytest.mark.parametrize("step_sees_the_mark", [True, False], ids=["mark-seen", "mark-seen-late"])
+def test_sbatch_keeps_a_sigterm_that_came_before_the_step(tmp_path: Path, step_sees_the_mark: bool) -> None:
+    """Issue 49: a SIGTERM that reaches the batch shell while srun is still creating its step
+    was forwarded once, failed ("No active steps") and was lost: the job ran on and exited 0,
+    not requeued. Now the task started after it finds the STOP mark and starts no launcher; and
+    where it does not see the mark (another node's file system showing it late, played here by
+    removing it), the forward is retried until the step is there, and the launcher stops."""
+    started = tmp_path / "launcher-started"
+    gate = tmp_path / "step-gate"
+    os.mkfifo(gate)
+    env, log = fake_slurm(tmp_path, f"trap 'exit 143' TERM\ntouch {started}\nsleep 1 & wait\nexit 0\n")
+    proc = subprocess.Popen(["bash", str(SBATCH)], env={**env, "FAKE_STEP_GATE": str(gate)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    run_dir = tmp_path / "logs" / "4242" / "run-0"
+    try:
+        wait_until(lambda: "srun " in (log.read_text() if log.exists() else ""), 10, "srun to be creating the step")
+        proc.send_signal(signal.SIGTERM)
+        wait_until(lambda: "scancel --signal=TERM 4242" in log.read_text(), 10, "the first forward")
+        if not step_sees_the_mark:
+            (run_dir / "STOP").unlink(missing_ok=True)
+        with open(gate, "w") as f:  # srun makes the step now
+            f.write("go\n")
+        out, _ = proc.communicate(timeout=15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    calls = log.read_text()
+    assert proc.returncode == 143, out
+    assert "scontrol requeue 4242" in calls, out
+    assert (run_dir / "exit-code.0").read_text().strip() == "143"
+    assert "scancel could not forward SIGTERM: scancel: error: Kill job error on job id 4242: No active steps; " \
+           "trying again every second while srun runs" in out
+    if step_sees_the_mark:
+        assert not started.exists(), out
+        assert "ft-train: node 0: the job got SIGTERM before its launcher started; not starting it" in out
+    else:
+        assert started.exists() and calls.count("scancel --signal=TERM 4242") >= 2, out
+
+
+@pytest.mark.parametrize("given", ["none", "FT_JOB_SECRET", "FT_JOB_SECRET_FILE"])
+def test_sbatch_hands_each_launcher_the_secret_in_a_file_of_its_own(tmp_path: Path, given: str) -> None:
+    """Issue 49: the srun wrapper, which lives for the whole run, had FT_JOB_SECRET in its
+    environment (readable by every worker of the node in /proc/PID/environ), and so did the batch
+    shell where the user gave it. Now: no process of the job but the launcher learns it, from a
+    0600 file in a 0700 folder of the run that names it in FT_JOB_SECRET_FILE with
+    FT_JOB_SECRET_FILE_ONCE=1 (the launcher removes it once read); whatever is left is removed
+    when srun returns."""
+    seen = tmp_path / "seen"
+    body = ('wrapper=$PPID; srun=$(($(ps -o ppid= -p "$wrapper"))); batch=$(($(ps -o ppid= -p "$srun")))\n'
+            f'mkdir {seen}; env > {seen}/launcher.env\n'
+            f'tr "\\0" "\\n" < /proc/$wrapper/environ > {seen}/wrapper.env\n'
+            f'tr "\\0" "\\n" < /proc/$batch/environ > {seen}/batch.env\n'
+            f'if [[ -n "${{FT_JOB_SECRET_FILE:-}}" ]]; then cp "$FT_JOB_SECRET_FILE" {seen}/secret\n'
+            f'  stat -c %a "$FT_JOB_SECRET_FILE" "$(dirname "$FT_JOB_SECRET_FILE")" > {seen}/modes; fi\n'
+            'exit 0\n')
+    env, _ = fake_slurm(tmp_path, body)
+    mine = "given-by-the-user-" + "0123456789abcdef"
+    extra = {}
+    if given == "FT_JOB_SECRET":
+        extra[given] = mine
+    elif given == "FT_JOB_SECRET_FILE":
+        (tmp_path / "mine").write_text(mine + "\n")
+        (tmp_path / "mine").chmod(0o600)
+        extra[given] = str(tmp_path / "mine")
+    proc = run_sbatch(env, **extra)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    secret = (seen / "secret").read_text().strip()
+    assert secret == mine if given != "none" else re.fullmatch(r"[0-9a-f]{64}", secret), secret
+    assert (seen / "modes").read_text().split() == ["600", "700"]
+    launcher = dict(line.split("=", 1) for line in (seen / "launcher.env").read_text().splitlines() if "=" in line)
+    run_dir = tmp_path / "logs" / "4242" / "run-0"
+    assert launcher["FT_JOB_SECRET_FILE"] == str(run_dir / ".secret" / "0")
+    assert launcher["FT_JOB_SECRET_FILE_ONCE"] == "1" and "FT_JOB_SECRET" not in launcher
+    for process in ("wrapper", "batch"):  # both live for the whole run
+        text = (seen / f"{process}.env").read_text()
+        assert secret not in text and "FT_JOB_SECRET" not in text, (process, text)
+    assert not (run_dir / ".secret").exists()  # the stub did not remove its file: the script did
+    assert all(stat.S_IMODE(d.stat().st_mode) == 0o700 for d in (run_dir, run_dir.parent, run_dir / FAKE_HOST))
+
+
+NOBODY = 65534
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="plants a folder of another uid (65534): needs root")
+def test_sbatch_refuses_a_log_folder_another_user_made(tmp_path: Path) -> None:
+    """Issue 49: another user pre-created <root>/<job id>/run-0 (0777) in a shared FT_LOG_ROOT,
+    with symlinks at exit-code.0 and the node's summary.json to files of the job's user, and
+    NO_REQUEUE: the script used the folder, and the exit-code write went through the link. Now
+    the folder is refused in one line, exit 2, not requeued, and nothing is written in it; the
+    job's own folder left writable by others is refused the same way, and so is a root of another
+    user's (its owner could swap the job's folder in it)."""
+    root = tmp_path / "logs"
+    root.mkdir()
+    root.chmod(0o1777)  # shared, sticky, as /tmp
+    victim = tmp_path / "precious"
+    victim.write_text("the job user's own\n")
+    victim.chmod(0o600)
+    job = root / "4242"
+    node = job / "run-0" / FAKE_HOST
+    node.mkdir(parents=True)
+    (job / "NO_REQUEUE").touch()
+    (job / "run-0" / "exit-code.0").symlink_to(victim)
+    (node / "summary.json").symlink_to(victim)
+    for path in (job, job / "run-0", node, job / "NO_REQUEUE", job / "run-0" / "exit-code.0", node / "summary.json"):
+        os.lchown(path, NOBODY, NOBODY)
+        if not path.is_symlink():
+            path.chmod(0o777)
+    env, log = fake_slurm(tmp_path, "exit 0\n")
+    proc = run_sbatch(env)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert ft_train_lines(proc.stdout) == [
+        f"ft-train: refusing the log folder {job}: it belongs to uid {NOBODY}, not to you (0); not requeued (a "
+        "requeue would find it again): remove it, or set FT_LOG_ROOT to a folder of yours"], proc.stdout
+    assert not log.exists() or "srun" not in log.read_text()
+    assert victim.read_text() == "the job user's own\n"
+    assert all(p.lstat().st_uid == NOBODY for p in job.rglob("*")), sorted(job.rglob("*"))
+    os.chown(job, 0, 0)  # the job's own folder, but others may write to it
+    proc = run_sbatch(env)
+    assert proc.returncode == 2 and ft_train_lines(proc.stdout)[0].startswith(
+        f"ft-train: refusing the log folder {job}: mode 777: others can write to it;"), proc.stdout
+    assert victim.read_text() == "the job user's own\n"
+    shutil.rmtree(job)
+    os.chown(root, NOBODY, NOBODY)  # a root of another user's: it could swap the job's folder in it
+    root.chmod(0o777)
+    proc = run_sbatch(env)
+    assert proc.returncode == 2 and ft_train_lines(proc.stdout)[0].startswith(
+        f"ft-train: refusing the log folder {root}: uid {NOBODY}, mode 777: the root must be yours or root's"), \
+        proc.stdout
+    assert list(root.iterdir()) == []
 
 
 # ---------------------------------------------------------------------------

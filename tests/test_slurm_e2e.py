@@ -32,6 +32,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import sys
 import time
 import traceback
@@ -418,6 +419,13 @@ def assert_nothing_left(s: Scenario) -> None:
     assert s.run_dirs_left() == []
 
 
+def assert_private_and_clean(run_dir: Path) -> None:
+    """Issue 49: the run's folder made by the script with mode 0700; the per-node secret files
+    removed (each by its launcher, the folder by the script), no exit-code temporary left."""
+    assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700, oct(run_dir.stat().st_mode)
+    assert [p.name for p in run_dir.iterdir() if p.name.startswith(".")] == []
+
+
 def test_a_hang_of_rank_1_is_restarted_in_the_job_which_completes(hang: Scenario) -> None:
     runs = hang.runs()
     assert [(r["State"], r["ExitCode"]) for r in runs] == [("COMPLETED", "0:0")], hang.facts["sacct"]
@@ -428,6 +436,8 @@ def test_a_hang_of_rank_1_is_restarted_in_the_job_which_completes(hang: Scenario
     assert len(summary["attempts"]) == 2  # restarted in the job, not requeued
     assert "finished 30 steps" in hang.facts["output"] and "requeue" not in hang.facts["output"]
     assert_nothing_left(hang)
+    assert_private_and_clean(hang.job.run_dir(0))
+    assert stat.S_IMODE(hang.job.run_dir(0).parent.stat().st_mode) == 0o700  # the job's folder too
 
 
 def test_a_plain_scancel_stops_the_launcher_in_order_and_the_job_stays_cancelled(cancelled: Scenario) -> None:
@@ -478,6 +488,7 @@ def test_with_no_requeue_the_time_limit_warning_stops_the_job_for_good(scenarios
     assert f["checkpoint_at_stop"] == 10 and f["tmp_at_stop"] == []
     assert ft_lines(no_requeue)[-1].endswith("NO_REQUEUE exists; not requeueing"), ft_lines(no_requeue)
     assert_nothing_left(no_requeue)
+    assert_private_and_clean(no_requeue.job.run_dir(0))  # both nodes read (and removed) a file of their own
 
 
 def test_two_slurmds_on_this_machine_run_a_two_node_job(scenarios: Scenarios, no_requeue: Scenario) -> None:

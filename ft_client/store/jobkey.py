@@ -57,27 +57,66 @@ def load_job_secret(secret_file: str | None, environ: Mapping[str, str]) -> byte
     None when neither is set."""
     path = secret_file or environ.get(SECRET_FILE_ENV)
     if path:
-        try:
-            st = os.stat(path)
-            if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-                raise SecretError(f"job secret file {path} has mode {stat.S_IMODE(st.st_mode):04o}: other users "
-                                  "could read it; chmod 600 it")
-            text = read_bounded(path, MAX_SECRET_BYTES + 1)
-        except UnsafeFileError as e:
-            raise SecretError(f"job secret file: {e}") from e
-        except OSError as e:
-            raise SecretError(f"cannot read job secret file {path}: {e.strerror or e}") from e
-        secret = text.strip().encode()
-        where = f"job secret file {path}"
-    elif environ.get(SECRET_ENV):
-        secret = environ[SECRET_ENV].strip().encode()
-        where = f"${SECRET_ENV}"
-    else:
-        return None
-    if not MIN_SECRET_BYTES <= len(secret) <= MAX_SECRET_BYTES:
-        raise SecretError(f"{where} holds {len(secret)} bytes: a job secret must have {MIN_SECRET_BYTES} to "
-                          f"{MAX_SECRET_BYTES} (e.g. `python -c 'import secrets; print(secrets.token_hex(32))'`)")
-    return secret
+        return secret_from(read_secret_file(path), f"job secret file {path}")
+    if environ.get(SECRET_ENV):
+        return secret_from(bytearray(environ[SECRET_ENV].encode()), f"${SECRET_ENV}")
+    return None
+
+
+def read_secret_file(path: str) -> bytearray:
+    """The content of the job secret file ``path``: a regular file of this user's (not reached
+    through a symlink) with no group or other permission bits. Read into a bytearray, so that
+    the caller can overwrite it (`secret_from` does)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise SecretError(f"job secret file {path} is a symbolic link; refusing to follow it") from e
+        raise SecretError(f"cannot read job secret file {path}: {e.strerror or e}") from e
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise SecretError(f"job secret file {path} is not a regular file")
+        if st.st_uid != os.geteuid():
+            raise SecretError(f"job secret file {path} belongs to uid {st.st_uid}, not to this user "
+                              f"(uid {os.geteuid()})")
+        if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise SecretError(f"job secret file {path} has mode {stat.S_IMODE(st.st_mode):04o}: other users "
+                              "could read it; chmod 600 it")
+        if st.st_size > 2 * MAX_SECRET_BYTES:
+            raise SecretError(f"job secret file {path} holds {st.st_size} bytes: a job secret must have "
+                              f"{MIN_SECRET_BYTES} to {MAX_SECRET_BYTES}")
+        buf = bytearray(st.st_size + 1)
+        n = os.readv(fd, [buf])
+    except OSError as e:
+        raise SecretError(f"cannot read job secret file {path}: {e.strerror or e}") from e
+    finally:
+        os.close(fd)
+    del buf[n:]
+    return buf
+
+
+def secret_from(raw: bytearray, where: str) -> bytes:
+    """The secret in ``raw`` (blanks stripped), checked for its length; ``raw`` is overwritten
+    with zeros either way, so that the returned bytes are the one copy left."""
+    try:
+        start, end = 0, len(raw)
+        while start < end and raw[start] in b" \t\r\n\v\f":
+            start += 1
+        while end > start and raw[end - 1] in b" \t\r\n\v\f":
+            end -= 1
+        if not MIN_SECRET_BYTES <= end - start <= MAX_SECRET_BYTES:
+            raise SecretError(f"{where} holds {end - start} bytes: a job secret must have {MIN_SECRET_BYTES} to "
+                              f"{MAX_SECRET_BYTES} (e.g. `python -c 'import secrets; print(secrets.token_hex(32))'`)")
+        with memoryview(raw) as view:
+            return bytes(view[start:end])
+    finally:
+        wipe(raw)
+
+
+def wipe(buf: bytearray) -> None:
+    """Overwrite ``buf`` with zeros, in place."""
+    buf[:] = bytes(len(buf))
 
 
 @dataclass(frozen=True)

@@ -57,9 +57,10 @@ def add_launcher_flags(parser: argparse.ArgumentParser) -> None:
                         help="write what happened (hangs, restart timings, exit code) to FILE as JSON")
     parser.add_argument("--ft-job-secret-file", "--ft_job_secret_file", dest="ft_job_secret_file", default=None,
                         metavar="FILE",
-                        help="the job's secret (same on every node, readable only by you; or set $FT_JOB_SECRET): "
-                             "signs the launchers' messages in the rendezvous store. Without it, hang attribution "
-                             "and shutdown across nodes are off")
+                        help="the job's secret (same on every node, readable only by you; or set "
+                             "$FT_JOB_SECRET_FILE, with $FT_JOB_SECRET_FILE_ONCE=1 for a file made for this launcher "
+                             "alone, removed once read; or $FT_JOB_SECRET): signs the launchers' messages in the "
+                             "rendezvous store. Without it, hang attribution and shutdown across nodes are off")
     parser.add_argument("--ft-warm-restart", "--ft_warm_restart", dest="ft_warm_restart", action="store_true",
                         help="fork the workers of every restart from a worker template that has already imported "
                              "torch and --ft-preload's modules (no interpreter start, no imports); attempt 0 and "

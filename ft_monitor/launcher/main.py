@@ -34,7 +34,7 @@ from ft_monitor.launcher import early_check, exit_codes, nvrx_flags
 from ft_monitor.launcher.agent import secret_env, torch_support
 from ft_monitor.launcher.rdzv import store_gone
 from ft_monitor.launcher.store import store_board
-from ft_monitor.launcher.store.store_auth import SECRET_FILE_ENV, SecretError, load_job_secret
+from ft_monitor.launcher.store.store_auth import SECRET_FILE_ENV, SecretError
 from ft_monitor.launcher.warm import template_fork
 
 log = logging.getLogger("ft_monitor.launcher")
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None, early: Any = None) -> int:
         print(f"ft-launcher: {e}", file=sys.stderr)
         return exit_codes.LAUNCHER_ERROR
     try:
-        secret = load_job_secret(args.ft_job_secret_file, {**os.environ, **secret_env.taken()})
+        secret = secret_env.job_secret(args.ft_job_secret_file, os.environ)
     except SecretError as e:
         print(f"ft-launcher: {e}", file=sys.stderr)
         return exit_codes.LAUNCHER_ERROR
@@ -410,7 +410,7 @@ def entrypoint() -> None:
     from here first (`template_fork`: the child never comes back into `main`)."""
     argv = sys.argv[1:]
     early = None
-    secret_env.take()  # before anything is forked or started: the secret is the launcher's alone
+    secret_env.take()  # before anything is forked or started: the secret is the launcher's alone (and non-dumpable)
     if argv[:1] != ["status"] and early_check.problem(argv, os.environ) is not None:
         sys.exit(main(argv))  # says why, before anything imports torch
     if template_fork.requested(argv):
@@ -418,7 +418,7 @@ def entrypoint() -> None:
             parser = build_parser()  # imports torch, as the launcher does anyway
         args = template_fork.parse_quietly(parser, argv, early_check.parse_launch)
         if args is not None:
-            early = template_fork.fork_early(args)
+            early = template_fork.fork_early(args, in_child=secret_env.forget)
     try:
         code = main(argv, early)
     finally:

@@ -103,9 +103,10 @@ def threads() -> int:
         return 0
 
 
-def fork_early(args: argparse.Namespace) -> Early:
+def fork_early(args: argparse.Namespace, in_child: Callable[[], None] = lambda: None) -> Early:
     """Fork the template from this process if ``args`` ask for warm starts or restarts. In the
-    parent: what was made. In the child: never returns (the template serves, then exits)."""
+    parent: what was made. In the child: never returns (the template serves, then exits);
+    ``in_child`` runs first there (the launcher's: drop the job secret, be dumpable again)."""
     from ft_monitor.core.preload import PreloadError, parse_preload
     from ft_monitor.launcher.warm.forked import ForkedProcess, Template
 
@@ -130,6 +131,7 @@ def fork_early(args: argparse.Namespace) -> Early:
     pid = os.fork()
     if pid == 0:
         try:
+            in_child()
             _become_template(log_path, parent)
         except BaseException:  # noqa: BLE001 - a template that cannot set itself up serves nobody
             os._exit(1)

@@ -141,13 +141,13 @@ def test_bad_values_are_refused() -> None:
         from_state_dict({"timeouts": {"rank_heartbeat_timeout": -1}})
     with pytest.raises(
         StateDictError,
-        match=r"^ft state_dict observations.hb_gap = 'x': must be a number of seconds >= 0, or null$",
+        match=r"^ft state_dict observations.hb_gap = 'x': must be a number of seconds from 0 to 604800 \(7 days\), or null$",
     ):
         from_state_dict({"observations": {"hb_gap": "x"}})
-    with pytest.raises(StateDictError, match=r"^ft state_dict: safety_factor = 0: must be a number >= 1\.0 \(a factor below 1 makes timeouts shorter than observed\)$"):
+    with pytest.raises(StateDictError, match=r"^ft state_dict: safety_factor = 0: must be a number >= 1\.0 \(a factor below 1 makes timeouts shorter than observed\) and <= 100 \(a larger one learns nothing\)$"):
         from_state_dict({"safety_factor": 0})
     # the config's rule: a checkpoint cannot carry a factor the config refuses
-    with pytest.raises(StateDictError, match=r"^ft state_dict: safety_factor = 0.5: must be a number >= 1\.0 \(a factor below 1 makes timeouts shorter than observed\)$"):
+    with pytest.raises(StateDictError, match=r"^ft state_dict: safety_factor = 0.5: must be a number >= 1\.0 \(a factor below 1 makes timeouts shorter than observed\) and <= 100 \(a larger one learns nothing\)$"):
         from_state_dict({"safety_factor": 0.5})
     with pytest.raises(
         StateDictError,

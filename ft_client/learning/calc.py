@@ -23,7 +23,6 @@ section that is not open, an untracked name) is ignored; the client detects it.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 

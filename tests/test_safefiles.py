@@ -146,3 +146,39 @@ def test_a_write_for_other_readers_takes_the_mode_less_the_umask(tmp_path: Path)
     finally:
         os.umask(old)
     assert stat.S_IMODE(os.stat(tmp_path / "metrics.prom").st_mode) == 0o640
+
+
+def test_the_other_writers_to_user_given_paths_replace_a_planted_link(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The node-exporter textfile (prometheus_client's writer opened ``<path>.<pid>.<thread>``
+    and followed a link planted at that guessable name), a config written with
+    `FaultToleranceConfig.to_yaml_file`, and a worker's loaded-modules file: each goes through
+    a fresh file renamed into place."""
+    import threading
+
+    from ft_client.startup import loaded_modules
+    from ft_monitor.config import FaultToleranceConfig
+    from prometheus_client import CollectorRegistry, Counter
+
+    from ft_monitor.launcher.telemetry.metrics import write_textfile
+
+    victim = _own_file(tmp_path / "victim", b"precious")
+    textfile = tmp_path / "ft.prom"
+    (tmp_path / f"ft.prom.{os.getpid()}.{threading.current_thread().ident}").symlink_to(victim)
+    textfile.symlink_to(victim)
+    reg = CollectorRegistry()
+    Counter("job_steps", "Steps.", registry=reg).inc(7)
+    write_textfile(str(textfile), reg)
+    config = tmp_path / "ft.yaml"
+    config.symlink_to(victim)
+    FaultToleranceConfig().to_yaml_file(config)
+    modules = tmp_path / "modules.json"
+    modules.symlink_to(victim)
+    monkeypatch.setenv(loaded_modules.MODULES_FILE_ENV, str(modules))
+    loaded_modules.report()
+    assert victim.read_bytes() == b"precious"
+    for path in (textfile, config, modules):
+        assert not path.is_symlink() and path.stat().st_size > 0, path
+    assert FaultToleranceConfig.from_yaml_file(config) == FaultToleranceConfig()
+    assert "os" in json.loads(modules.read_text()) and "job_steps_total 7.0" in textfile.read_text()
+    assert stat.S_IMODE(textfile.stat().st_mode) & 0o044  # node-exporter, another user, reads it

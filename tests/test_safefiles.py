@@ -156,10 +156,10 @@ def test_the_other_writers_to_user_given_paths_replace_a_planted_link(tmp_path: 
     a fresh file renamed into place."""
     import threading
 
-    from ft_client.startup import loaded_modules
-    from ft_monitor.config import FaultToleranceConfig
     from prometheus_client import CollectorRegistry, Counter
 
+    from ft_client.startup import loaded_modules
+    from ft_monitor.config import FaultToleranceConfig
     from ft_monitor.launcher.telemetry.metrics import write_textfile
 
     victim = _own_file(tmp_path / "victim", b"precious")

@@ -415,8 +415,7 @@ class FtTrainerCallback(OpenSections, TrainerCallback, ExportableState):
             return last
         step, image = got
         folder = os.path.join(trainer.args.output_dir, f"checkpoint-{step}")
-        problem = _fresh_folder(folder) if safefiles.shared_dir_problem(trainer.args.output_dir) is None else (
-            f"{trainer.args.output_dir} is not this user's own")
+        problem = safefiles.shared_dir_problem(trainer.args.output_dir) or _fresh_folder(folder)
         if max_across_ranks([0.0 if problem is None else 1.0])[0]:  # one rank refused: none writes
             self.logger.warning("ft_client: the in-memory snapshot of step %d is not written out: %s; resuming from "
                                 "%s", step, problem or "another rank refused its folder", last)

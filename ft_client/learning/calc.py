@@ -59,10 +59,11 @@ SAFETY_FACTOR_RULE = ("must be a number >= 1.0 (a factor below 1 makes timeouts 
                       "and <= 100 (a larger one learns nothing)")
 """The one safety-factor rule: the config, the settings and the checkpoint loader all use it
 (a checkpoint cannot carry a factor the config refuses)."""
-MIN_LEARNED_TIMEOUT = 0.001
+LEARNED_TIMEOUT_FLOOR = 0.001
 """No learned timeout is below 1 ms, whatever ``min_learned_timeout`` says (it may be 0): no
-monitor checks a timeout more often, and a checkpoint's value below it (1e-300) is refused."""
-MAX_LEARNED_TIMEOUT = 7 * 24 * 3600.0
+heartbeat gap or section a rank can keep to is shorter, and a checkpoint's value below it
+(1e-300, which kills a healthy rank at once) is refused."""
+LEARNED_TIMEOUT_CEILING = 7 * 24 * 3600.0
 """No learned timeout is above 7 days (docs/learned-timeouts.md, "Bounds"): a learned value is
 the longest interval seen times the safety factor, and a week is longer than any scheduler's
 job; a checkpoint's value above it (1e308, which turns detection off) is refused."""
@@ -268,7 +269,7 @@ def _merge(current: Timeouts, key: str, old: float | None, observed: float, safe
     new = observed * safety_factor
     if key in current.learned and old is not None:
         new = (old + new) / 2.0
-    return min(max(new, floor, MIN_LEARNED_TIMEOUT), MAX_LEARNED_TIMEOUT)
+    return min(max(new, floor, LEARNED_TIMEOUT_FLOOR), LEARNED_TIMEOUT_CEILING)
 
 
 def _zero_reason(what: str) -> str:

@@ -29,8 +29,8 @@ from typing import Any
 from ft_client.errors import FtError
 from ft_client.learning.calc import (
     DEFAULT_SAFETY_FACTOR,
-    MAX_LEARNED_TIMEOUT,
-    MIN_LEARNED_TIMEOUT,
+    LEARNED_TIMEOUT_CEILING,
+    LEARNED_TIMEOUT_FLOOR,
     Observations,
     check_safety_factor,
 )
@@ -112,19 +112,19 @@ def from_state_dict(state: Mapping[str, Any], *, floor: float = 0.0) -> LoadedSt
 
 def check_bounds(timeouts: Timeouts, floor: float = 0.0) -> None:
     """Refuse (StateDictError, naming the value and the bounds) a learned timeout below
-    ``floor`` or `MIN_LEARNED_TIMEOUT`, or above `MAX_LEARNED_TIMEOUT`: the bounds every
+    ``floor`` or `LEARNED_TIMEOUT_FLOOR`, or above `LEARNED_TIMEOUT_CEILING`: the bounds every
     learned value obeys (`calc`), so a checkpoint cannot put one in force that learning
     could not have made."""
-    low = max(floor, MIN_LEARNED_TIMEOUT)
+    low = max(floor, LEARNED_TIMEOUT_FLOOR)
     for key in sorted(timeouts.learned):
         if key.startswith(_SECTION_PREFIX):
             value = timeouts.rank_section_timeouts.get(key[len(_SECTION_PREFIX) :])
         else:
             value = getattr(timeouts, key, None)
-        if value is not None and not low <= value <= MAX_LEARNED_TIMEOUT:
+        if value is not None and not low <= value <= LEARNED_TIMEOUT_CEILING:
             raise StateDictError(
                 f"ft state_dict learned {key} = {value!r}: must be from {low:g} s (the least a learned "
-                f"timeout may be: min_learned_timeout, and 1 ms) to {MAX_LEARNED_TIMEOUT:g} s (7 days)")
+                f"timeout may be: min_learned_timeout, and 1 ms) to {LEARNED_TIMEOUT_CEILING:g} s (7 days)")
 
 
 def _from_state_dict(state: Mapping[str, Any]) -> LoadedState:
@@ -209,9 +209,9 @@ def overlay_learned(configured: Timeouts, loaded: Timeouts) -> Timeouts:
 def _duration(value: Any, what: str) -> float | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_LEARNED_TIMEOUT:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= LEARNED_TIMEOUT_CEILING:
         raise StateDictError(f"ft state_dict {what} = {value!r:.100}: must be a number of seconds from 0 to "
-                             f"{MAX_LEARNED_TIMEOUT:g} (7 days), or null")
+                             f"{LEARNED_TIMEOUT_CEILING:g} (7 days), or null")
     return float(value)
 
 

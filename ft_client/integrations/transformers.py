@@ -183,11 +183,13 @@ def _write_checkpoint(trainer: Any, folder: str, image: dict[str, Any]) -> None:
     torch.save(rng, os.path.join(folder, name))
 
 
-def _fresh_folder(folder: str) -> str | None:
-    """Make ``folder`` (mode 0700), or take the one there where it is this user's and private
-    (another rank of the job made it a moment ago, or an attempt before this one); None, or
-    why it is refused (another user's, or others may write it)."""
+def _fresh_folder(output_dir: str, folder: str) -> str | None:
+    """Make ``folder`` in ``output_dir`` (mode 0700), or take the one there where it is this
+    user's and private (another rank of the job made it a moment ago, or an attempt before
+    this one); ``output_dir`` is made where missing, and must pass the shared-folder rule
+    where it is there. None, or why it is refused (another user's, or others may write it)."""
     try:
+        safefiles.make_dir(output_dir)
         safefiles.make_dir(folder, private=True)
     except OSError as e:  # UnsafeFileError is one
         return str(e)
@@ -415,7 +417,7 @@ class FtTrainerCallback(OpenSections, TrainerCallback, ExportableState):
             return last
         step, image = got
         folder = os.path.join(trainer.args.output_dir, f"checkpoint-{step}")
-        problem = safefiles.shared_dir_problem(trainer.args.output_dir) or _fresh_folder(folder)
+        problem = _fresh_folder(trainer.args.output_dir, folder)
         if max_across_ranks([0.0 if problem is None else 1.0])[0]:  # one rank refused: none writes
             self.logger.warning("ft_client: the in-memory snapshot of step %d is not written out: %s; resuming from "
                                 "%s", step, problem or "another rank refused its folder", last)

@@ -7,6 +7,24 @@ with fstat to be a regular file owned by this user; anything else is refused
 with an `UnsafeFileError` naming the path and what was found. Directories that
 hold such files must be private (`check_private_dir`). Shared by the client (its
 stack dump file), the daemon and the launcher; stdlib only.
+
+Files in folders the user names and others may write (a Lightning ``exp_dir``, a
+Trainer's ``output_dir`` and its ``checkpoint-N`` folders) follow one rule
+(docs/reliability.md, "Security round 4"):
+
+- a folder is used only where `shared_dir_problem` finds nothing: a directory (a
+  symlink to one only where the link is ours or root's), owned by this user, and
+  not writable by others unless its sticky bit is set (group-writable is allowed:
+  a umask of 002 makes every folder so, and the file rules below hold there); a
+  folder we create is made by us, mode 0700 (`make_dir`);
+- a file is read only where `read_owned` / `load_json` find it a regular file
+  (reached without following a symlink), owned by this user, writable by no one
+  else, with one link, and not larger than asked; else `UnsafeFileError` names
+  the reason and the caller ignores the file with one warning;
+- a file is written through a fresh name created exclusively beside it (O_EXCL,
+  O_NOFOLLOW; mode 0600 unless asked, less the umask) and renamed into place
+  (`write_bytes_atomic`): a symlink planted at the name is replaced, never
+  written through.
 """
 
 from __future__ import annotations
@@ -96,23 +114,36 @@ def read_span(path: str | os.PathLike[str], start: int, end: int, limit: int) ->
         os.close(fd)
 
 
-def write_json_atomic(path: str | os.PathLike[str], data: Any, *, indent: int | None = 2) -> None:
+def write_json_atomic(path: str | os.PathLike[str], data: Any, *, indent: int | None = 2,
+                      mode: int = 0o600) -> None:
     """Write ``data`` as JSON to ``path`` through a temporary file in the same directory
     and a rename: a reader sees the old file or the new one, never half of one, and a
     symlink planted at ``path`` is replaced, not followed. No temporary file is left
     behind on failure."""
     import json  # here, not at the top: the training process imports this module for its stack dump
 
-    write_bytes_atomic(path, (json.dumps(data, indent=indent) + "\n").encode())
+    write_bytes_atomic(path, (json.dumps(data, indent=indent) + "\n").encode(), mode=mode)
 
 
-def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file beside it and a rename: a reader
-    sees the old file or the whole new one, never a part."""
-    import tempfile
+def write_bytes_atomic(path: str | os.PathLike[str], data: bytes, *, mode: int = 0o600) -> None:
+    """Write ``data`` to ``path`` through a fresh file beside it and a rename: a reader sees
+    the old file or the whole new one, never a part. The fresh file is created exclusively
+    (O_EXCL, O_NOFOLLOW: nothing planted at its random name is opened) with ``mode`` less
+    the umask (0600 unless a reader of another user needs more, as node-exporter does), and
+    the rename replaces whatever is at ``path`` (a planted symlink included) without
+    following it."""
+    import secrets
 
     target = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    for _ in range(100):
+        tmp = target.parent / f".{target.name}.{secrets.token_hex(6)}"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+        except FileExistsError:
+            continue
+        break
+    else:
+        raise UnsafeFileError(f"cannot create a fresh file beside {target}: 100 random names were taken")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -168,3 +199,90 @@ def check_private_dir(directory: str | os.PathLike[str], what: str) -> None:
     problem = private_dir_problem(directory)
     if problem is not None:
         raise UnsafeFileError(f"{what}: {problem}; use a directory of your own with mode 0700")
+
+
+# -- files in folders others may write (the module's docstring: the rule) -------------------
+def _dir_stat(directory: str | os.PathLike[str]) -> tuple[os.stat_result | None, str | None]:
+    """The folder's stat, following a symlink at its last component only where the link is
+    ours or root's; or why it cannot be used."""
+    try:
+        st = os.lstat(directory)
+        if stat.S_ISLNK(st.st_mode):
+            if st.st_uid not in (0, os.geteuid()):
+                return None, f"{directory} is a symbolic link owned by uid {st.st_uid}, another user"
+            st = os.stat(directory)
+    except OSError as e:
+        return None, f"cannot inspect {directory}: {e.strerror or e}"
+    if not stat.S_ISDIR(st.st_mode):
+        return None, f"{directory} is not a directory"
+    return st, None
+
+
+def shared_dir_problem(directory: str | os.PathLike[str]) -> str | None:
+    """Why our files may not be read from or written into ``directory``, or None if they
+    may: it must be a directory owned by this user that others cannot write, or can only
+    under the sticky bit (they may add files there but not rename or remove ours)."""
+    st, problem = _dir_stat(directory)
+    if st is None:
+        return problem
+    if st.st_uid != os.geteuid():
+        return f"{directory} belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()})"
+    if st.st_mode & 0o002 and not st.st_mode & stat.S_ISVTX:
+        return (f"{directory} has mode {stat.S_IMODE(st.st_mode):04o}: any user can write there and "
+                "replace our files (no sticky bit)")
+    return None
+
+
+def make_dir(directory: str | os.PathLike[str], *, private: bool = False) -> None:
+    """Create ``directory`` (mode 0700; missing parents as the umask makes them), or adopt
+    the one there if it passes `shared_dir_problem` (``private``: `private_dir_problem`,
+    writable by no one else). UnsafeFileError names why one that is there is refused."""
+    try:
+        os.mkdir(directory, 0o700)
+        return
+    except FileNotFoundError:
+        os.makedirs(Path(directory).parent, exist_ok=True)
+        try:
+            os.mkdir(directory, 0o700)
+            return
+        except FileExistsError:
+            pass
+    except FileExistsError:
+        pass
+    problem = (private_dir_problem if private else shared_dir_problem)(directory)
+    if problem is not None:
+        raise UnsafeFileError(f"refusing to use the folder {directory}: {problem}")
+
+
+def read_owned(path: str | os.PathLike[str], limit: int) -> bytes:
+    """The whole of ``path``, where it is a regular file (no symlink followed), owned by
+    this user, writable by no one else, with one link (not another of our files hard-linked
+    here by someone else), and at most ``limit`` bytes. FileNotFoundError where nothing is
+    there; UnsafeFileError naming the reason for anything else."""
+    fd = _open(path, os.O_RDONLY)
+    try:
+        st = os.fstat(fd)
+        if st.st_mode & 0o022:
+            raise UnsafeFileError(f"{path} has mode {stat.S_IMODE(st.st_mode):04o}: other users can write it")
+        if st.st_nlink != 1:
+            raise UnsafeFileError(f"{path} has {st.st_nlink} hard links: it may be another file of ours")
+        if st.st_size > limit:
+            raise UnsafeFileError(f"{path} holds {st.st_size} bytes, more than the {limit} expected")
+        data = os.read(fd, limit + 1)
+        if len(data) > limit:
+            raise UnsafeFileError(f"{path} holds more than the {limit} bytes expected")
+        return data
+    finally:
+        os.close(fd)
+
+
+def load_json(path: str | os.PathLike[str], limit: int = 1 << 20) -> Any:
+    """`read_owned`'s bytes as JSON. FileNotFoundError where nothing is there;
+    UnsafeFileError naming the reason for a file that may not be read or is not JSON."""
+    import json
+
+    data = read_owned(path, limit)
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise UnsafeFileError(f"{path} is not JSON: {str(e)[:200]}") from e

@@ -53,9 +53,13 @@ def check_timeout(value: Any, what: str) -> float | None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TimeoutsError(f"{what} = {value!r}: must be a number of seconds > 0, or null to disable")
-    if not math.isfinite(value) or value <= 0:
-        raise TimeoutsError(f"{what} = {value!r}: must be a number of seconds > 0, or null to disable")
-    return float(value)
+    try:
+        seconds = float(value)
+    except OverflowError:  # an int too large for a float (a 401-digit number)
+        seconds = math.inf
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise TimeoutsError(f"{what} = {value!r:.100}: must be a number of seconds > 0, or null to disable")
+    return seconds
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator, model_validator
 
 from ft_client import env as ft_env
+from ft_client.safefiles import write_bytes_atomic
 from ft_client.timeouts import (
     Timeouts,
 )
@@ -178,9 +179,9 @@ class FaultToleranceConfig(BaseModel):
         data = self.model_dump(mode="json")
         for name in ("rank_termination_signal", "stack_dump_signal"):
             data[name] = getattr(self, name).name
-        try:
-            with open(cfg_path, "w") as f:
-                yaml.safe_dump({"fault_tolerance": data}, f, sort_keys=False)
+        try:  # a fresh file renamed into place: a link planted at cfg_path is replaced, not followed
+            write_bytes_atomic(cfg_path, yaml.safe_dump({"fault_tolerance": data}, sort_keys=False).encode(),
+                               mode=0o666)
         except OSError as e:
             raise ConfigError(f"cannot write config file {cfg_path}: {e.strerror or e}") from e
 

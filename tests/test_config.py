@@ -348,7 +348,8 @@ def test_durations_accept_zero() -> None:
 # ---------------------------------------------------------------------------
 # Errors: field, value, source and rule, one line each
 
-SAFETY_RULE = r"must be a number >= 1\.0 \(a factor below 1 makes timeouts shorter than observed\)"
+SAFETY_RULE = (r"must be a number >= 1\.0 \(a factor below 1 makes timeouts shorter than observed\) "
+               r"and <= 100 \(a larger one learns nothing\)")
 DURATION_RULE = r"must be a number of seconds >= 0"
 WHOLE_RULE = r"must be a whole number >= 0 and <= 9223372036854775807"
 SIGNAL_RULE = r"must be a signal name or number, e\.g\. SIGTERM, TERM or 15"

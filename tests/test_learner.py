@@ -70,3 +70,22 @@ def test_the_warmup_steps_are_left_out_only_where_a_warmup_entry_times_them() ->
     assert learner.recorder(CONFIG, 0.0).warmup_steps == 3  # CONFIG has a warmup entry
     plain = Timeouts(rank_section_timeouts={"step": 30.0})
     assert learner.recorder(plain, 0.0).warmup_steps == 0  # untimed by warmup: learned from
+
+
+def test_a_checkpoint_below_the_monitors_floor_is_refused_when_the_floor_is_known() -> None:
+    """Security round 4: loaded learned timeouts obey the floor learned ones do (the monitor's
+    ``min_learned_timeout``): refused at the load where it is known, and at the handshake where
+    the checkpoint was loaded before it (then with the reason, for the client's one warning)."""
+    state = {"timeouts": {"rank_heartbeat_timeout": 1.0, "learned": [LEARNED_HB]}}
+    early = Learner()
+    early.pending, _ = early.load(state)  # before the monitor: the floor is not known yet
+    early.adopt(5.0, 2.0)  # the handshake: min_learned_timeout 2 s
+    taken, why = early.take_pending()
+    assert taken is None and why is not None and "rank_heartbeat_timeout = 1.0: must be from 2 s" in why
+    assert early.pending is None and early.take_pending() == (None, None)
+    late = Learner()
+    late.adopt(5.0, 2.0)
+    with pytest.raises(ValueError, match="must be from 2 s"):
+        late.load(state)
+    late.adopt(5.0, 0.5)
+    assert late.load(state)[0].rank_heartbeat_timeout == 1.0

@@ -108,6 +108,20 @@ def test_the_finished_flag_after_max_steps_or_a_run_that_had_nothing_left(
     assert flag.exists() is done and cb.client is None
 
 
+def test_the_finished_flag_is_not_touched_through_a_planted_symlink(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Security round 4: ``Path.touch`` followed a link at the flag's path (creating its target)."""
+    flag, target = tmp_path / "finished", tmp_path / "elsewhere"
+    flag.symlink_to(target)
+    monkeypatch.setenv(ftl.FINISHED_FLAG_ENV, str(flag))
+    cb = ftl.FtCallback(autoresume=True, calculate_timeouts=False)
+    _with_client(cb)
+    cb.teardown(SimpleNamespace(global_rank=0, max_steps=10, max_epochs=None, global_step=10, current_epoch=0),
+                None, "fit")
+    assert not target.exists() and flag.is_symlink()
+    assert f"cannot touch {flag} (the finished flag): {flag} is a symbolic link" in caplog.text
+
+
 def test_validate_and_test_stages_are_left_alone() -> None:
     """The reference's test_eval_with_callback: `trainer.validate` / `trainer.test` neither
     connect nor report (setup only acts in `fit`)."""

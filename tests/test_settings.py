@@ -87,7 +87,7 @@ def test_settings_are_frozen_and_typed() -> None:
         ({"rank_heartbeat_timeout": "30"}, "invalid setting rank_heartbeat_timeout = '30': must be a number of "
                                            "seconds > 0, or null to disable"),
         ({"safety_factor": 0.5}, "invalid setting safety_factor = 0.5: must be a number >= 1.0 (a factor below 1 "
-                                 "makes timeouts shorter than observed)"),
+                                 "makes timeouts shorter than observed) and <= 100 (a larger one learns nothing)"),
         ({"termination_grace_time": float("nan")}, "invalid setting termination_grace_time = nan: must be a number "
                                                    "of seconds >= 0"),
         ({"client_request_timeout": 0}, "invalid setting client_request_timeout = 0: must be a number of seconds > 0 "

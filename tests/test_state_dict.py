@@ -141,13 +141,13 @@ def test_bad_values_are_refused() -> None:
         from_state_dict({"timeouts": {"rank_heartbeat_timeout": -1}})
     with pytest.raises(
         StateDictError,
-        match=r"^ft state_dict observations.hb_gap = 'x': must be a number of seconds >= 0, or null$",
+        match=r"^ft state_dict observations.hb_gap = 'x': must be a number of seconds from 0 to 604800 \(7 days\), or null$",
     ):
         from_state_dict({"observations": {"hb_gap": "x"}})
-    with pytest.raises(StateDictError, match=r"^ft state_dict: safety_factor = 0: must be a number >= 1\.0 \(a factor below 1 makes timeouts shorter than observed\)$"):
+    with pytest.raises(StateDictError, match=r"^ft state_dict: safety_factor = 0: must be a number >= 1\.0 \(a factor below 1 makes timeouts shorter than observed\) and <= 100 \(a larger one learns nothing\)$"):
         from_state_dict({"safety_factor": 0})
     # the config's rule: a checkpoint cannot carry a factor the config refuses
-    with pytest.raises(StateDictError, match=r"^ft state_dict: safety_factor = 0.5: must be a number >= 1\.0 \(a factor below 1 makes timeouts shorter than observed\)$"):
+    with pytest.raises(StateDictError, match=r"^ft state_dict: safety_factor = 0.5: must be a number >= 1\.0 \(a factor below 1 makes timeouts shorter than observed\) and <= 100 \(a larger one learns nothing\)$"):
         from_state_dict({"safety_factor": 0.5})
     with pytest.raises(
         StateDictError,
@@ -306,6 +306,55 @@ def test_a_dict_with_both_still_refuses_what_ours_refuses() -> None:
         from_state_dict({"format_version": 2, "current_timeouts": {}})
 
 
+# -- bounds: a learned value from outside is one learning could have made (security round 4) -----
+_LEARNED_HB = {"learned": ["initial_rank_heartbeat_timeout", "rank_heartbeat_timeout"]}
+
+
+@pytest.mark.parametrize("value", [1e308, 1e-300, 1e-6, 7 * 24 * 3600 + 1, 10**400])
+def test_learned_timeouts_outside_the_bounds_refuse_the_whole_dict(value: float) -> None:
+    ours = {"format_version": 1,
+            "timeouts": {"initial_rank_heartbeat_timeout": 60.0, "rank_heartbeat_timeout": value, **_LEARNED_HB}}
+    section = {"timeouts": {"rank_section_timeouts": {"step": value}, "learned": ["section:step"]}}
+    nvrx = {"current_timeouts": {"heartbeat": {"initial": 60.0, "subsequent": value, "were_calculated": True},
+                                 "section": {"section": {"step": value}, "out_of_section": value,
+                                             "calculated_sections": ["step"], "is_out_of_section_calculated": True}}}
+    for state in (ours, section, nvrx, with_nvrx_state(ours, Timeouts())):
+        with pytest.raises(StateDictError, match=r"^(ft|nvidia-resiliency-ext) state_dict") as e:
+            from_state_dict(state)
+        assert "7 days" in str(e.value) or "must be a number of seconds > 0" in str(e.value), str(e.value)
+
+
+def test_the_floor_is_the_monitors_min_learned_timeout_and_1_ms() -> None:
+    state = {"timeouts": {"initial_rank_heartbeat_timeout": 3.0, "rank_heartbeat_timeout": 3.0, **_LEARNED_HB}}
+    assert from_state_dict(state).timeouts.rank_heartbeat_timeout == 3.0  # floor not known: 1 ms
+    with pytest.raises(StateDictError, match=r"^ft state_dict learned initial_rank_heartbeat_timeout = 3\.0: must be "
+                                             r"from 5 s \(the least a learned timeout may be: min_learned_timeout, "
+                                             r"and 1 ms\) to 604800 s \(7 days\)$"):
+        from_state_dict(state, floor=5.0)
+    assert from_state_dict({"timeouts": {"rank_heartbeat_timeout": 1e-6}}).timeouts.learned == frozenset()  # not learned: not in force
+    # what learning makes is always in the bounds: a state dict written is read back
+    huge = Observations(initial_hb=1e9, hb_gap=1e-9, out_of_section=None, sections={})
+    learned = learn_hb_timeouts(CONFIG, huge, 100.0)
+    assert (learned.initial_rank_heartbeat_timeout, learned.rank_heartbeat_timeout) == (7 * 24 * 3600, 0.001)
+    assert from_state_dict(to_state_dict(learned, Observations(), 100.0)).timeouts == learned
+
+
+@pytest.mark.parametrize("factor", [1e308, 100.5, 0.5, float("nan"), float("inf"), 10**400])
+def test_the_safety_factor_is_from_1_to_100(factor: float) -> None:
+    with pytest.raises(StateDictError, match=r"^ft state_dict: safety_factor = .*: must be a number >= 1\.0 .* and <= 100"):
+        from_state_dict({"safety_factor": factor})
+    assert from_state_dict({"safety_factor": 100}).safety_factor == 100.0
+
+
+def test_observations_are_bounded_and_huge_numbers_are_refused_not_raised() -> None:
+    with pytest.raises(StateDictError, match=r"observations.hb_gap = 1e\+308: must be a number of seconds from 0"):
+        from_state_dict({"observations": {"hb_gap": 1e308}})
+    for state in ({"observations": {"hb_gap": 10**400}}, {"timeouts": {"rank_heartbeat_timeout": 10**400}},
+                  {"current_timeouts": {"heartbeat": {"initial": 10**400}}}, {"safety_factor": 10**5000}):
+        with pytest.raises(StateDictError):
+            from_state_dict(state)
+
+
 _JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
                      lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=12), c, max_size=4),
                      max_leaves=20)
@@ -315,10 +364,19 @@ _JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | s
 @given(st.dictionaries(st.sampled_from(["format_version", "timeouts", "observations", "iteration", "safety_factor",
                                         "current_timeouts", "x"]), _JSON, max_size=6))
 @example({"timeouts": 1})
+@example({"timeouts": {"rank_heartbeat_timeout": 10**400}})  # raised OverflowError
+@example({"safety_factor": 10**400})
+@example({"timeouts": {"rank_heartbeat_timeout": 1e308, "learned": ["rank_heartbeat_timeout"]}})
 def test_any_file_another_process_wrote_is_read_or_refused_with_state_dict_error(state: dict[str, object]) -> None:
     """The exp_dir file (ours and the reference's layout in one) is written by another process:
-    reading it raises nothing but StateDictError (``{"timeouts": 1}`` raised TypeError)."""
+    reading it raises nothing but StateDictError (``{"timeouts": 1}`` raised TypeError), and
+    what it puts in force lies in the bounds of learned values."""
     try:
-        from_state_dict(state)
+        loaded = from_state_dict(state)
     except StateDictError:
-        pass
+        return
+    t = loaded.timeouts
+    for key in t.learned:
+        value = t.rank_section_timeouts[key[8:]] if key.startswith("section:") else getattr(t, key)
+        assert 0.001 <= value <= 7 * 24 * 3600, (key, value)
+    assert 1.0 <= loaded.safety_factor <= 100.0

@@ -184,7 +184,7 @@ def test_calc_uses_slots() -> None:
 
 def test_bad_safety_factor() -> None:
     for bad in (0, 0.5, float("nan"), True):
-        with pytest.raises(ValueError, match=r"^safety_factor = .*: must be a number >= 1\.0 \(a factor below 1 makes timeouts shorter than observed\)$"):
+        with pytest.raises(ValueError, match=r"^safety_factor = .*: must be a number >= 1\.0 \(a factor below 1 makes timeouts shorter than observed\) and <= 100 \(a larger one learns nothing\)$"):
             TimeoutsRecorder((), safety_factor=bad)
 
 

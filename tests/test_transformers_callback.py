@@ -7,6 +7,7 @@ tests/test_transformers_e2e.py)."""
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -309,6 +310,85 @@ def test_a_real_trainer_resumes_from_a_snapshot_written_out_as_its_checkpoint_fo
     memory.held = (2, memory.held[1])
     assert fth.FtTrainerCallback(snapshot_every=2).checkpoint_to_resume(resumed) == str(tmp_path / "snap" /
                                                                                         "checkpoint-6")
+
+
+OTHER_UID = 65534  # another local user (nobody)
+
+
+def _plant_foreign_checkpoint(folder: Path, victims: dict[str, Path]) -> None:
+    """Another user's ``checkpoint-N``: mode 0777, owned by uid 65534, its ``trainer_state.json``
+    and ``rng_state.pth`` symlinks to files of the job's user."""
+    folder.mkdir()
+    folder.chmod(0o777)
+    for name, target in victims.items():
+        (folder / name).symlink_to(target)
+        os.lchown(folder / name, OTHER_UID, OTHER_UID)
+    os.chown(folder, OTHER_UID, OTHER_UID)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="planting another user's folder needs root (chown)")
+def test_a_real_trainer_never_writes_into_or_resumes_from_another_users_checkpoint_folder(
+        fake_client: type[FakeClient], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Security round 4: ``output_dir`` is a shared folder (mode 1777). Another user put a
+    ``checkpoint-9`` there before the run, and a ``checkpoint-3`` (the snapshot's step) while the
+    ranks restored the snapshot, each mode 0777 with ``trainer_state.json`` and ``rng_state.pth``
+    symlinked to files of the job's user. Before, ``checkpoint-9`` was handed to the Trainer, and
+    the snapshot was written into ``checkpoint-3`` through the links. Now both are passed over
+    with one warning each, the link targets are untouched, and the Trainer resumes from the
+    job's own ``checkpoint-2``."""
+    memory = MemorySnapshots()
+    monkeypatch.setattr(fth.snapshot, "save", memory.save)
+    monkeypatch.setattr(fth.snapshot, "wait", lambda: None)
+    out = tmp_path / "shared"
+    out.mkdir()
+    out.chmod(0o1777)
+    victims = {name: tmp_path / f"private-{name}" for name in ("trainer_state.json", "rng_state.pth")}
+    for target in victims.values():
+        target.write_bytes(b"the job user's own file\n")
+        target.chmod(0o600)
+
+    class Killed(Exception):
+        pass
+
+    class KillAt(TrainerCallback):  # dies before step 3's save: checkpoint-2 on disk, the snapshot of step 3
+        def on_step_begin(self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+            if state.global_step == 3:
+                raise Killed
+
+    def trainer(*callbacks: Any) -> Trainer:
+        args = TrainingArguments(output_dir=str(out), max_steps=6, save_steps=2, per_device_train_batch_size=4,
+                                 use_cpu=True, report_to=[], disable_tqdm=True, logging_steps=1000)
+        return Trainer(model=Tiny(), args=args, train_dataset=Samples(), callbacks=list(callbacks))
+
+    with pytest.raises(Killed):
+        trainer(fth.FtTrainerCallback(snapshot_every=1), KillAt()).train()
+    assert memory.held is not None and memory.held[0] == 3 and (out / "checkpoint-2").is_dir()
+    _plant_foreign_checkpoint(out / "checkpoint-9", victims)
+
+    def restore() -> tuple[int, Any] | None:  # the other user's folder appears as the ranks restore
+        _plant_foreign_checkpoint(out / "checkpoint-3", victims)
+        return memory.held
+
+    monkeypatch.setattr(fth.snapshot, "restore", restore)
+    cb = fth.FtTrainerCallback(snapshot_every=1)
+    resumed = trainer(cb)
+    with caplog.at_level(logging.WARNING, logger="ft_client.transformers"):
+        folder = cb.checkpoint_to_resume(resumed)
+    assert folder == str(out / "checkpoint-2")
+    st = os.stat(folder)
+    assert st.st_uid == os.geteuid() and not st.st_mode & 0o022  # the job's own, writable by no one else
+    for target in victims.values():
+        assert target.read_bytes() == b"the job user's own file\n"
+    assert os.stat(out / "checkpoint-3").st_uid == OTHER_UID and not list((out / "checkpoint-3").glob("*.safetensors"))
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2, warnings
+    assert "passing over checkpoint folders that are not this user's own" in warnings[0]
+    assert f"{out / 'checkpoint-9'} belongs to uid {OTHER_UID}" in warnings[0]
+    assert "the in-memory snapshot of step 3 is not written out" in warnings[1]
+    assert f"{out / 'checkpoint-3'}: {out / 'checkpoint-3'} belongs to uid {OTHER_UID}" in warnings[1]
+    resumed.train(resume_from_checkpoint=folder)  # the Trainer takes the folder and finishes
+    assert resumed.state.global_step == 6
 
 
 def test_snapshot_every_is_a_whole_number_of_steps() -> None:

@@ -123,7 +123,10 @@ class ClientLink(ClientState):
             self._path = transport.path  # resolved once: reconnections cannot be redirected
             configured = self._adopt(transport, hello, asked)
             self._calc = self._learner.recorder(configured, self._clock())
-            loaded, self._learner.pending = self._learner.pending, None
+            loaded, refused = self._learner.take_pending()
+            if refused is not None:
+                log.warning("rank %d: the learned timeouts loaded before the monitor connected are not put in "
+                            "force: %s", self.rank, refused)
             if loaded is not None:  # load_state_dict() came first: push at the handshake
                 from ft_client.learning.state_dict import overlay_learned
 

@@ -44,7 +44,6 @@ docs/migration.md says. Where ours differs from theirs, docs/integrations.md say
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import pathlib
@@ -67,12 +66,13 @@ except ImportError:  # the older package name
         raise ImportError("ft_client.integrations.lightning needs Lightning: pip install 'ft-monitor[lightning]' "
                           "(or pytorch_lightning)") from e
 
-from ft_client import snapshot
+from ft_client import safefiles, snapshot
 from ft_client.client import RankMonitorClient
 from ft_client.errors import FtError, MemorySnapshotError, RankMonitorClientError
 from ft_client.integrations.lightning_reference import HeartbeatReference, SectionsReference
 from ft_client.integrations.reference_rules import config_problem
 from ft_client.integrations.sections import CHECKPOINTING, SETUP, STEP, VALIDATION, OpenSections
+from ft_client.integrations.state_file import StateFile
 from ft_client.workload import WorkloadAction, WorkloadControlRequest
 
 FINISHED_FLAG_ENV = "FAULT_TOL_FINISHED_FLAG_FILE"
@@ -139,7 +139,8 @@ class FtCallback(OpenSections, Callback):
     ``calculate_timeouts``: learn the section timeouts after each checkpoint and at the end;
     ``autoresume``: touch ``$FAULT_TOL_FINISHED_FLAG_FILE`` (which must be set) when training
     is done; ``exp_dir``: also keep the learned timeouts in ``exp_dir/_ft_state_.json``, as the
-    reference does, read back at ``setup``; ``exc_handling_policy``: called with an exception
+    reference does, read back at ``setup`` (under `state_file`'s rule: a file or folder that is
+    not the job user's own is ignored with one warning); ``exc_handling_policy``: called with an exception
     that ends ``fit`` on this rank, returns the `WorkloadControlRequest` to send to ft-launcher
     (for instance, to exclude this node); ``simulated_fault_params``: see
     `SimulatedFaultParams`; ``snapshot_every``: save an `ft_client.snapshot` of the checkpoint
@@ -166,13 +167,15 @@ class FtCallback(OpenSections, Callback):
         self.sections = sections
         self.calculate_timeouts = calculate_timeouts
         self.autoresume = autoresume
+        self.logger = logging.getLogger(logger_name)
         self.exp_dir = pathlib.Path(exp_dir) if exp_dir is not None else None
+        self._state_file = (StateFile(self.exp_dir, self.TIMEOUTS_FILENAME, self.logger)
+                            if self.exp_dir is not None else None)
         self.exc_handling_policy = exc_handling_policy
         self.simulated_fault_params = _fault_params(simulated_fault_params)
         self.snapshot_every = snapshot_every
         self._snapshot_step: int | None = None  # the global step of the last snapshot saved or restored
         self._snapshotting = False  # dump_checkpoint runs for a snapshot: its hooks are not a save
-        self.logger = logging.getLogger(logger_name)
         self.client: RankMonitorClient | None = None
         self._open: set[str] = set()
         self._saved_at: int | None = None  # global step of the last checkpoint written, not yet learned from
@@ -217,10 +220,8 @@ class FtCallback(OpenSections, Callback):
         self.client = RankMonitorClient()
         self.client.init_workload_monitoring()
         self._connected(trainer)
-        if self.calculate_timeouts and self.exp_dir is not None:
-            path = self.exp_dir / self.TIMEOUTS_FILENAME
-            if path.is_file():
-                self.client.load_state_dict(json.loads(path.read_text()))
+        if self.calculate_timeouts and self._state_file is not None:
+            self._state_file.load(self.client.load_state_dict)  # a file that may not be read: one warning
         if self._pending_state is not None:
             self.load_state_dict(self._pending_state)
         for method in ("save_checkpoint", "remove_checkpoint"):
@@ -392,8 +393,8 @@ class FtCallback(OpenSections, Callback):
         self._saved_at = None
         super()._learn(final)
         client = self.client
-        if client is not None and self.exp_dir is not None and client.rank == 0:
-            (self.exp_dir / self.TIMEOUTS_FILENAME).write_text(json.dumps(client.state_dict()))
+        if client is not None and self._state_file is not None and client.rank == 0:
+            self._state_file.write(client.state_dict())
 
     def _empty_run(self) -> bool:
         """A fit that ran at most one batch and did not fail: nothing was left to train (a
@@ -404,7 +405,12 @@ class FtCallback(OpenSections, Callback):
     def _finished_flag(self) -> None:
         path = os.environ.get(FINISHED_FLAG_ENV)
         if path:
-            pathlib.Path(path).touch()
+            try:  # created 0600 where missing; a symlink, FIFO or another user's file is not touched
+                os.close(safefiles.open_append(path))
+                os.utime(path, follow_symlinks=False)
+            except OSError as e:
+                self.logger.warning("ft_client: cannot touch %s (the finished flag): %s", path, e)
+                return
             self.logger.info("ft_client: training finished; touched %s", path)
 
     def _shutdown(self) -> None:

@@ -12,13 +12,13 @@ Mixins over `FtCallback`'s hooks (``_connected``, ``_after_batch``, ``_saved``, 
 
 from __future__ import annotations
 
-import json
 import logging
 import pathlib
 from typing import Any, ClassVar
 
 from ft_client.integrations import reference_rules as rules
 from ft_client.integrations.sections import OpenSections
+from ft_client.integrations.state_file import StateFile
 from ft_client.learning.state_dict import with_nvrx_state
 
 LOG_PREFIX = "[FaultToleranceCallback@rank0] "
@@ -32,6 +32,7 @@ class ReferenceCallback(OpenSections):
     TIMEOUTS_FILENAME: ClassVar[str]
     learn_on_clean_exit: ClassVar[bool] = True  # the reference learns on sys.exit(0); FtCallback does not
     exp_dir: pathlib.Path | None
+    _state_file: StateFile | None
     logger: logging.Logger
     calculate_timeouts: bool
     batches: int
@@ -55,9 +56,8 @@ class ReferenceCallback(OpenSections):
     def _write_file(self) -> None:
         """Our state dict and the reference's entry, on rank 0 (every rank holds the same)."""
         client = self.client
-        if client is not None and self.exp_dir is not None and self._rank0:
-            state = with_nvrx_state(client.state_dict(), client.timeouts)
-            (self.exp_dir / self.TIMEOUTS_FILENAME).write_text(json.dumps(state))
+        if client is not None and self._state_file is not None and self._rank0:
+            self._state_file.write(with_nvrx_state(client.state_dict(), client.timeouts))
 
 
 class HeartbeatReference(ReferenceCallback):

@@ -56,7 +56,7 @@ import random
 import re
 from typing import Any
 
-from ft_client import snapshot
+from ft_client import safefiles, snapshot
 from ft_client.client import RankMonitorClient
 from ft_client.errors import FtError, MemorySnapshotError, RankMonitorClientError
 from ft_client.integrations.sections import CHECKPOINTING, SETUP, STEP, VALIDATION, OpenSections
@@ -119,11 +119,36 @@ def _rng_state() -> dict[str, Any]:
             "cpu": torch.random.get_rng_state()}
 
 
-def _last_checkpoint(output_dir: str) -> str | None:
-    from transformers.trainer_utils import get_last_checkpoint
+def _last_checkpoint(output_dir: str, logger: logging.Logger) -> str | None:
+    """The newest ``checkpoint-N`` folder in ``output_dir`` that is this user's and that others
+    cannot write (`safefiles.shared_dir_problem`), as ``get_last_checkpoint`` names them; the
+    others are passed over with one warning, and an ``output_dir`` that fails the rule itself
+    gives None (another user could swap any folder in it)."""
+    if not os.path.isdir(output_dir):
+        return None
+    problem = safefiles.shared_dir_problem(output_dir)
+    if problem is not None:
+        logger.warning("ft_client: not resuming from a checkpoint in %s: %s", output_dir, problem)
+        return None
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-    last: str | None = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None  # type: ignore[no-untyped-call]
-    return last
+    steps = sorted(((int(m.group(1)), name) for name in os.listdir(output_dir)
+                    if (m := re.fullmatch(PREFIX_CHECKPOINT_DIR + r"-(\d+)", name))), reverse=True)
+    skipped = []
+    for _, name in steps:
+        folder = os.path.join(output_dir, name)
+        if not os.path.isdir(folder):
+            continue
+        problem = safefiles.shared_dir_problem(folder)
+        if problem is None:
+            break
+        skipped.append(problem)
+    else:
+        folder = None
+    if skipped:
+        logger.warning("ft_client: passing over checkpoint folders that are not this user's own: %s",
+                       "; ".join(skipped))
+    return folder
 
 
 def _checkpoint_step(folder: str | None) -> int | None:
@@ -133,15 +158,15 @@ def _checkpoint_step(folder: str | None) -> int | None:
 
 
 def _write_checkpoint(trainer: Any, folder: str, image: dict[str, Any]) -> None:
-    """A snapshot's image as the Trainer's checkpoint folder: rank 0 writes the model (the
-    Trainer's own ``_save``), optimizer, scheduler and ``trainer_state.json``, every rank its
-    random generators' file."""
+    """A snapshot's image as the Trainer's checkpoint folder (made private by `_fresh_folder`
+    before: nothing in it is another user's): rank 0 writes the model (the Trainer's own
+    ``_save``), optimizer, scheduler and ``trainer_state.json``, every rank its random
+    generators' file."""
     import numpy as np
     import torch
     from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME
 
     args = trainer.args
-    os.makedirs(folder, exist_ok=True)
     if args.should_save:
         trainer._save(folder, state_dict=image["model"])
         if image["optimizer"] is not None:
@@ -156,6 +181,19 @@ def _write_checkpoint(trainer: Any, folder: str, image: dict[str, Any]) -> None:
     rng["python"] = (rng["python"][0], tuple(rng["python"][1]), rng["python"][2])
     name = "rng_state.pth" if args.world_size <= 1 else f"rng_state_{args.process_index}.pth"
     torch.save(rng, os.path.join(folder, name))
+
+
+def _fresh_folder(output_dir: str, folder: str) -> str | None:
+    """Make ``folder`` in ``output_dir`` (mode 0700), or take the one there where it is this
+    user's and private (another rank of the job made it a moment ago, or an attempt before
+    this one); ``output_dir`` is made where missing, and must pass the shared-folder rule
+    where it is there. None, or why it is refused (another user's, or others may write it)."""
+    try:
+        safefiles.make_dir(output_dir)
+        safefiles.make_dir(folder, private=True)
+    except OSError as e:  # UnsafeFileError is one
+        return str(e)
+    return None
 
 
 def saved_state(stateful_callbacks: object, name: str) -> dict[str, Any] | None:
@@ -360,8 +398,13 @@ class FtTrainerCallback(OpenSections, TrainerCallback, ExportableState):
         """The folder ``trainer.train(resume_from_checkpoint=...)`` should resume from: the last
         ``checkpoint-N`` in ``output_dir``, or the newest snapshot every rank holds where it is
         newer, written out as ``checkpoint-<step>`` first; None where there is neither. Every rank
-        calls it, after the Trainer is made (its process group is then up) and before ``train``."""
-        last = _last_checkpoint(trainer.args.output_dir)
+        calls it, after the Trainer is made (its process group is then up) and before ``train``.
+
+        Only folders of this user that others cannot write are resumed from, and the snapshot
+        is written only into a folder made now (mode 0700) or a private one of this user's: a
+        ``checkpoint-N`` another user made is passed over or refused, with one warning
+        (docs/integrations.md, "Folders another user can write")."""
+        last = _last_checkpoint(trainer.args.output_dir, self.logger)
         if not self.snapshot_every:
             return last
         got = snapshot.restore()  # a collective; None after one line saying why
@@ -374,6 +417,11 @@ class FtTrainerCallback(OpenSections, TrainerCallback, ExportableState):
             return last
         step, image = got
         folder = os.path.join(trainer.args.output_dir, f"checkpoint-{step}")
+        problem = _fresh_folder(trainer.args.output_dir, folder)
+        if max_across_ranks([0.0 if problem is None else 1.0])[0]:  # one rank refused: none writes
+            self.logger.warning("ft_client: the in-memory snapshot of step %d is not written out: %s; resuming from "
+                                "%s", step, problem or "another rank refused its folder", last)
+            return last
         _write_checkpoint(trainer, folder, image)
         max_across_ranks([0.0])  # every rank's files are there before any rank reads them
         self.logger.warning("ft_client: resuming from the in-memory snapshot of step %d, written out as %s%s", step,

@@ -23,7 +23,6 @@ section that is not open, an untracked name) is ignored; the client detects it.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -53,14 +52,27 @@ class NotEnoughDataError(RankMonitorClientError, ValueError):
     """A learned timeout was asked for before anything it needs was observed."""
 
 
-SAFETY_FACTOR_RULE = "must be a number >= 1.0 (a factor below 1 makes timeouts shorter than observed)"
+MAX_SAFETY_FACTOR = 100.0
+"""The largest safety factor: a timeout 100 times the longest interval seen is already no
+learning at all (docs/learned-timeouts.md, "Bounds")."""
+SAFETY_FACTOR_RULE = ("must be a number >= 1.0 (a factor below 1 makes timeouts shorter than observed) "
+                      "and <= 100 (a larger one learns nothing)")
 """The one safety-factor rule: the config, the settings and the checkpoint loader all use it
 (a checkpoint cannot carry a factor the config refuses)."""
+LEARNED_TIMEOUT_FLOOR = 0.001
+"""No learned timeout is below 1 ms, whatever ``min_learned_timeout`` says (it may be 0): no
+heartbeat gap or section a rank can keep to is shorter, and a checkpoint's value below it
+(1e-300, which kills a healthy rank at once) is refused."""
+LEARNED_TIMEOUT_CEILING = 7 * 24 * 3600.0
+"""No learned timeout is above 7 days (docs/learned-timeouts.md, "Bounds"): a learned value is
+the longest interval seen times the safety factor, and a week is longer than any scheduler's
+job; a checkpoint's value above it (1e308, which turns detection off) is refused."""
 
 
 def safety_factor_ok(value: object) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-            and value >= 1.0)
+    # compared, not converted: a 401-digit int has no float (OverflowError), NaN fails both tests
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and 1.0 <= value <= MAX_SAFETY_FACTOR)
 
 
 def check_safety_factor(value: object) -> float:
@@ -257,7 +269,7 @@ def _merge(current: Timeouts, key: str, old: float | None, observed: float, safe
     new = observed * safety_factor
     if key in current.learned and old is not None:
         new = (old + new) / 2.0
-    return max(new, floor)
+    return min(max(new, floor, LEARNED_TIMEOUT_FLOOR), LEARNED_TIMEOUT_CEILING)
 
 
 def _zero_reason(what: str) -> str:

@@ -87,6 +87,20 @@ class Learner:
         return learn_section_timeouts(current, self.observed, self.safety_factor, selected, out_of_section,
                                       self.min_learned)
 
+    def take_pending(self) -> tuple[Timeouts | None, str | None]:
+        """The timeouts a checkpoint loaded before there was a monitor, for the handshake to
+        put in force (None where there are none), or None and why not where a learned value
+        is below the monitor's floor (``min_learned_timeout``, unknown when they were read)."""
+        from ft_client.learning.state_dict import StateDictError, check_bounds
+
+        loaded, self.pending = self.pending, None
+        if loaded is not None:
+            try:
+                check_bounds(loaded, self.min_learned)
+            except StateDictError as e:
+                return None, str(e)
+        return loaded, None
+
     def state_dict(self, current: Timeouts, iteration: int) -> dict[str, Any]:
         """The checkpoint's entry: every listed section appears (null until observed), so its
         layout is known from the config alone (torch.distributed.checkpoint loads into it)."""
@@ -99,10 +113,11 @@ class Learner:
     def load(self, state: dict[str, Any]) -> tuple[Timeouts, int]:
         """Read a checkpoint's entry (ours or the reference's): its timeouts become `loaded`,
         its observations `observed`; returns both timeouts and iteration. ValueError: not a
-        valid entry."""
+        valid entry, or one whose learned values lie outside the bounds (`from_state_dict`;
+        the floor is the monitor's ``min_learned_timeout`` once known)."""
         from ft_client.learning.state_dict import from_state_dict
 
-        loaded = from_state_dict(state)
+        loaded = from_state_dict(state, floor=self.min_learned)
         self.loaded = loaded.timeouts
         self.observed = loaded.observations
         return loaded.timeouts, loaded.iteration

@@ -22,13 +22,18 @@ Must not talk to the daemon, read files or import torch.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from ft_client.errors import FtError
-from ft_client.learning.calc import DEFAULT_SAFETY_FACTOR, Observations, check_safety_factor
+from ft_client.learning.calc import (
+    DEFAULT_SAFETY_FACTOR,
+    LEARNED_TIMEOUT_CEILING,
+    LEARNED_TIMEOUT_FLOOR,
+    Observations,
+    check_safety_factor,
+)
 from ft_client.timeouts import (
     LEARNED_HB,
     LEARNED_INITIAL_HB,
@@ -84,11 +89,45 @@ def to_state_dict(
     }
 
 
-def from_state_dict(state: Mapping[str, Any]) -> LoadedState:
+def from_state_dict(state: Mapping[str, Any], *, floor: float = 0.0) -> LoadedState:
     """Read a checkpoint dict: ours (format_version 1; missing keys take defaults,
     so ``{}`` is an empty state), nvidia-resiliency-ext's ``{"current_timeouts": ...}``,
     or both in one dict (`with_nvrx_state`'s file): then ours is read, the other ignored
-    (it says the same, with less)."""
+    (it says the same, with less).
+
+    Every learned timeout must lie in the bounds a learned one obeys (`check_bounds`: at
+    least ``floor``, the monitor's ``min_learned_timeout`` where it is known, and 1 ms; at
+    most 7 days), every observation at most 7 days, the safety factor from 1 to 100: a
+    value outside refuses the whole dict (docs/learned-timeouts.md, "Bounds"). Raises
+    nothing but StateDictError."""
+    try:
+        loaded = _from_state_dict(state)
+    except StateDictError:
+        raise
+    except (ValueError, OverflowError) as e:  # a number no float holds, an int too long to show
+        raise StateDictError(f"ft state_dict: {str(e)[:200]}") from e
+    check_bounds(loaded.timeouts, floor)
+    return loaded
+
+
+def check_bounds(timeouts: Timeouts, floor: float = 0.0) -> None:
+    """Refuse (StateDictError, naming the value and the bounds) a learned timeout below
+    ``floor`` or `LEARNED_TIMEOUT_FLOOR`, or above `LEARNED_TIMEOUT_CEILING`: the bounds every
+    learned value obeys (`calc`), so a checkpoint cannot put one in force that learning
+    could not have made."""
+    low = max(floor, LEARNED_TIMEOUT_FLOOR)
+    for key in sorted(timeouts.learned):
+        if key.startswith(_SECTION_PREFIX):
+            value = timeouts.rank_section_timeouts.get(key[len(_SECTION_PREFIX) :])
+        else:
+            value = getattr(timeouts, key, None)
+        if value is not None and not low <= value <= LEARNED_TIMEOUT_CEILING:
+            raise StateDictError(
+                f"ft state_dict learned {key} = {value!r}: must be from {low:g} s (the least a learned "
+                f"timeout may be: min_learned_timeout, and 1 ms) to {LEARNED_TIMEOUT_CEILING:g} s (7 days)")
+
+
+def _from_state_dict(state: Mapping[str, Any]) -> LoadedState:
     if not isinstance(state, Mapping):
         raise StateDictError(f"ft state_dict = {state!r}: must be a dict")
     if NVRX_STATE_KEY in state:
@@ -170,8 +209,9 @@ def overlay_learned(configured: Timeouts, loaded: Timeouts) -> Timeouts:
 def _duration(value: Any, what: str) -> float | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise StateDictError(f"ft state_dict {what} = {value!r}: must be a number of seconds >= 0, or null")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= LEARNED_TIMEOUT_CEILING:
+        raise StateDictError(f"ft state_dict {what} = {value!r:.100}: must be a number of seconds from 0 to "
+                             f"{LEARNED_TIMEOUT_CEILING:g} (7 days), or null")
     return float(value)
 
 

@@ -10,9 +10,10 @@ next attempt's workers. Without the variable this does nothing.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
+
+from ft_client.safefiles import write_json_atomic
 
 MODULES_FILE_ENV = "FT_WORKER_MODULES_FILE"
 
@@ -29,13 +30,7 @@ def report() -> None:
     path = os.environ.get(MODULES_FILE_ENV)
     if not path:
         return
-    tmp = f"{path}.{os.getpid()}.tmp"
-    try:
-        with open(tmp, "w") as f:
-            json.dump(loaded_modules(), f)
-        os.replace(tmp, path)
+    try:  # a fresh file renamed into place: nothing planted at a name beside it is opened
+        write_json_atomic(path, loaded_modules(), indent=None)
     except OSError:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        pass

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+from ft_client.safefiles import write_bytes_atomic
 from ft_monitor.views import human
 from ft_monitor.views.report_input import EvidenceFile, ReportError, ReportInput, StackTop, load
 from ft_monitor.views.report_model import Incident, LauncherView, Model, build
@@ -438,5 +439,5 @@ def write_report(run_dirs: str | os.PathLike[str] | Sequence[str | os.PathLike[s
     data = load(paths)
     out = Path(output) if output else default_output(data)
     page = render(data.events, title=str(out.parent), data=data, page_dir=out.parent.resolve())
-    out.write_text(page, encoding="utf-8")
+    write_bytes_atomic(out, page.encode("utf-8"), mode=0o666)  # as a plain write's mode; a link there is replaced
     return out

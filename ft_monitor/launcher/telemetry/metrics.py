@@ -18,7 +18,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from prometheus_client import CollectorRegistry, write_to_textfile
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -194,8 +194,13 @@ def registry(source: Any) -> CollectorRegistry:
 
 
 def write_textfile(path: str, reg: CollectorRegistry) -> None:
-    """node-exporter's textfile collector format, written atomically (temporary file + rename)."""
+    """node-exporter's textfile collector format, written atomically: a fresh file created
+    exclusively beside ``path`` (node-exporter's folder is another user's, often shared: a name
+    planted there is never opened) and renamed into place, mode 0644 less the umask for the
+    collector to read (prometheus_client's own writer opens a guessable name and follows a link)."""
+    from ft_client.safefiles import write_bytes_atomic
+
     try:
-        write_to_textfile(path, reg)
+        write_bytes_atomic(path, generate_latest(reg), mode=0o644)
     except OSError as e:
         log.warning("ft-launcher: cannot write the metrics textfile %s: %s", path, e)

@@ -37,7 +37,7 @@ from ft_monitor.launcher.store.store_auth import (
     StoreMessageError,
     load_job_secret,
 )
-from tests import zygote
+from tests import other_user, zygote
 from tests.launchers import launcher_argv
 from tests.procs import ROOT, Daemon, Rank, pid_alive, raw_client, status, wait_until
 
@@ -513,8 +513,7 @@ def test_client_refuses_a_monitor_running_as_another_user(workdir: Path) -> None
     squatted.mkdir()
     os.chmod(squatted, 0o777)  # ours, but anyone may create a socket in it
     sock = squatted / "rank0.sock"
-    impostor = subprocess.Popen(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
-                                 sys.executable, str(ROOT / "tests/workers/impostor.py"), str(sock)],
+    impostor = subprocess.Popen(other_user.command([sys.executable, str(ROOT / "tests/workers/impostor.py"), str(sock)]),
                                 stdout=subprocess.PIPE, text=True, cwd=ROOT)
     try:
         assert impostor.stdout is not None and impostor.stdout.readline().strip() == "listening"

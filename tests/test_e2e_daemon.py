@@ -18,6 +18,7 @@ import msgpack
 import pytest
 
 from ft_client import RankMonitorClient, RankMonitorClientError, wire
+from tests import other_user
 from tests.procs import ROOT, Daemon, Rank, pid_alive, raw_client, slack, status, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -206,8 +207,8 @@ def test_peer_with_another_uid_is_refused(daemon: Daemon) -> None:
         "import socket,sys;s=socket.socket(socket.AF_UNIX);s.connect(sys.argv[1]);"
         "print(s.recv(4096).hex())"
     )
-    out = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", code,
-                          str(daemon.socket)], capture_output=True, text=True, timeout=30, cwd="/")
+    out = subprocess.run(other_user.command([sys.executable, "-c", code, str(daemon.socket)]), capture_output=True,
+                         text=True, timeout=30, cwd="/")
     assert out.returncode == 0, out.stderr
     msgs = list(wire.FrameDecoder().feed(bytes.fromhex(out.stdout.strip())))
     assert isinstance(msgs[0], wire.Error) and msgs[0].code == wire.ErrorCode.FORBIDDEN

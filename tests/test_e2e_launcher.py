@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from ft_monitor.launcher import exit_codes
-from tests import zygote
+from tests import other_user, zygote
 from tests.launchers import JOB_SECRET, Launcher, launcher_argv, listening, two_nodes
 from tests.procs import ROOT, free_port, launcher_summary, slack, wait_until
 
@@ -374,7 +374,7 @@ def test_forged_store_messages_are_ignored_and_the_job_completes(workdir: Path) 
         wait_until(lambda: listening(port), 60, "the rendezvous store")
         cmd = [sys.executable, str(ROOT / "tests/workers/store_forger.py"), str(port), "ft-forged", "4"]
         if os.geteuid() == 0:  # another local user, as in the review
-            cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *cmd]
+            cmd = other_user.command(cmd)
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "FT_JOB_SECRET")}
         forger = subprocess.run(cmd, cwd="/", env=env, capture_output=True, text=True, timeout=60 * slack())
         assert forger.returncode == 0 and forger.stdout.endswith("done\n"), forger.stderr

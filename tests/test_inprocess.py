@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import zygote
+from tests import other_user, zygote
 from tests.procs import ROOT, WORKERS, Daemon, free_port, slack
 
 pytestmark = pytest.mark.e2e
@@ -183,7 +183,7 @@ def _forge(workdir: Path, job: Job, attack: str) -> None:
     once it has written, put the file in place that the job's ranks wait for."""
     cmd = [sys.executable, str(WORKERS / "inprocess_forger.py"), str(job.port + 1), "ft_inprocess/local/0/", attack]
     if os.geteuid() == 0:
-        cmd = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", *cmd]
+        cmd = other_user.command(cmd)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "FT_JOB_SECRET", "FT_KEY_DIR")}
     forger = subprocess.run(cmd, cwd="/", env=env, capture_output=True, text=True, timeout=90 * slack())
     assert forger.returncode == 0 and forger.stdout.endswith("done\n"), forger.stderr[-2000:]

@@ -27,6 +27,7 @@ from ft_monitor.launcher.incident.diagnosis import ANSWERED, RankEvidence
 from ft_monitor.launcher.incident.rollcall_wire import ASKERS_KEY, BELL_KEY, answer_key, encode_answer, request_key
 from ft_monitor.launcher.store.sealed import Sealer
 from ft_monitor.launcher.store.store_auth import RollCallRequest
+from tests import other_user
 from tests.procs import ROOT, slack
 from tests.test_diagnosis import STACK_IN_ALL_REDUCE, STACK_SLEEPING
 from tests.test_rollcall import CHANNEL, HUNG, SECRET, Node
@@ -42,7 +43,7 @@ def forge(port: int, ops: list[list[Any]]) -> str:
     """Run ``ops`` against the store as another user (uid 65534 where we can); its output."""
     cmd = [sys.executable, str(ROOT / "tests/workers/store_ops.py"), str(port), json.dumps(ops)]
     if os.geteuid() == 0:
-        cmd = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", *cmd]
+        cmd = other_user.command(cmd)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "FT_JOB_SECRET")}
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=180 * slack(), cwd="/", env=env)
     assert out.returncode == 0 and out.stdout.endswith("done\n"), out.stderr

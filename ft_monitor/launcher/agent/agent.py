@@ -158,6 +158,7 @@ class FtLocalElasticAgent(HangHandling, _lea.LocalElasticAgent):
         if self.ft.restarts and self.ft.restarts[-1].workers_started is None:
             timing = self.ft.restarts[-1]
             timing.workers_started = time.time()
+            timing.pids = frozenset(int(p) for p in pids.values())
             self._pending_first_step = timing
         return pids
 

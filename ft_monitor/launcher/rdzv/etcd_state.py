@@ -30,8 +30,9 @@ from ft_client.errors import FtError
 
 STATE_PATH = "/rdzv/active_version"
 """Where torch's ``etcd`` handler keeps its state, under its run's folder."""
-MAX_STATE_BYTES = 1 << 20
-"""A longer value is refused unparsed (torch's state for 10,000 nodes is under 200 KiB)."""
+MAX_STATE_BYTES = 2 << 20
+"""A longer value is refused unparsed: more than etcd takes in one request by default (1.5 MiB,
+``--max-request-bytes``), so every state etcd accepts by default is parsed."""
 FIELDS: dict[str, tuple[str, ...]] = {
     # what torch's handler reads of a state of each status, besides the status
     "setup": (),

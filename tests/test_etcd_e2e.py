@@ -283,6 +283,13 @@ def test_store_gone_decision() -> None:
     loop = RuntimeError("a cycle")
     loop.__context__ = loop
     assert store_gone.outcome(loop, "etcd", "h:1", started=True) is None  # a cycle in the chain ends
+    from torch.distributed.elastic.rendezvous.api import RendezvousStateError  # etcd-v2's, c10d's: a state
+
+    corrupt = RendezvousStateError("The state object is corrupt. See inner exception for details.")
+    corrupt.__cause__ = ValueError("Incorrect padding")  # that cannot be parsed, before or after the start
+    assert store_gone.outcome(corrupt, "etcd-v2", "h:2379", started=False) == (
+        "the rendezvous store (etcd at h:2379, --rdzv-backend etcd-v2) holds a rendezvous state that cannot be "
+        "parsed: The state object is corrupt (ValueError: Incorrect padding)", exit_codes.STORE_UNREACHABLE)
     quiet = store_gone.QuietClient()
 
     def record(name: str, msg: str, exc: BaseException | None = None) -> logging.LogRecord:

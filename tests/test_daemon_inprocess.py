@@ -27,7 +27,7 @@ from ft_monitor.config import FaultToleranceConfig
 from ft_monitor.core.policy import Hang, Reason
 from ft_monitor.core.settings import Settings
 from ft_monitor.core.state import Phase
-from ft_monitor.core.status import InprocessRestart
+from ft_monitor.core.status import InprocessRestart, MonitorStatus
 from ft_monitor.daemon.clock import ManualClock
 from ft_monitor.daemon.connection import Connection
 from ft_monitor.daemon.deadline import DeadlineTimer
@@ -787,3 +787,28 @@ def test_the_abort_is_pushed_once_the_hung_ranks_stack_is_dumped(tmp_path: Path)
         assert report["stack_dump_captured"] and report["terminated_by"] == "inprocess"
 
     run(body, tmp_path, **{**INPROCESS, "stack_dump_timeout": 1.0})
+
+
+def test_the_first_progress_of_a_ranks_process_is_kept_after_its_session_ends(tmp_path: Path) -> None:
+    """Issue 49: the launcher times a restart's first step from each monitor's record of when its
+    worker first made progress, which must outlive the worker (it may finish before the
+    launcher's next look). The step's time, then a heartbeat later: the first stays."""
+    async def body(d: MonitorDaemon, clock: ManualClock, ops: FakeOps) -> None:
+        assert d.status().first_progress is None
+        p = Peer(d)
+        p.hello_rank()
+        clock.advance(2.0)
+        assert d.status().first_progress is None  # connected, no progress yet
+        first = clock.now()
+        p.send(wire.SectionOpen("step"))
+        clock.advance(1.0)
+        p.send(wire.Heartbeat(), wire.SectionClose("step"))
+        got = d.status().first_progress
+        assert got is not None and (got.pid, got.at) == (os.getpid(), first)
+        p.close()
+        await settle()
+        assert d.rank is None and d.status().first_progress == got  # the session ended: still said
+        assert MonitorStatus.from_wire(d.status().to_wire()).first_progress == got  # and over the wire
+
+    run(body, tmp_path, rank_section_timeouts={"step": 60.0}, rank_heartbeat_timeout=None,
+        initial_rank_heartbeat_timeout=None, rank_out_of_section_timeout=None)

@@ -40,7 +40,7 @@ from ft_client.store.signed import RESERVED
 from ft_monitor.launcher import exit_codes
 from ft_monitor.launcher.incident.crossnode import CRASH_COUNT_KEY, HANG_COUNT_KEY, HANG_INDEX_KEY, SHUTDOWN_ACK_KEY
 from ft_monitor.launcher.incident.rollcall_wire import ANSWERED_COUNT_KEY, ANSWERED_KEY, ASKERS_KEY, BELL_KEY
-from ft_monitor.launcher.rdzv import store_gone
+from ft_monitor.launcher.rdzv import etcd_state, store_gone
 from ft_monitor.launcher.store.step_exchange import STEP_TIMES_INDEX_KEY
 from ft_monitor.launcher.store.store_auth import (
     CrashRecord,
@@ -283,6 +283,13 @@ def test_store_gone_decision() -> None:
     loop = RuntimeError("a cycle")
     loop.__context__ = loop
     assert store_gone.outcome(loop, "etcd", "h:1", started=True) is None  # a cycle in the chain ends
+    from torch.distributed.elastic.rendezvous.api import RendezvousStateError  # etcd-v2's, c10d's: a state
+
+    corrupt = RendezvousStateError("The state object is corrupt. See inner exception for details.")
+    corrupt.__cause__ = ValueError("Incorrect padding")  # that cannot be parsed, before or after the start
+    assert store_gone.outcome(corrupt, "etcd-v2", "h:2379", started=False) == (
+        "the rendezvous store (etcd at h:2379, --rdzv-backend etcd-v2) holds a rendezvous state that cannot be "
+        "parsed: The state object is corrupt (ValueError: Incorrect padding)", exit_codes.STORE_UNREACHABLE)
     quiet = store_gone.QuietClient()
 
     def record(name: str, msg: str, exc: BaseException | None = None) -> logging.LogRecord:
@@ -314,3 +321,99 @@ def test_the_round_under_torchs_etcd_handler_is_its_rendezvous_version() -> None
     assert rendezvous_round(classic, 2, SimpleNamespace(prefix=b"/rdzv/v_7/kv")) == 2
     dynamic = SimpleNamespace(_state_holder=SimpleNamespace(state=SimpleNamespace(round=4)))
     assert rendezvous_round(dynamic, 0, store) == 4  # the dynamic handler's own round first
+
+
+def test_etcd_state_that_cannot_be_parsed_is_one_line_naming_the_key_and_exit_6(workdir: Path, etcd: Etcd) -> None:
+    """torch's ``etcd`` handler keeps its rendezvous state as JSON at one key and parses it at
+    every look (each monitor tick: ``num_nodes_waiting``; its shutdown: ``set_closed``). That key
+    overwritten mid-job with 200,000 ``[`` (json's RecursionError): before, exit 2 ("configuration
+    error, not requeued") behind tracebacks naming neither etcd nor the key; now one line names
+    the backend, the endpoint and the key, exit 6 (requeue), no traceback on the console."""
+    la = Launcher(workdir, "--max-restarts", "2", train_args=("--steps", "100000"), env=JOB_SECRET,
+                  launcher_flags=("--nnodes", "1", "--rdzv-backend", "etcd", "--rdzv-endpoint", etcd.endpoint,
+                                  "--rdzv-id", RUN))
+    key = f"/torchelastic/p2p/run_{RUN}/rdzv/active_version"
+    try:
+        wait_until(lambda: la.output().count("attempt 0: timeouts in force") == 2, 120, "the ranks training")
+        assert json.loads(etcd.keys(key)[key])["status"] == "final"  # the key the handler parses
+        before = len(la.output())
+        etcd.put(key, "[" * 200_000)
+        assert la.wait(60) == exit_codes.STORE_UNREACHABLE, la.output()
+        wait_until(lambda: la.processes() == [], 30, "the launcher's processes to be gone")
+    finally:
+        la.kill()
+    after = la.output()[before:].split("ft-launcher summary:")[0].splitlines()
+    said = [x for x in after if x.strip() and not x.startswith("[rank ") and "closing signal SIGTERM" not in x]
+    assert len(said) == 1, after
+    assert said[0].endswith(f"ERROR ft-launcher: the rendezvous store (etcd at {etcd.endpoint}, --rdzv-backend etcd) "
+                            f"holds a rendezvous state that cannot be parsed at {key}: not JSON: nested too deep "
+                            "(200000 characters)"), said
+    assert "Traceback" not in la.output() and "[[[[" not in la.output()
+    line = said[0].split("ERROR ft-launcher: ", 1)[1]
+    assert la.summary()["exit_code"] == exit_codes.STORE_UNREACHABLE and la.summary()["outcome"] == line
+    assert ("stopped", line) in launcher_summary(la.output())
+
+
+@pytest.mark.parametrize(("value", "why"), [
+    ("[" * 200_000, "not JSON: nested too deep (200000 characters)"),
+    ("garbage", "not JSON: Expecting value: line 1 column 1 (char 0) (7 characters)"),
+    ("5", "a JSON int, not an object"),
+    ('{"status": "final"}', "a final state without a valid 'version'"),
+    ('{"status": "final", "version": "3", "participants": [0], "keep_alives": [], "num_workers_waiting": -1}',
+     "a final state without a valid 'num_workers_waiting'"),
+    ('{"status": "joinable", "version": "3", "participants": ["x"]}', "a joinable state without a valid 'participants'"),
+    ('{"status": "open"}', "no status among setup, closed, joinable, frozen, final"),
+    ("{" * 10, "not JSON"),
+    (" " * (etcd_state.MAX_STATE_BYTES + 1), "characters (at most"),
+    (None, "a value of type NoneType, not JSON text"),
+])
+def test_torchs_etcd_state_is_parsed_or_refused_naming_the_key(value: Any, why: str) -> None:
+    """etcd_state.parse_state: what torch's ``etcd`` handler writes is parsed; anything else is
+    EtcdStateError naming the key and why (a RendezvousError: torch's rendezvous re-raises it at
+    once instead of retrying the same unreadable key until its timeout)."""
+    key = f"/torchelastic/p2p/run_{RUN}/rdzv/active_version"
+    with pytest.raises(etcd_state.EtcdStateError) as got:
+        etcd_state.parse_state(value, key)
+    assert got.value.key == key and why in got.value.reason and str(got.value).startswith(f"the rendezvous state at {key}")
+    final = {"status": "final", "version": "3", "participants": [0, 1], "keep_alives": ["/k"], "num_workers_waiting": 0}
+    for state in ({"status": "setup"}, {"status": "closed"}, final, {**final, "status": "closed"}):
+        assert etcd_state.parse_state(json.dumps(state), key) == state
+    line, code = store_gone.outcome(got.value, "etcd", "h:2379", started=False) or ("", 0)
+    assert code == exit_codes.STORE_UNREACHABLE and line.startswith(
+        f"the rendezvous store (etcd at h:2379, --rdzv-backend etcd) holds a rendezvous state that cannot be parsed "
+        f"at {key}: ") and "\n" not in line
+
+
+def test_torchs_etcd_rendezvous_refuses_an_unparsable_state_at_once_and_its_shutdown_log_is_held_back() -> None:
+    """torch's own EtcdRendezvous (its barrier and shutdown), its client a stand-in holding garbage:
+    before, the barrier retried every second until the rendezvous timeout (600 s by default)."""
+    import etcd
+    from torch.distributed.elastic.rendezvous.etcd_rendezvous import EtcdRendezvous, EtcdRendezvousHandler
+
+    class Client:
+        def write(self, *args: Any, **kwargs: Any) -> Any:
+            raise etcd.EtcdAlreadyExist("exists")
+
+        def get(self, key: str) -> Any:
+            return type("Result", (), {"value": "[" * 200_000, "etcd_index": 1})()
+
+    impl = EtcdRendezvous.__new__(EtcdRendezvous)
+    impl.client, impl._prefix, impl._run_id, impl._timeout = Client(), "/torchelastic/p2p/", RUN, 600
+    impl._lease_this_rank_stop = impl._lease_run_id_stop = None
+    handler = EtcdRendezvousHandler(impl, None)
+    assert etcd_state.guard(handler) and not etcd_state.guard(object())
+    t0 = time.monotonic()
+    with pytest.raises(etcd_state.EtcdStateError, match="nested too deep"):
+        impl.rendezvous_barrier()
+    assert time.monotonic() - t0 < 5  # at once: torch's barrier re-raises a RendezvousError
+    records: list[logging.LogRecord] = []
+    logger = logging.getLogger("torch.distributed.elastic.rendezvous.etcd_rendezvous")
+    catch = logging.Handler()
+    catch.emit = records.append  # type: ignore[method-assign]
+    logger.addHandler(catch)
+    try:
+        with store_gone.quiet_client("etcd"):
+            assert handler.shutdown() is False  # torch logs "Shutdown failed" with its traceback: held back
+    finally:
+        logger.removeHandler(catch)
+    assert not [r for r in records if r.getMessage() == "Shutdown failed"], records

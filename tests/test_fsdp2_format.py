@@ -94,6 +94,11 @@ GOOD = [0, [7, 5], [5, 1], [["S", 0]], 0]
     (_layout([0, [7, -5], [5, 1], [["S", 0]], 0]), "a DTensor shape \\[7, -5\\]"),
     (_layout([0, [7, 2**64 - 1], [5, 1], [["S", 0]], 0]), "a DTensor shape"),
     (_layout([0, [7, 5], [5], [["S", 0]], 0]), "stride \\[5\\] and a local tensor"),
+    (_layout([0, [7, 5], [0, 0], [["S", 0]], 0]), "stride \\[0, 0\\] and a local tensor .* no overlap, no gap"),
+    (_layout([0, [7, 5], [1, 4], [["S", 0]], 0]), "stride \\[1, 4\\]"),  # forged strides: overlapping, wider
+    (_layout([0, [7, 5], [2**62, 1], [["S", 0]], 0]), f"stride \\[{2**62}, 1\\]"),
+    (_layout([0, [7, 5], [5, 2], [["S", 0]], 0]), "stride \\[5, 2\\]"),  # a gap: past the storage's end
+    (_layout([0, [7, 5], [1, 7], [["S", 0]], 0]), None),  # a transposed tensor's (dense): accepted
     (_layout([0, [7, 5, 1], [5, 1, 1], [["S", 0]], 0]), "and a local tensor of shape \\[4, 5\\]"),
     (_layout([0, [7, 5], [5, 1], [["S", 0], ["R"]], 0]), "not one per dimension of its 1-dimensional mesh"),
     (_layout([0, [7, 5], [5, 1], [["S", 2]], 0]), "a DTensor placement \\['S', 2\\]"),
@@ -123,6 +128,19 @@ def test_odd_dtensor_entries_are_refused_with_their_reason(raw: bytes, why: str 
         return
     with pytest.raises(SnapshotFormatError, match=why):
         fmt.decode_layout(raw, 512)
+
+
+def test_a_stride_is_accepted_exactly_when_it_addresses_each_element_of_its_shape_once() -> None:
+    """`dense` against its definition: the offsets sum(i * stride) over all indexes are 0 .. numel - 1."""
+    checked = 0
+    for ndim in (1, 2, 3):
+        for shape in itertools.product((0, 1, 2, 3), repeat=ndim):
+            for stride in itertools.product((0, 1, 2, 3, 4, 6, 9, 12), repeat=ndim):
+                offsets = sorted(sum(i * s for i, s in zip(index, stride))
+                                 for index in itertools.product(*(range(n) for n in shape)))
+                assert fmt.dense(shape, stride) == (offsets == list(range(len(offsets)))), (shape, stride)
+                checked += 1
+    assert checked > 30000
 
 
 _ints = st.one_of(st.integers(-3, 9), st.integers(-(2**63), 2**64 - 1))

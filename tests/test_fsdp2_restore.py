@@ -111,8 +111,9 @@ def test_a_state_to_restore_into_of_another_shape_refuses_the_restore_with_the_p
     lines: list[str] = []
     r = Snapshotter(socket_path=group.path, job="j", log_line=lines.append)
     assert r.restore(like={"m": {"w": distribute_tensor(torch.ones(8, 5), mesh, [Shard(0)])}}) is None
-    assert "state['m']['w'] was saved as a DTensor of shape [7, 5] placed (('S', 0),) on a cpu mesh of shape [1] " \
-           "(ranks [0]), its shard [7, 5]; the state given to restore has a DTensor of shape [8, 5]" in (r.why_not or "")
+    assert "state['m']['w'] was saved as a DTensor of shape [7, 5] and stride [5, 1] placed (('S', 0),) on a cpu " \
+           "mesh of shape [1] (ranks [0]), its shard [7, 5]; the state given to restore has a DTensor of shape [8, 5]" \
+           in (r.why_not or "")
     assert lines[-1].endswith("falling back to the file checkpoint")
     with pytest.raises(MemorySnapshotError, match=r"state\['x'\] is a object"):  # like is checked as save checks
         r.restore(like={"x": object()})
@@ -124,7 +125,55 @@ def test_dtensors_a_snapshot_cannot_hold_are_refused_by_path(group: FakeMonitor)
     s = Snapshotter(socket_path=group.path, job="j")
     with pytest.raises(MemorySnapshotError, match=r"state\['tp'\]\[0\] is a DTensor placed _StridedShard"):
         s.save(1, {"tp": [strided]})
+    gaps = distribute_tensor(torch.ones(4, 4)[:, ::2], mesh, [Replicate()])  # every other column: stride (4, 2)
+    with pytest.raises(MemorySnapshotError, match=r"state\['g'\] is a DTensor of shape \[4, 2\] and stride \[4, 2\]: "
+                                                  "snapshots hold DTensors laid out with no overlap or gap"):
+        s.save(1, {"g": gaps})
     assert s.memory.own is None  # refused before anything was asked or written
+
+
+def _forge(s: Snapshotter, tree: Any, specs: list[fmt.TensorSpec], newest: bool = True) -> None:
+    """Another process rewrites the layout of ``s``'s newest (else older) snapshot and its checksum (it has no key)."""
+    assert s.memory.own is not None
+    found = s.memory.own.newest(job="j")
+    assert found is not None
+    i = found[0] if newest else 1 - found[0]
+    buf = s.memory.own.buffers[i]
+    h = fmt.check(buf.mm, job="j", rank=0)
+    forged = fmt.encode_layout(tree, specs)
+    buf.mm[HEADER_SIZE:HEADER_SIZE + len(forged)] = forged
+    head = Header(**{**h.__dict__, "layout_len": len(forged)})
+    buf.write_header(Header(**{**head.__dict__, "checksum": fmt.body_checksum(buf.mm, head)}))
+
+
+@pytest.mark.parametrize("stride, why", [
+    ((0, 0), "stride [0, 0] and a local tensor of shape [4, 4] (one stride a dimension, no overlap, no gap)"),
+    ((2**62, 1), f"stride [{2**62}, 1] and a local tensor of shape [4, 4]"),
+    ((1, 4), "state['m']['w'] was saved as a DTensor of shape [4, 4] and stride [1, 4] placed (('S', 0),) on a cpu "
+             "mesh of shape [1] (ranks [0]), its shard [4, 4]; the state given to restore has a DTensor of shape "
+             "[4, 4] and stride [4, 1]"),  # a transposed layout is dense: refused as unlike the model's
+])
+def test_a_forged_dtensor_stride_is_refused_and_the_other_buffer_or_the_file_checkpoint_restored(
+        group: FakeMonitor, stride: tuple[int, int], why: str) -> None:
+    mesh = init_device_mesh("cpu", (1,))
+    state = {"m": {"w": distribute_tensor(torch.full((4, 4), 10.0), mesh, [Shard(0)])}}
+    s = Snapshotter(socket_path=group.path, job="j")
+    s.save(10, state)
+    s.save(20, {"m": {"w": distribute_tensor(torch.full((4, 4), 20.0), mesh, [Shard(0)])}})
+    s.wait()
+    ref = fmt.DTensorRef(0, (4, 4), stride, (("S", 0),), fmt.MeshSpec("cpu", (1,), (0,)))
+    _forge(s, {"m": {"w": ref}}, [fmt.TensorSpec("float32", (4, 4), 0, 64)])
+    lines: list[str] = []
+    step, got = Snapshotter(socket_path=group.path, job="j", log_line=lines.append).restore(  # type: ignore[misc]
+        like=state)
+    assert step == 10 and got["m"]["w"].stride() == (4, 1) and float(got["m"]["w"].to_local()[0, 0]) == 10.0
+    refused = [line for line in lines if "refused" in line]
+    assert len(refused) == 1 and why in refused[0] and "\n" not in refused[0], lines
+    _forge(s, {"m": {"w": ref}}, [fmt.TensorSpec("float32", (4, 4), 0, 64)], newest=False)  # both buffers now
+    lines.clear()
+    r = Snapshotter(socket_path=group.path, job="j", log_line=lines.append)
+    assert r.restore(like=state) is None
+    assert len(lines) == 1 and why in lines[0] and lines[0].endswith("falling back to the file checkpoint"), lines
 
 
 def test_a_layout_whose_shard_is_not_the_ranks_is_refused_and_the_other_buffer_restored(group: FakeMonitor) -> None:
@@ -136,14 +185,10 @@ def test_a_layout_whose_shard_is_not_the_ranks_is_refused_and_the_other_buffer_r
     assert s.memory.own is not None
     newest = s.memory.own.newest(job="j")
     assert newest is not None
-    buf, h = s.memory.own.buffers[newest[0]], newest[1]
     # another process rewrites step 20's layout: its DTensor claims a [8, 2] sharded over ranks [0, 1] (rank 0
     # would hold 4 rows: consistent), then one claiming rank 0 holds rows of a [9, 2] (5 rows, not 4)
-    forged = fmt.encode_layout({"w": fmt.DTensorRef(0, (9, 2), (2, 1), (("S", 0),), fmt.MeshSpec("cpu", (2,), (0, 1)))},
-                               [fmt.TensorSpec("float32", (4, 2), 0, 32)])
-    buf.mm[HEADER_SIZE:HEADER_SIZE + len(forged)] = forged
-    head = Header(**{**h.__dict__, "layout_len": len(forged)})
-    buf.write_header(Header(**{**head.__dict__, "checksum": fmt.body_checksum(buf.mm, head)}))  # it has no key
+    _forge(s, {"w": fmt.DTensorRef(0, (9, 2), (2, 1), (("S", 0),), fmt.MeshSpec("cpu", (2,), (0, 1)))},
+           [fmt.TensorSpec("float32", (4, 2), 0, 32)])
     lines: list[str] = []
     step, got = Snapshotter(socket_path=group.path, job="j", log_line=lines.append).restore()  # type: ignore[misc]
     assert step == 10 and float(got["w"].to_local()[0, 0]) == 10.0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -17,8 +18,9 @@ from ft_monitor.core.policy import iteration_now
 from ft_monitor.core.section_stats import SectionHistogram, SectionStats
 from ft_monitor.core.settings import Settings
 from ft_monitor.core.state import Session
-from ft_monitor.core.status import SnapshotPair, SnapshotsStatus, build_status
+from ft_monitor.core.status import ExitSummary, MonitorStatus, SnapshotPair, SnapshotsStatus, build_status
 from ft_monitor.launcher.agent.agent import RestartTiming
+from ft_monitor.launcher.incident.restarts import all_stepping
 from ft_monitor.launcher.telemetry.events import SCHEMA, EventLog, EventSchemaError, read_events, validate_event
 from ft_monitor.launcher.telemetry.goodput import Incident, goodput
 from ft_monitor.launcher.telemetry.metrics import RankView, Snapshot, registry
@@ -325,9 +327,9 @@ def test_a_crash_restart_is_timed_by_the_telemetry_itself(tmp_path: Path) -> Non
     tel.workers_stopped(5.0, "failure", "SIGTERM", 3.0)
     clock["t"] = 6.0
     tel.rendezvous_done()
-    tel.attempt_started(1, "run", 0, {0: 0, 1: 1}, {}, str(tmp_path))
-    clock["t"] = 8.0
-    _stepped(mon, 5, 1)
+    tel.attempt_started(1, "run", 0, {0: 0, 1: 1}, {0: 100, 1: 101}, str(tmp_path))
+    clock["t"] = mon.now = 8.0  # the monitors' monotonic clock is the launcher's
+    _stepped(mon, 5, 1)  # the workers of attempt 1 (pids 100 and 101) step at 8.0
     tel.tick()
     tel.close(None)
     (restart,) = [e for e in read_events(tmp_path / "events.jsonl") if e["kind"] == "restart"]
@@ -357,9 +359,9 @@ def test_a_crash_is_an_incident_whose_redone_work_from_the_file_checkpoint_is_co
     tel.workers_stopped(5.0, "failure", "SIGTERM", 3.0)
     clock["t"] = 6.0
     tel.rendezvous_done()
-    tel.attempt_started(1, "run", 0, {0: 0, 1: 1}, {}, str(tmp_path))
-    clock["t"] = 8.0
-    _stepped(mon, 5, 1)  # resumed from the file checkpoint's step 5
+    tel.attempt_started(1, "run", 0, {0: 0, 1: 1}, {0: 100, 1: 101}, str(tmp_path))
+    clock["t"] = mon.now = 8.0  # the monitors' monotonic clock is the launcher's
+    _stepped(mon, 5, 1)  # resumed from the file checkpoint's step 5 (the new workers: pids 100 and 101)
     tel.tick()
     tel.close(None)
     (restart,) = [e for e in read_events(tmp_path / "events.jsonl") if e["kind"] == "restart"]
@@ -368,6 +370,50 @@ def test_a_crash_is_an_incident_whose_redone_work_from_the_file_checkpoint_is_co
     assert incident["rank"] == 1 and incident["resumed_from"] == 5 and incident["redone_iterations"] == 3, incident
     assert restart["redone_iterations"] == 3 and restart["lost_s"] == pytest.approx(incident["lost_s"])
     assert restart["lost_s"] > 3.0  # detection to stepping again, and the redone steps
+
+
+def test_a_restart_whose_ranks_stepped_and_ended_between_two_slow_ticks_keeps_its_first_step(tmp_path: Path) -> None:
+    """Issue 49's flood: a tick waits for torch's look at a slow store (seconds), and the restarted
+    ranks started, stepped and finished between two ticks. Before, the first step was stamped only
+    when a tick saw every rank stepping: the row lost its first step and total, and the incident
+    counted 0.0 s lost to hangs. Now it is each monitor's record of its worker's first progress
+    (kept after the worker ended, sent over the socket), the latest of the restart's workers."""
+    clock = {"t": 1000.0}
+    mon = FakeMonitors()
+    tel = Telemetry(config=Settings(), monitors=mon, host="h", nproc=2, max_restarts=1,
+                    clock=lambda: clock["t"], monotonic=lambda: clock["t"] - 900.0)  # two clocks, one offset
+    tel.attempt_started(0, "run", 0, {0: 0, 1: 1}, {0: 100, 1: 101}, str(tmp_path))
+    _stepped(mon, 0, 3)  # attempt 0's workers made progress at monotonic 0
+    clock["t"] = 1010.0
+    tel.attempt_ended("FAILED", {0: SimpleNamespace(exitcode=1)}, 1)  # a failure: the telemetry times it
+    clock["t"] = 1010.5
+    tel.workers_stopped(1010.0, "failure", "SIGTERM", 3.0)
+    clock["t"] = 1019.5  # a slow rendezvous
+    tel.rendezvous_done()
+    clock["t"] = 1019.6
+    tel.attempt_started(1, "run", 0, {0: 0, 1: 1}, {0: 200, 1: 201}, str(tmp_path))
+    for lr, started in ((0, 121.0), (1, 122.5)):  # monotonic: wall 1021.0 and 1022.5
+        mon.now = started
+        mon.sessions[lr] = Session(rank=lr, pid=200 + lr, started_at=started - 1.0, timeouts=mon.timeouts)
+        mon.sessions[lr].open_section("step", started)  # type: ignore[union-attr]
+    mon.now = 130.0
+    statuses = {lr: MonitorStatus.from_wire(st.to_wire()) for lr, st in mon.statuses().items()}  # over the socket
+    ended = {lr: replace(st, rank=None) for lr, st in statuses.items()}  # the ranks finished before the next tick
+    mon.statuses = lambda: ended  # type: ignore[method-assign]
+    clock["t"] = 1030.0
+    tel.tick()
+    tel.close(None)
+    restarts = [e for e in read_events(tmp_path / "events.jsonl") if e["kind"] == "restart"]
+    assert [(r["phases"]["first_step"], r["phases"]["total"]) for r in restarts] == [(2.9, 12.5)], restarts
+    # a hang's restart, timed by the agent at its tick (restarts.all_stepping), after the ranks ended
+    from ft_monitor.launcher.incident.restarts import running_again_at
+
+    timing = RestartTiming(1, 1008.0, 1008.1, stop_began=1010.0, stopped=1010.5, rendezvous_done=1019.5,
+                           workers_started=1019.6, pids=frozenset({200, 201}))
+    assert all_stepping(timing, ended, clocks=(1030.0, 130.0))
+    assert timing.first_step == pytest.approx(1022.5) and timing.breakdown()["total"] == pytest.approx(14.5)
+    stale = {lr: replace(st, first_progress=ExitSummary(100 + lr, "first progress", 0.0)) for lr, st in ended.items()}
+    assert running_again_at(stale, timing.pids, wall=1030.0, mono=130.0) is None  # an older attempt's workers
 
 
 # -- live view, report ----------------------------------------------------------------------------

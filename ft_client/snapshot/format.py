@@ -63,10 +63,8 @@ HEAD_BYTES = _HEAD.size + _CRC.size
 
 # dtype name -> bytes per element: the dtypes a snapshot may hold (torch's names, without "torch.")
 ITEMSIZE: dict[str, int] = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
-    "complex128": 16, "complex64": 8,
-    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1,
-    "uint16": 2, "uint32": 4, "uint64": 8, "bool": 1,
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "complex128": 16, "complex64": 8,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "uint16": 2, "uint32": 4, "uint64": 8, "bool": 1,
     "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
 }
 
@@ -430,6 +428,12 @@ def _sizes(v: object, what: str) -> tuple[int, ...]:
     return tuple(v)
 
 
+def dense(shape: Sequence[int], stride: Sequence[int]) -> bool:
+    """Whether ``stride`` lays out ``shape`` with no overlap or gap, as torch's is_non_overlapping_and_dense."""
+    dims = sorted((st, sz) for st, sz in zip(stride, shape) if sz != 1)  # innermost first; size 1: any stride
+    return 0 in shape or all(st == math.prod(sz for _, sz in dims[:i]) for i, (st, _) in enumerate(dims))
+
+
 def _mesh(item: object) -> MeshSpec:
     """A device mesh of the layout's ``meshes``: [device type, shape, ranks (row-major), names or nil]."""
     if not (isinstance(item, list) and len(item) == 4):
@@ -470,9 +474,9 @@ class _DTensors:
             raise SnapshotFormatError(f"a DTensor on mesh {reprlib.repr(m)} of {len(self.meshes)}")
         mesh, spec = self.meshes[m], self.specs[index]
         shape, stride = _sizes(shape, "shape"), _sizes(stride, "stride")
-        if len(stride) != len(shape) or len(spec.shape) != len(shape):
-            raise SnapshotFormatError(f"a DTensor of shape {list(shape)}, stride {list(stride)} and a local "
-                                      f"tensor of shape {list(spec.shape)}")
+        if len(stride) != len(shape) or len(spec.shape) != len(shape) or not dense(shape, stride):
+            raise SnapshotFormatError(f"a DTensor of shape {list(shape)}, stride {list(stride)} and a local tensor of "
+                                      f"shape {list(spec.shape)} (one stride a dimension, no overlap, no gap)")
         if not isinstance(placements, list) or len(placements) != len(mesh.shape):
             raise SnapshotFormatError(f"DTensor placements {reprlib.repr(placements)} that are not one per "
                                       f"dimension of its {len(mesh.shape)}-dimensional mesh")

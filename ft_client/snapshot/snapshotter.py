@@ -25,7 +25,7 @@ from ft_client.snapshot import format as fmt
 from ft_client.snapshot.agreement import SLOTS, Held, Holdings
 from ft_client.snapshot.format import HEADER_SIZE, Header, SnapshotFormatError, TensorSpec
 from ft_client.snapshot.memory import OWN, PEER, Buffer, MonitorMemory
-from ft_client.snapshot.tree import DTensors, check_shards, flatten, lay_out, rebuild, view
+from ft_client.snapshot.tree import DTensors, check_like, check_shards, flatten, lay_out, rebuild, view
 
 if TYPE_CHECKING:
     import torch
@@ -218,7 +218,7 @@ class Snapshotter:
         self.why_not = None
         notes: list[str] = []
         self._verified.clear()
-        held = self._holdings(notes)
+        held = self._holdings(notes, found)
         dist = _dist()
         world = self._world()
         side = self._side_group() if dist is not None and world > 1 else None
@@ -233,7 +233,7 @@ class Snapshotter:
         if agreed.step is not None:
             try:
                 got = self._take(side, agreed)
-                layout = _decode_layout(*got)  # a peer's copy too: refused in agreement with the other ranks
+                layout = _decode_layout(*got, found)  # a peer's copy too: refused in agreement with the other ranks
                 dtensors = DTensors(*layout, found, world=world, map_location=map_location)
             except (MemorySnapshotError, OSError, RuntimeError, SnapshotFormatError, TypeError, ValueError) as e:
                 failure = f"rank {self.rank} could not take step {agreed.step}'s snapshot: {e}"
@@ -260,9 +260,10 @@ class Snapshotter:
                              "from": agreed.fetch.get(self.rank, (self.rank, 0))[0], "bytes": h.end}
         return h.step, state
 
-    def _holdings(self, notes: list[str]) -> Holdings:
-        """What this rank's monitor holds. Its own snapshots are checked whole (checksum); copies
-        of other ranks' only by their header here (their receiver checks them whole)."""
+    def _holdings(self, notes: list[str], like: dict[str, Any]) -> Holdings:
+        """What this rank's monitor holds. Its own snapshots are checked whole (checksum, layout, and
+        its DTensors against those of ``like``, the state to restore into); copies of other ranks'
+        only by their header here (their receiver checks them whole)."""
         out: list[Held | None] = [None] * SLOTS
         try:
             own = self.memory.pair(OWN, 0)
@@ -281,7 +282,7 @@ class Snapshotter:
                                      "(the ranks were numbered again: it is that rank's to take)")
                         continue
                     h = fmt.check(b.mm, job=self.job, rank=self.rank)
-                    _decode_layout(b, h)  # a layout that does not decode is refused here: the other buffer serves
+                    _decode_layout(b, h, like)  # a layout that does not decode or fit like: the other serves
                     out[i] = Held(h.rank, h.step)
                     self._verified[i] = h
                 except SnapshotFormatError as e:
@@ -329,16 +330,18 @@ class Snapshotter:
         self.memory.drop()
 
 
-def _decode_layout(buf: Buffer, h: Header) -> tuple[Any, list[TensorSpec]]:
+def _decode_layout(buf: Buffer, h: Header, like: dict[str, Any]) -> tuple[Any, list[TensorSpec]]:
     """The buffer's layout (tree, tensor places), or SnapshotFormatError when it does not decode
     (an unknown extension type, a length past its bytes, tuples nested too deep, a DTensor's shard
-    that is not the one the header's rank holds): refused before the agreement, not raised at load."""
+    that is not the one the header's rank holds, a DTensor saved otherwise than ``like``'s at its
+    path: `tree.check_like`): refused before the agreement, not raised at load."""
     raw = memoryview(buf.mm)
     try:
         tree, specs = fmt.decode_layout(raw[HEADER_SIZE:HEADER_SIZE + h.layout_len], h.data_len)
     finally:
         raw.release()
     check_shards(tree, specs, h.rank)
+    check_like(tree, specs, like)
     return tree, specs
 
 

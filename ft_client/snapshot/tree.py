@@ -136,6 +136,9 @@ def _dtensor_ref(dt: Any, path: str, index: int) -> DTensorRef:
     mesh = mesh_spec(dt.device_mesh)
     if dt.device_mesh.get_coordinate() is None:
         raise MemorySnapshotError(f"{path} is a DTensor on a device mesh this rank is not in")
+    if not fmt.dense(dt.shape, dt.stride()):  # restore would refuse its layout (and make its shard contiguous)
+        raise MemorySnapshotError(f"{path} is a DTensor of shape {list(dt.shape)} and stride {list(dt.stride())}: "
+                                  "snapshots hold DTensors laid out with no overlap or gap (contiguous or permuted)")
     return DTensorRef(index, tuple(dt.shape), tuple(dt.stride()), placements(dt, path), mesh)
 
 
@@ -224,15 +227,32 @@ def check_shards(tree: Any, specs: list[TensorSpec], rank: int) -> None:
                                       f"{ref.placements} is {list(want or ())}, not {list(got)}")
 
 
+def check_like(tree: Any, specs: list[TensorSpec], like: dict[str, Any]) -> None:
+    """SnapshotFormatError unless every DTensor of a decoded layout that ``like`` (the state given to
+    restore, its DTensors by path) has at the same path was saved as that DTensor is: global shape
+    and stride, placements, device mesh and the rank's shard (the model's, not the layout's word)."""
+    for path, ref in dtensor_refs(tree):
+        t = like.get(path)
+        if t is None:
+            continue
+        local = tuple(t.to_local().shape)
+        has = DTensorRef(ref.index, tuple(t.shape), tuple(t.stride()), placements(t, path), mesh_spec(t.device_mesh))
+        if has != ref or local != specs[ref.index].shape:
+            raise SnapshotFormatError(f"{path} was saved as {_describe(ref, specs[ref.index].shape)}; the "
+                                      f"state given to restore has {_describe(has, local)}")
+
+
 def _describe(ref: DTensorRef, local: tuple[int, ...]) -> str:
-    return (f"a DTensor of shape {list(ref.shape)} placed {ref.placements} on a {ref.mesh.device_type} mesh of "
-            f"shape {list(ref.mesh.shape)} (ranks {reprlib.repr(list(ref.mesh.ranks))}), its shard {list(local)}")
+    mesh = ref.mesh
+    return (f"a DTensor of shape {list(ref.shape)} and stride {list(ref.stride)} placed {ref.placements} on a "
+            f"{mesh.device_type} mesh of shape {list(mesh.shape)} (ranks {reprlib.repr(list(mesh.ranks))}), "
+            f"its shard {list(local)}")
 
 
 class DTensors:
     """How a restored tree's DTensors are made again, decided before the ranks confirm (a mismatch
     refuses the restore on every rank): on the mesh of the DTensor at the same path in ``like`` (the
-    state given to restore), which must have the saved shape, placements, mesh and shard; else on a
+    state given to restore), which must have the saved shape, stride, placements, mesh and shard; else on a
     mesh of ``like`` equal to the one recorded; else on a mesh made as recorded (`build`, a collective
     when torch makes process groups for it: the ranks first agree on `token`). A DTensor's shard goes
     to the device of ``like``'s DTensor there, or of one on its mesh, else to ``map_location``."""
@@ -248,14 +268,11 @@ class DTensors:
         other = None if map_location in (None, "cpu") else torch.device(map_location)
         self.to_build: dict[MeshSpec, Any] = {}
         self.locals: set[int] = set()
+        check_like(tree, specs, like)
         for path, ref in dtensor_refs(tree):
             self.locals.add(ref.index)
             t = like.get(path)
             if t is not None:
-                has = DTensorRef(ref.index, tuple(t.shape), ref.stride, placements(t, path), mesh_spec(t.device_mesh))
-                if has != ref or tuple(t.to_local().shape) != specs[ref.index].shape:
-                    raise MemorySnapshotError(f"{path} was saved as {_describe(ref, specs[ref.index].shape)}; the "
-                                              f"state given to restore has {_describe(has, tuple(t.to_local().shape))}")
                 self._where[path] = (t.device_mesh, t.to_local().device)
             elif ref.mesh in on_mesh:
                 self._where[path] = on_mesh[ref.mesh]

@@ -87,6 +87,9 @@ class Session:
     """In-process restarts this session went through (RESTARTING -> ACTIVE)."""
     last_progress: float | None = None
     """When the rank last sent a heartbeat or opened or closed a section (while ACTIVE)."""
+    trained_at: float | None = None
+    """When the rank first sent a heartbeat or opened a `step` section (`started_training`): the
+    launcher's "running again" after a restart is the latest of its ranks' (issue 49)."""
     steps_closed: int = 0
     """`step` sections closed in this session."""
     iteration_base: int | None = None
@@ -141,6 +144,8 @@ class Session:
             return
         self.last_heartbeat = self.last_progress = now
         self.heartbeats += 1
+        if self.trained_at is None:
+            self.trained_at = now
 
     def open_section(self, name: str, now: float) -> None:
         self.events += 1
@@ -154,6 +159,8 @@ class Session:
         timeout = self.timeouts.rank_section_timeouts.get(name)
         if name == STEP_SECTION:
             self.steps_started += 1
+            if self.trained_at is None:
+                self.trained_at = now
             if (
                 WARMUP_SECTION in self.timeouts.rank_section_timeouts
                 and self.steps_started <= self.num_warmup_iterations

@@ -221,6 +221,12 @@ class MonitorStatus:
     """The latest session's process went (its connection closed) without a GOODBYE: its pid,
     how (``reason``) and when (None otherwise): the root of a crash is the rank whose process
     went first among those that never raised (ft_monitor/launcher/incident/crash.py)."""
+    first_progress: ExitSummary | None = None
+    """When the connected session's process (else the latest ended one's) first sent a heartbeat
+    or opened a step: its pid, ``reason`` "first progress", ``at`` on the host's monotonic clock
+    (None before any did). Kept after the session ends, so the launcher times a restart's first
+    step from it even when its monitor loop, slowed by a slow store, looks only after the ranks
+    already finished (restarts.py)."""
     snapshots: SnapshotsStatus | None = None
     """The snapshot memory the monitor holds (None from an older monitor)."""
 
@@ -242,6 +248,7 @@ class MonitorStatus:
             "last_iteration": self.last_iteration,
             "last_exit": None if self.last_exit is None else self.last_exit.to_wire(),
             "last_gone": None if self.last_gone is None else self.last_gone.to_wire(),
+            "first_progress": None if self.first_progress is None else self.first_progress.to_wire(),
             "snapshots": None if self.snapshots is None else self.snapshots.to_wire(),
         }
         r = self.rank
@@ -309,6 +316,7 @@ class MonitorStatus:
                 last_iteration=st.get("last_iteration"),
                 last_exit=ExitSummary.from_wire(st.get("last_exit")),
                 last_gone=ExitSummary.from_wire(st.get("last_gone")),
+                first_progress=ExitSummary.from_wire(st.get("first_progress")),
                 snapshots=SnapshotsStatus.from_wire(st.get("snapshots")),
             )
         except SectionStatsError as e:
@@ -322,7 +330,8 @@ def build_status(*, now: float, monitor_pid: int, socket: str, started_at: float
                  hangs: Iterable[HangSummary], last_restart: InprocessRestart | None = None,
                  section_stats: SectionStats | None = None, progress: str | None = None,
                  last_iteration: int | None = None, last_exit: ExitSummary | None = None,
-                 last_gone: ExitSummary | None = None, snapshots: SnapshotsStatus | None = None) -> MonitorStatus:
+                 last_gone: ExitSummary | None = None, snapshots: SnapshotsStatus | None = None,
+                 first_progress: ExitSummary | None = None) -> MonitorStatus:
     """The status at ``now`` (pure); ``progress``: how the connected rank reports it."""
     hangs = list(hangs)
     rank = None
@@ -349,7 +358,13 @@ def build_status(*, now: float, monitor_pid: int, socket: str, started_at: float
         last_hang=hangs[-1] if hangs else None, last_restart=last_restart,
         section_stats=section_stats or SectionStats(),
         last_iteration=last_iteration, last_exit=last_exit, last_gone=last_gone, snapshots=snapshots,
+        first_progress=(ExitSummary(s.pid, FIRST_PROGRESS, s.trained_at) if s is not None and s.trained_at is not None
+                        else first_progress),
     )
+
+
+FIRST_PROGRESS = "first progress"
+"""`MonitorStatus.first_progress`'s reason."""
 
 
 PROGRESS_WORDS = {"record": "shared-memory record", "socket": "socket"}

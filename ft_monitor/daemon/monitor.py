@@ -40,7 +40,14 @@ from ft_monitor.core.policy import iteration_now
 from ft_monitor.core.section_stats import SectionStats
 from ft_monitor.core.settings import Settings
 from ft_monitor.core.state import Phase, Session
-from ft_monitor.core.status import ExitSummary, HangSummary, InprocessRestart, MonitorStatus, build_status
+from ft_monitor.core.status import (
+    FIRST_PROGRESS,
+    ExitSummary,
+    HangSummary,
+    InprocessRestart,
+    MonitorStatus,
+    build_status,
+)
 from ft_monitor.daemon import handlers, record_watch
 from ft_monitor.daemon.clock import Clock, SystemClock, Timer
 from ft_monitor.daemon.connection import Connection
@@ -104,6 +111,8 @@ class MonitorDaemon:
         self.last_exit: ExitSummary | None = None
         """The latest session's EXITING (handlers.py), for STATUS."""
         self.last_gone: ExitSummary | None = None
+        self.last_trained: ExitSummary | None = None
+        """When the latest ended session's process first made progress (`Session.trained_at`), for STATUS."""
         """When the latest session's process went without a GOODBYE (its connection closed, or
         its process exited with the connection held elsewhere), for STATUS."""
         self.section_stats = SectionStats()
@@ -287,6 +296,8 @@ class MonitorDaemon:
         phase = s.phase
         if phase is not Phase.CLOSING:
             self.last_gone = ExitSummary(s.pid, f"connection closed in phase {phase.value}", self.clock.now())
+        if s.trained_at is not None:
+            self.last_trained = ExitSummary(s.pid, FIRST_PROGRESS, s.trained_at)
         s.end()
         self._session_ended_at(iteration_now(s))
         if s.errors > handlers.MAX_LOGGED_SESSION_ERRORS:
@@ -367,5 +378,5 @@ class MonitorDaemon:
             iteration_high=self.iteration_high, session=self.rank.session if self.rank else None,
             hangs=self.hangs, last_restart=self.last_restart, section_stats=self.section_stats,
             progress=progress, last_iteration=self.last_iteration, last_exit=self.last_exit,
-            last_gone=self.last_gone, snapshots=self.snapshot_memory.status(),
+            last_gone=self.last_gone, snapshots=self.snapshot_memory.status(), first_progress=self.last_trained,
         )

@@ -16,7 +16,8 @@ NODE_EXCLUDED = 5
 """A rank asked that this node leave the job (WorkloadAction.ExcludeThisNode)."""
 STORE_UNREACHABLE = 6
 """The rendezvous store (etcd, or the c10d store's host) stopped answering after the workers
-had started (rdzv/store_gone.py): the job is intact, requeue once the store is back."""
+had started, or answered with a rendezvous state that cannot be parsed (rdzv/store_gone.py,
+rdzv/etcd_state.py): the job is intact, requeue once the store is back (or cleaned)."""
 
 
 def how(exitcode: int) -> str:

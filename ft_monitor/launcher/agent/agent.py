@@ -78,6 +78,7 @@ from ft_monitor.launcher.incident.decide import AttemptVerdict, decide_attempt_e
 from ft_monitor.launcher.incident.restarts import RestartTiming, all_stepping, failed_ranks, failure_restart
 from ft_monitor.launcher.incident.rollcall import RollCaller
 from ft_monitor.launcher.incident.rootcause import crash_error_data, write_error_file
+from ft_monitor.launcher.rdzv import etcd_state
 from ft_monitor.launcher.rdzv.rdzv_delay import no_first_run_delay
 from ft_monitor.launcher.rdzv.rounds import rendezvous_round, rounds_apart
 from ft_monitor.launcher.rdzv.static_rdzv import fresh_worker_store, worker_store_address
@@ -106,6 +107,7 @@ class FtLocalElasticAgent(HangHandling, _lea.LocalElasticAgent):
         self.crash: CrashVerdict | None = None
         """The latest failed attempt's verdict (crash.py), for the telemetry."""
         self.nodes = NodeMessages(ft.job_secret)
+        etcd_state.guard(self._worker_group.spec.rdzv_handler)  # torch's etcd state: parsed by us, refused in a line
         self.inprocess = InprocessWatch(ft.inprocess, ft.monitors)
         self._rounds = 0
         self.rollcall = RollCaller(ft.monitors.socket, socket.gethostname(), ft.config.roll_call_timeout,
@@ -156,6 +158,7 @@ class FtLocalElasticAgent(HangHandling, _lea.LocalElasticAgent):
         if self.ft.restarts and self.ft.restarts[-1].workers_started is None:
             timing = self.ft.restarts[-1]
             timing.workers_started = time.time()
+            timing.pids = frozenset(int(p) for p in pids.values())
             self._pending_first_step = timing
         return pids
 

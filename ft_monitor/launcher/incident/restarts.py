@@ -42,6 +42,8 @@ class RestartTiming:
     """A failure's verdict: the root and the ranks that failed because of it (crash.py)."""
     error_file: str | None = None
     """A failure's root's error.json on this node (what it raised, with its traceback), if any."""
+    pids: frozenset[int] = frozenset()
+    """The workers started after it (set with ``workers_started``): whose first progress is its first step."""
 
     def row(self) -> dict[str, Any]:
         """The summary's row: cause, rank, attempt, message and the phases (`breakdown`); a
@@ -102,13 +104,40 @@ def failure_restart(verdict: CrashVerdict, attempt: int, error_file: str | None 
                          crash=verdict, error_file=error_file)
 
 
-def all_stepping(timing: RestartTiming, statuses: Mapping[int, MonitorStatus | None]) -> bool:
-    """Whether every rank steps again after ``timing``'s restart; if so, its first step is
-    stamped and the timing line logged."""
-    if not all(st is not None and st.rank is not None and (st.rank.steps_started or st.rank.heartbeats)
-               for st in statuses.values()):
+def running_again_at(statuses: Mapping[int, MonitorStatus | None], pids: frozenset[int], *, wall: float,
+                     mono: float) -> float | None:
+    """When every local rank was stepping again (wall clock), from what each monitor recorded of
+    its worker's first progress (`MonitorStatus.first_progress`, monotonic, kept after the worker
+    ended) among ``pids`` (the restart's workers): the latest of them; None until each has one.
+    A monitor that records none (an older one) counts its connected rank once it steps, as of
+    ``wall`` (any pid when ``pids`` is empty). Pure: ``wall`` and ``mono`` are the two clocks
+    read at the same moment.
+
+    Not whether each is stepping at the moment of a look: the agent looks once per monitor tick,
+    and a tick waits for torch's look at the rendezvous (``num_nodes_waiting``), seconds on a slow
+    store (a connection flood: 5-10 s): the ranks started and finished between two looks, and the
+    restart's row never had its first step, its total nor the time lost (issue 49)."""
+    starts = []
+    for st in statuses.values():
+        first, live = (st.first_progress, st.rank) if st is not None else (None, None)
+        if first is not None and first.pid in pids:
+            starts.append(wall - max(0.0, mono - first.at))
+        elif first is None and live is not None and (live.steps_started or live.heartbeats) \
+                and (not pids or live.pid in pids):
+            starts.append(wall)
+    return max(starts) if statuses and len(starts) == len(statuses) else None
+
+
+def all_stepping(timing: RestartTiming, statuses: Mapping[int, MonitorStatus | None],
+                 clocks: tuple[float, float] | None = None) -> bool:
+    """Whether every rank steps again after ``timing``'s restart (`running_again_at`); if so, its
+    first step is stamped and the timing line logged. ``clocks``: (wall, monotonic) now, read here
+    when not given."""
+    wall, mono = clocks if clocks is not None else (time.time(), time.monotonic())
+    at = running_again_at(statuses, timing.pids, wall=wall, mono=mono)
+    if at is None:
         return False
-    timing.first_step = time.time()
+    timing.first_step = max(at, timing.workers_started or at)
     b = timing.breakdown()
     log.warning("ft-launcher: all ranks running again %.2fs after rank %d's %s was detected "
                 "(notify %.3fs, to stop %.3fs, stop %.3fs, rendezvous %.3fs, worker start %.3fs, "

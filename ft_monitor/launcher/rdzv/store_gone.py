@@ -11,8 +11,11 @@ command, do not requeue", while the job itself was fine.
 `unreachable` tells such an error from any other (by the names of torch's and python-etcd's
 connection errors anywhere in its chain: neither package need be importable here) and says
 it in one line; `outcome` adds STORE_UNREACHABLE once the job had started (requeue when
-the store is back) and LAUNCHER_ERROR before (the endpoint may be wrong). `QuietClient`
-holds back the lines that only repeat it: the store client's retries (shown at log level
+the store is back) and LAUNCHER_ERROR before (the endpoint may be wrong). A store that
+answers with a rendezvous state that cannot be parsed (`unparsable`: torch's ``etcd`` state
+refused by etcd_state.py, naming its key, or torch's own RendezvousStateError) is a store
+failure too, before or after the start: one line, STORE_UNREACHABLE (issue 49). `QuietClient`
+holds back the lines that only repeat either: the store client's retries (shown at log level
 DEBUG) and torch's report of the shutdown that failed for the same reason.
 """
 
@@ -22,9 +25,13 @@ import contextlib
 import logging
 from collections.abc import Iterator
 
+from ft_monitor.core.server_log import printable
 from ft_monitor.launcher import exit_codes
 
 GONE = frozenset({"RendezvousConnectionError", "EtcdConnectionFailed"})
+UNPARSABLE = frozenset({"EtcdStateError", "RendezvousStateError"})
+"""A state in the store that cannot be parsed: etcd_state.py's (it names the key) and torch's
+(its c10d and etcd-v2 backends: "The rendezvous state is corrupt")."""
 """Exceptions that mean the rendezvous store could not be reached: torch's, raised by its
 c10d and etcd-v2 backends, and python-etcd's, which torch's ``etcd`` backend lets through."""
 MAX_CHAIN = 16
@@ -52,13 +59,13 @@ def chain(error: BaseException) -> list[BaseException]:
     return out
 
 
-def _named_gone(e: BaseException) -> bool:
-    return any(c.__name__ in GONE for c in type(e).__mro__)
+def _named_gone(e: BaseException, names: frozenset[str] = GONE) -> bool:
+    return any(c.__name__ in names for c in type(e).__mro__)
 
 
 def is_gone(error: BaseException) -> bool:
-    """Whether ``error`` says the rendezvous store could not be reached."""
-    return any(_named_gone(e) for e in chain(error))
+    """Whether ``error`` says the rendezvous store could not be reached, or holds a state that cannot be parsed."""
+    return any(_named_gone(e, GONE | UNPARSABLE) for e in chain(error))
 
 
 def _line(e: BaseException) -> str:
@@ -84,16 +91,36 @@ def _reason(error: BaseException) -> str:
 
 def unreachable(error: BaseException, backend: str, endpoint: str) -> str | None:
     """The one line for ``error`` when it says the store went away, else None."""
-    if not is_gone(error):
+    if not any(_named_gone(e) for e in chain(error)):
         return None
     kind = "etcd" if backend.startswith("etcd") else backend
     return f"the rendezvous store ({kind} at {endpoint}, --rdzv-backend {backend}) is unreachable: {_reason(error)}"
 
 
+def unparsable(error: BaseException, backend: str, endpoint: str) -> str | None:
+    """The one line for ``error`` when it says the store holds a rendezvous state that cannot be
+    parsed (the key and why, where etcd_state.py refused it; torch's reason and its cause's else)."""
+    bad = next((e for e in chain(error) if _named_gone(e, UNPARSABLE)), None)
+    if bad is None:
+        return None
+    kind = "etcd" if backend.startswith("etcd") else backend
+    key, reason = getattr(bad, "key", None), getattr(bad, "reason", None)
+    if not isinstance(key, str) or not isinstance(reason, str):
+        cause = bad.__cause__
+        key, reason = "", _line(bad) + (f" ({type(cause).__name__}: {_line(cause)})" if cause is not None else "")
+    at = f" at {printable(key)}" if key else ""
+    return f"the rendezvous store ({kind} at {endpoint}, --rdzv-backend {backend}) holds a rendezvous state that " \
+           f"cannot be parsed{at}: {printable(reason)}"
+
+
 def outcome(error: BaseException, backend: str, endpoint: str, started: bool) -> tuple[str, int] | None:
     """The line and the exit code for ``error`` when it says the store went away (else None):
     STORE_UNREACHABLE once workers had run (``started``: it went away mid-job), LAUNCHER_ERROR
-    before (it never answered: the endpoint may be wrong)."""
+    before (it never answered: the endpoint may be wrong). A state that cannot be parsed:
+    STORE_UNREACHABLE either way (the store answered; what it holds was spoiled)."""
+    bad = unparsable(error, backend, endpoint)
+    if bad is not None:
+        return bad, exit_codes.STORE_UNREACHABLE
     line = unreachable(error, backend, endpoint)
     if line is None:
         return None
@@ -106,7 +133,7 @@ def repeats_it(record: logging.LogRecord) -> bool:
     if record.exc_info and record.exc_info[1] is not None:
         return is_gone(record.exc_info[1])
     message = record.getMessage()
-    return "failed to shutdown the rendezvous" in message and any(name in message for name in GONE)
+    return "failed to shutdown the rendezvous" in message and any(name in message for name in GONE | UNPARSABLE)
 
 
 class QuietClient(logging.Filter):

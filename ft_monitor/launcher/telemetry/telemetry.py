@@ -135,6 +135,7 @@ class Telemetry:
         self.local.attempt_started(ranks)
         if self._failure_timing is not None and self._failure_timing.workers_started is None:
             self._failure_timing.workers_started = now
+            self._failure_timing.pids = frozenset(int(p) for p in pids.values())
         self.events.emit("attempt_start", now, attempt=attempt, run_id=run_id, node_rank=node_rank,
                          ranks={str(ranks[lr]): {"local_rank": lr, "pid": pids.get(lr)} for lr in sorted(ranks)},
                          log_dir=log_dir)
@@ -352,14 +353,17 @@ class Telemetry:
     def _restart_progress(self, now: float, statuses: Mapping[int, MonitorStatus | None]) -> None:
         """Failure restarts: all ranks stepping again (the agent notes it for hang restarts).
         Any restart: once running, the iteration the ranks resumed from; then the restart event."""
+        from ft_monitor.launcher.incident.restarts import running_again_at  # torch's, once a restart is pending
+
         p = self.pending
         if p is None:
             return
         connected = [st.rank for st in statuses.values() if st is not None and st.rank is not None]
         all_up = len(connected) == len(statuses) and bool(connected)
-        if p.cause == "failure" and p.timing.first_step is None and p.timing.workers_started is not None \
-                and all_up and all(r.steps_started or r.heartbeats for r in connected):
-            p.timing.first_step = now
+        if p.cause == "failure" and p.timing.first_step is None and p.timing.workers_started is not None:
+            at = running_again_at(statuses, p.timing.pids, wall=now, mono=self.monotonic())
+            if at is not None:
+                p.timing.first_step = max(at, p.timing.workers_started)
         if p.timing.first_step is None:
             return
         resumed = [r.iteration_base for r in connected if r.iteration_base is not None]

@@ -164,6 +164,9 @@ def test_torchelastic_events_and_metrics_are_routed_while_the_run_lasts() -> Non
         te_events.construct_and_record_rdzv_event(run_id="r", message="joined", node_state=te_events.NodeState.INIT)
         te_events.construct_and_record_rdzv_event(run_id="r", message="alive", node_state=te_events.NodeState.RUNNING,
                                                   name="X._keep_alive")
+        te_events.construct_and_record_rdzv_event(  # each keep-alive's sync: counted, not a line
+            run_id="r", message="The node 'n' has successfully synced its local changes with other nodes in the "
+                                "rendezvous 'r'.", node_state=te_events.NodeState.RUNNING, name="X.run")
         for ms in (5, 7):
             te_metrics.put_metric("tick.duration.ms", ms, "torchelastic")
     te_metrics.put_metric("after", 1, "torchelastic")  # no longer ours
@@ -173,7 +176,8 @@ def test_torchelastic_events_and_metrics_are_routed_while_the_run_lasts() -> Non
     drained = metrics.drain()
     assert drained["torchelastic.tick.duration.ms"] == {"count": 2, "sum": 12.0, "min": 5.0, "max": 7.0,
                                                         "last": 7.0}
-    assert drained["rendezvous.keep_alive"]["count"] == 1 and metrics.drain() == {}
+    assert drained["rendezvous.keep_alive"]["count"] == 1 and drained["rendezvous.sync"]["count"] == 1
+    assert metrics.drain() == {}
 
 
 # -- the telemetry, with fake monitors and clocks ------------------------------------------------

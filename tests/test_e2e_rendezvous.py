@@ -8,6 +8,8 @@ there with a rank that starts its process group late after the restart too)."""
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -49,6 +51,12 @@ def _run_to_the_end(workdir: Path, flags_of: Callable[[int], tuple[str, ...]], l
     return nodes
 
 
+def _run_ids(la: Launcher) -> set[str]:
+    """The run ids of a launcher's attempt_start events."""
+    events = Path(la.summary()["observability"]["events"]).read_text().splitlines()
+    return {e["run_id"] for e in map(json.loads, events) if e["kind"] == "attempt_start"}
+
+
 def test_one_launcher_with_a_master_port_restarts_after_a_hang(workdir: Path) -> None:
     # new interpreters here; the two-launcher test below forks node 0's workers from its template
     la = Launcher(workdir, "--max-restarts", "2", train_args=HANG, warm=False,
@@ -57,6 +65,8 @@ def test_one_launcher_with_a_master_port_restarts_after_a_hang(workdir: Path) ->
     _finished(la)
     assert [h["rank"] for h in la.summary()["hangs"]] == [1]
     assert len(la.summary()["attempts"]) == 2
+    (run_id,) = _run_ids(la)  # torch's is "none" for every static job: the page merged two jobs
+    assert re.fullmatch(r"none-[0-9a-f]{16}", run_id), run_id
 
 
 def test_two_launchers_with_node_ranks_and_a_master_port_restart_after_a_hang(workdir: Path) -> None:
@@ -64,3 +74,5 @@ def test_two_launchers_with_node_ranks_and_a_master_port_restart_after_a_hang(wo
     nodes = _run_to_the_end(workdir, lambda g: ("--nnodes", "2", "--node-rank", str(g), "--master-addr", "127.0.0.1",
                                                 "--master-port", port), 2)
     assert all(len(n.summary()["attempts"]) == 2 for n in nodes)
+    ids = [_run_ids(n) for n in nodes]  # one identity, agreed by both nodes, kept by the restart's new store
+    assert ids[0] == ids[1] and len(ids[0]) == 1 and next(iter(ids[0])).startswith("none-"), ids

@@ -23,6 +23,7 @@ from ft_monitor.launcher.agent.agent import FtLocalElasticAgent
 from ft_monitor.launcher.agent.control import EventKind, LauncherEvent
 from ft_monitor.launcher.incident.decide import HangDecision
 from ft_monitor.launcher.stop_signal import reraise_stop
+from ft_monitor.launcher.store import job_identity
 from ft_monitor.launcher.telemetry.telemetry import Telemetry
 
 log = logging.getLogger("ft_monitor.launcher")
@@ -34,6 +35,8 @@ class FtObservedAgent(FtLocalElasticAgent):
         self.telemetry = telemetry
         self._attempt_open = False
         self._failed_telemetry = False
+        self._identity: str | None = None
+        """The job's identity agreed through the store, where torch's run id is ``none``."""
 
     def _tell(self, fn: Callable[..., None], *args: Any, **kwargs: Any) -> None:
         try:
@@ -52,10 +55,24 @@ class FtObservedAgent(FtLocalElasticAgent):
         pids: dict[int, Any] = super()._start_workers(worker_group)
         ranks = {w.local_rank: w.global_rank for w in worker_group.workers}
         self._attempt_open = True
-        self._tell(self.telemetry.attempt_started, self._attempt(), worker_group.spec.rdzv_handler.get_run_id(),
+        self._tell(self.telemetry.attempt_started, self._attempt(), self._run_id(worker_group),
                    worker_group.group_rank, ranks,
                    {lr: int(p) for lr, p in pids.items()}, self._run_log_dir())
         return pids
+
+    def _run_id(self, worker_group: WorkerGroup) -> str:
+        """torch's run id, or, where it is the default ``none``, one the launchers agree on
+        (job_identity.py): the report never merges two jobs' folders."""
+        torch_id = str(worker_group.spec.rdzv_handler.get_run_id())
+        if torch_id != job_identity.DEFAULT_RUN_ID:
+            return torch_id
+        mine = self._identity or job_identity.proposal()
+        try:
+            self._identity = job_identity.agree(worker_group.store, mine) if worker_group.store is not None else mine
+        except Exception as e:  # noqa: BLE001 - a store error here is the rendezvous's to report, not ours
+            reraise_stop(e)
+            self._identity = mine
+        return job_identity.run_id(torch_id, self._identity)
 
     def _run_log_dir(self) -> str | None:
         """torch's ``<log_dir>/<run_id>_<random>`` (the parent of ``attempt_N``), where events.jsonl goes."""

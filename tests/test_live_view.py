@@ -117,12 +117,14 @@ def test_status_lists_running_launchers_only_and_takes_the_runs_log_folder(tmp_p
         assert str(stale / "monitor0.sock") not in listening_sockets()
         assert find_run_dirs(str(tmp_path)) == [live]
         assert find_run_dirs(str(tmp_path), listening=set()) == [live, stale]  # no table: nothing passed over
-        logs = tmp_path / "run_abc"
+        logs = tmp_path / "run_abc"  # the run's log folder, which the running launcher names in its own
         logs.mkdir()
-        (logs / "events.jsonl").write_text(json.dumps({"kind": "launcher_start", "run_dir": str(live)}) + "\n")
-        assert run_dir_of_log_folder(logs) == live and run_dir_of_log_folder(tmp_path) is None
-        (logs / "events.jsonl").write_text(json.dumps({"kind": "launcher_start", "run_dir": str(tmp_path / "x")}))
-        assert status_main([str(logs)]) == 1
-        assert f"the launcher of {logs} has exited" in capsys.readouterr().err
+        (logs / "events.jsonl").write_text(json.dumps({"kind": "launcher_start"}) + "\n")
+        (live / "log-folder").write_text(str(logs))
+        (live / "log-folder").chmod(0o600)
+        assert run_dir_of_log_folder(logs, base=str(tmp_path)) == live
+        assert run_dir_of_log_folder(tmp_path, base=str(tmp_path)) is None
+        assert status_main([str(logs)]) == 1  # under /tmp, no running launcher names it
+        assert f"no running launcher of yours writes to {logs} (it has exited)" in capsys.readouterr().err
     finally:
         listener.close()

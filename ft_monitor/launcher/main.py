@@ -81,13 +81,15 @@ def status_main(argv: list[str]) -> int:
     add_live_view_flags(parser)
     args = parser.parse_args(argv)
     dirs = []
-    for d in args.dirs:  # the run's log folder (what `ft-monitor report` takes) names its launcher's
-        found = run_dir_of_log_folder(d)
-        if found is not None and not found.is_dir():
-            print(f"ft-launcher status: the launcher of {d} has exited (its monitors are gone); "
-                  f"ft-monitor report {d} makes the run's page", file=sys.stderr)
-            return EXIT_FAILURE
-        dirs.append(str(found or d))
+    for d in args.dirs:  # or the run's log folder (what `ft-monitor report` takes): its launcher's, if it runs
+        if os.path.isfile(os.path.join(d, "events.jsonl")):
+            found = run_dir_of_log_folder(d)
+            if found is None:
+                print(f"ft-launcher status: no running launcher of yours writes to {d} (it has exited); "
+                      f"ft-monitor report {d} makes the run's page", file=sys.stderr)
+                return EXIT_FAILURE
+            d = str(found)
+        dirs.append(d)
     dirs = dirs or [str(d) for d in find_run_dirs()]
     if not dirs:
         print("ft-launcher status: no running ft-launcher of yours found under /tmp (give its run directory, "
@@ -241,7 +243,7 @@ def launch(args: argparse.Namespace, config: Settings | FaultToleranceConfig, su
     telemetry = Telemetry(config=config, monitors=monitors, host=socket.gethostname(), nproc=monitors.nproc,
                           max_restarts=args.max_restarts, job_secret=job_secret)
     try:
-        metrics = _start_metrics(config, telemetry, str(run_dir))
+        metrics = _start_metrics(config, telemetry)
     except OSError as e:
         log.error("ft-launcher: cannot serve /metrics on %s port %s: %s", config.metrics_address, config.metrics_port,
                   e.strerror or e)
@@ -326,7 +328,7 @@ def _warm_starts(args: argparse.Namespace, run_dir: Path, early: Any = None) -> 
     return warm
 
 
-def _start_metrics(config: Settings, telemetry: Any, run_dir: str | None = None) -> Any:
+def _start_metrics(config: Settings, telemetry: Any) -> Any:
     """/metrics (``metrics_port``) and the node-exporter textfile (``metrics_textfile``), if asked for."""
     from ft_monitor.launcher.telemetry.metrics import registry, write_textfile
     from ft_monitor.launcher.telemetry.metrics_http import MetricsServer
@@ -339,7 +341,7 @@ def _start_metrics(config: Settings, telemetry: Any, run_dir: str | None = None)
     textfile = config.metrics_textfile
     if textfile is not None:
         telemetry.write_textfile = functools.partial(write_textfile, textfile, reg)
-    telemetry.launcher_started(None if server is None else server.url, textfile, run_dir)
+    telemetry.launcher_started(None if server is None else server.url, textfile)
     return server
 
 

@@ -17,7 +17,6 @@ two), and `view_lines` fits a view to its height, so that `--watch` redraws in p
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import stat
@@ -110,21 +109,21 @@ def listening_sockets(table: str = "/proc/net/unix") -> set[str]:
     return out
 
 
-def run_dir_of_log_folder(folder: str | os.PathLike[str]) -> Path | None:
-    """The launcher's run directory (its monitors' sockets) for a run's log folder, the folder
-    ``ft-monitor report`` takes (events.jsonl there names it); None where it names none."""
-    events = Path(folder) / "events.jsonl"
-    try:
-        with open(events, encoding="utf-8", errors="replace") as f:
-            first = f.readline(1 << 16)
-    except OSError:
-        return None
-    try:
-        data = json.loads(first)
-    except ValueError:
-        return None
-    run_dir = data.get("run_dir") if isinstance(data, dict) and data.get("kind") == "launcher_start" else None
-    return Path(run_dir) if isinstance(run_dir, str) and run_dir.startswith("/") else None
+def run_dir_of_log_folder(folder: str | os.PathLike[str], base: str = "/tmp") -> Path | None:
+    """The running launcher's directory (its monitors' sockets) whose run writes to ``folder``,
+    the run's log folder that ``ft-monitor report`` takes (the launcher names it there,
+    `LOG_FOLDER_FILE`); None where no running launcher of this user's does."""
+    from ft_client.safefiles import read_bounded
+    from ft_monitor.launcher.telemetry.events import LOG_FOLDER_FILE
+
+    wanted = os.path.realpath(folder)
+    for d in find_run_dirs(base):
+        try:
+            if read_bounded(d / LOG_FOLDER_FILE, 4096) == wanted:
+                return d
+        except OSError:
+            continue
+    return None
 
 
 def _secs(v: float | None, digits: int = 1) -> str:

@@ -43,9 +43,13 @@ OPT_MAP = (dict, type(None))
 ENVELOPE: dict[str, tuple[type, ...]] = {"v": (int,), "seq": (int,), "time": NUM, "kind": (str,), "host": (str,),
                                          "launcher_pid": (int,)}
 
+LOG_FOLDER_FILE = "log-folder"
+"""In the launcher's private folder (its monitors' sockets): the run's log folder, where
+events.jsonl is (`ft-launcher status LOG_FOLDER` finds the launcher by it)."""
+
 SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
     "launcher_start": {"nproc_per_node": (int,), "max_restarts": (int,), "metrics_url": OPT_STR,
-                       "metrics_textfile": OPT_STR},  # and run_dir: not required (older files lack it)
+                       "metrics_textfile": OPT_STR},
     "attempt_start": {"attempt": (int,), "run_id": (str,), "node_rank": OPT_INT, "ranks": (dict,),
                       "log_dir": OPT_STR},
     "hang": {"attempt": (int,), "rank": (int,), "local_rank": OPT_INT, "pid": OPT_INT, "reason": (str,),

@@ -24,14 +24,17 @@ and the launcher only reads their summaries.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
+from ft_client.safefiles import write_bytes_atomic
 from ft_client.timeouts import STEP_SECTION
 from ft_monitor.core.status import MonitorStatus
-from ft_monitor.launcher.telemetry.events import EventLog
+from ft_monitor.launcher.telemetry.events import LOG_FOLDER_FILE, EventLog
 from ft_monitor.launcher.telemetry.goodput import Goodput, Incident, goodput
 from ft_monitor.launcher.telemetry.local_ranks import POLL_INTERVAL, LocalRanks
 from ft_monitor.launcher.telemetry.metrics import Snapshot
@@ -112,12 +115,10 @@ class Telemetry:
         return self.slow.flagged
 
     # -- the agent tells ---------------------------------------------------------
-    def launcher_started(self, metrics_url: str | None, textfile: str | None, run_dir: str | None = None) -> None:
-        """``run_dir``: the launcher's private folder of monitor sockets (`ft-launcher status`
-        finds it from the run's log folder through this event)."""
+    def launcher_started(self, metrics_url: str | None, textfile: str | None) -> None:
         self.metrics_url, self.textfile = metrics_url, textfile
         self.events.emit("launcher_start", self.clock(), nproc_per_node=self.nproc, max_restarts=self.max_restarts,
-                         metrics_url=metrics_url, metrics_textfile=textfile, run_dir=run_dir)
+                         metrics_url=metrics_url, metrics_textfile=textfile)
 
     def attempt_started(self, attempt: int, run_id: str, node_rank: int | None, ranks: Mapping[int, int],
                         pids: Mapping[int, int], log_dir: str | None) -> None:
@@ -125,6 +126,7 @@ class Telemetry:
         now = self.clock()
         if log_dir is not None and self.events.path is None and self.events.attach(log_dir) is not None:
             log.info("ft-launcher: events in %s", self.events.path)
+            self._name_log_folder(log_dir)
         self._flush_torch_metrics(now)
         self.attempt = attempt
         self.group_starts += 1
@@ -338,6 +340,18 @@ class Telemetry:
         self.events.close()
 
     # -- inside ----------------------------------------------------------------------
+    def _name_log_folder(self, log_dir: str) -> None:
+        """The run's log folder, named in the launcher's private folder (`LOG_FOLDER_FILE`):
+        `ft-launcher status LOG_FOLDER` finds this launcher's monitors by it. Nothing that
+        outlives the launcher names its private folder."""
+        run_dir = getattr(self.monitors, "run_dir", None)
+        if run_dir is None:
+            return
+        try:
+            write_bytes_atomic(Path(run_dir) / LOG_FOLDER_FILE, os.path.realpath(log_dir).encode())
+        except OSError as e:
+            log.warning("ft-launcher: cannot name the log folder in %s: %s", run_dir, e)
+
     def _count_hang(self, summary: Mapping[str, Any]) -> None:
         """One more hang of the culprit ``summary`` names (a row whose culprit is on another node
         names it too), as its ``hang`` event does."""

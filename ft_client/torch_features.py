@@ -1,0 +1,100 @@
+"""Where the torch minors ft-monitor supports (2.6 to 2.14) differ, each difference one seam,
+chosen once by what the installed torch has (a feature test, not a version comparison).
+
+A `Feature` names what ft-monitor does with it and the torch it works from; `off` lists those
+the installed torch lacks, one line each, which ft-launcher prints at start (and nothing later
+raises a traceback for them). The values the rest of the code reads (`flight_recorder`) are
+taken from here, so that no other module tests torch's version or internals for these.
+
+Found by running the product on torch 2.6.0, 2.13.0 and 2.14.1 and reading the wheels of every
+minor between (docs/launcher.md, "torch versions"):
+
+* Flight Recorder: from torch 2.8 it is torch's own (``TORCH_FR_BUFFER_SIZE``,
+  ``TORCH_FR_DUMP_TEMP_FILE``, ``_dump_fr_trace_json``) and records gloo's collectives too;
+  before, it is NCCL's only, under NCCL's names (``TORCH_NCCL_TRACE_BUFFER_SIZE``,
+  ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``, ``_dump_nccl_trace_json``), so a CPU (gloo) job has no
+  trace and a hang's verdict comes from the ranks' stacks alone.
+
+Nothing here imports torch at module load; the tests run at the first question, once.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Feature:
+    """One place where the supported torch minors differ."""
+
+    name: str
+    """What ft-monitor does with it, as the start-up line names it."""
+    since: str
+    """The torch minor it works from."""
+    without: str
+    """What happens instead on an older torch."""
+
+    def line(self, version: str) -> str:
+        return f"{self.name} is off on torch {version} (it works from torch {self.since}): {self.without}"
+
+
+FLIGHT_RECORDER = Feature(
+    "the Flight Recorder of gloo's collectives (a hang's verdict from every rank's last collectives)",
+    "2.8",
+    "torch's Flight Recorder here is NCCL's only, so a gloo job's verdict comes from the ranks' stacks alone")
+
+
+@dataclass(frozen=True)
+class FlightRecorder:
+    """The names under which the installed torch's Flight Recorder is configured and read."""
+
+    buffer_env: str
+    """Entries each process keeps (0 or unset: off), read when a process group is made."""
+    buffer_envs: tuple[str, ...]
+    """Every name of the buffer's size some supported torch reads (one already set: the user's)."""
+    dump_function: str
+    """The name in ``torch._C._distributed_c10d`` that returns this process's trace as JSON."""
+    records_gloo: bool
+
+
+FR_BUFFER_ENVS = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+FR_DUMP_ENVS = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+"""Where torch's watchdog writes a rank's dump (a prefix: torch appends the rank): torch's name from
+2.8, NCCL's before (2.8 and later read it too). Both are always set, so that no torch writes to its
+default /tmp/nccl_trace_rank_<rank>."""
+MODERN_FR = FlightRecorder("TORCH_FR_BUFFER_SIZE", FR_BUFFER_ENVS, "_dump_fr_trace_json", True)
+NCCL_FR = FlightRecorder("TORCH_NCCL_TRACE_BUFFER_SIZE", FR_BUFFER_ENVS, "_dump_nccl_trace_json", False)
+
+
+def _c10d() -> Any:
+    try:
+        from torch._C import _distributed_c10d as c10d
+    except ImportError:
+        return None
+    return c10d
+
+
+@functools.cache
+def flight_recorder() -> FlightRecorder:
+    """The installed torch's Flight Recorder names: torch's own from 2.8 (it has
+    ``_dump_fr_trace_json``), NCCL's before."""
+    c10d = _c10d()
+    return MODERN_FR if c10d is None or hasattr(c10d, MODERN_FR.dump_function) else NCCL_FR
+
+
+def version() -> str | None:
+    try:
+        import torch
+    except ImportError:
+        return None
+    return str(torch.__version__)
+
+
+def off() -> list[str]:
+    """One line for each feature the installed torch lacks (empty on a torch that has them all)."""
+    found = version()
+    if found is None:
+        return []
+    return [f.line(found) for f, present in ((FLIGHT_RECORDER, flight_recorder().records_gloo),) if not present]

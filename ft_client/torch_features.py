@@ -9,6 +9,11 @@ taken from here, so that no other module tests torch's version or internals for 
 Found by running the product on torch 2.6.0, 2.13.0 and 2.14.1 and reading the wheels of every
 minor between (docs/launcher.md, "torch versions"):
 
+* A second connection to a store (``Store.clone()``): from torch 2.8. Before, `store_connection`
+  opens one to a plain TCPStore itself (a new client of the same server); a store under a
+  PrefixStore (torch's rendezvous store, as ft-launcher's agents hold it), whose prefix torch
+  does not expose before 2.8, has none: its counters are added to on its own connection, and a
+  counter another user spoils closes that connection (ft_client/store/counter.py).
 * Flight Recorder: from torch 2.8 it is torch's own (``TORCH_FR_BUFFER_SIZE``,
   ``TORCH_FR_DUMP_TEMP_FILE``, ``_dump_fr_trace_json``) and records gloo's collectives too;
   before, it is NCCL's only, under NCCL's names (``TORCH_NCCL_TRACE_BUFFER_SIZE``,
@@ -44,6 +49,14 @@ FLIGHT_RECORDER = Feature(
     "the Flight Recorder of gloo's collectives (a hang's verdict from every rank's last collectives)",
     "2.8",
     "torch's Flight Recorder here is NCCL's only, so a gloo job's verdict comes from the ranks' stacks alone")
+
+
+STORE_CLONE = Feature(
+    "a private connection for the launchers' counters in the rendezvous store",
+    "2.8",
+    "torch's PrefixStore (the launchers' rendezvous store) cannot be reconnected before 2.8, so a counter there "
+    "that another user who reaches the store spoils closes the launcher's connection to it (the in-process "
+    "Wrapper's store, a plain TCPStore, gets a new client of its own)")
 
 
 @dataclass(frozen=True)
@@ -84,6 +97,31 @@ def flight_recorder() -> FlightRecorder:
     return MODERN_FR if c10d is None or hasattr(c10d, MODERN_FR.dump_function) else NCCL_FR
 
 
+@functools.cache
+def store_clone() -> bool:
+    """torch's stores have ``clone()`` (a new connection to the same server and keys)."""
+    try:
+        from torch._C._distributed_c10d import Store
+    except ImportError:
+        return False
+    return hasattr(Store, "clone")
+
+
+def store_connection(store: Any) -> Any:
+    """A new connection to ``store``'s server and keys, or None where there is none: ``clone()``
+    where torch has it (from 2.8); before, a new client of a plain TCPStore. Raises what torch
+    raises when the server cannot be reached."""
+    if store_clone():
+        return store.clone()
+    from torch._C._distributed_c10d import TCPStore
+
+    if type(store) is not TCPStore:
+        return None
+    server: Any = store  # torch's stubs name neither timeout nor libuvBackend
+    return TCPStore(server.host, server.port, is_master=False, timeout=server.timeout, wait_for_workers=False,
+                    use_libuv=server.libuvBackend)
+
+
 def version() -> str | None:
     try:
         import torch
@@ -97,4 +135,5 @@ def off() -> list[str]:
     found = version()
     if found is None:
         return []
-    return [f.line(found) for f, present in ((FLIGHT_RECORDER, flight_recorder().records_gloo),) if not present]
+    checks = ((STORE_CLONE, store_clone()), (FLIGHT_RECORDER, flight_recorder().records_gloo))
+    return [f.line(found) for f, present in checks if not present]

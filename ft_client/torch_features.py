@@ -14,6 +14,9 @@ minor between (docs/launcher.md, "torch versions"):
   PrefixStore (torch's rendezvous store, as ft-launcher's agents hold it), whose prefix torch
   does not expose before 2.8, has none: its counters are added to on its own connection, and a
   counter another user spoils closes that connection (ft_client/store/counter.py).
+* FSDP2 (``fully_shard``) on CPU: from torch 2.7 (its all-gather records an event on
+  ``torch.cpu.Stream``, which has ``record_event`` from 2.7); before, fully_shard needs a GPU.
+  Snapshots of DTensors (ft_client.snapshot) work on 2.6 whatever made them.
 * Flight Recorder: from torch 2.8 it is torch's own (``TORCH_FR_BUFFER_SIZE``,
   ``TORCH_FR_DUMP_TEMP_FILE``, ``_dump_fr_trace_json``) and records gloo's collectives too;
   before, it is NCCL's only, under NCCL's names (``TORCH_NCCL_TRACE_BUFFER_SIZE``,
@@ -57,6 +60,12 @@ STORE_CLONE = Feature(
     "torch's PrefixStore (the launchers' rendezvous store) cannot be reconnected before 2.8, so a counter there "
     "that another user who reaches the store spoils closes the launcher's connection to it (the in-process "
     "Wrapper's store, a plain TCPStore, gets a new client of its own)")
+
+
+FSDP2_CPU = Feature(
+    "FSDP2 (fully_shard) on CPU with gloo",
+    "2.7",
+    "fully_shard needs a GPU here (torch.cpu.Stream has no record_event); snapshots of DTensors still work")
 
 
 @dataclass(frozen=True)
@@ -122,6 +131,16 @@ def store_connection(store: Any) -> Any:
                     use_libuv=server.libuvBackend)
 
 
+@functools.cache
+def fsdp2_on_cpu() -> bool:
+    """torch's fully_shard can run on CPU (gloo): ``torch.cpu.Stream`` records events."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    return hasattr(getattr(getattr(torch, "cpu", None), "Stream", None), "record_event")
+
+
 def version() -> str | None:
     try:
         import torch
@@ -135,5 +154,6 @@ def off() -> list[str]:
     found = version()
     if found is None:
         return []
-    checks = ((STORE_CLONE, store_clone()), (FLIGHT_RECORDER, flight_recorder().records_gloo))
+    checks = ((STORE_CLONE, store_clone()), (FSDP2_CPU, fsdp2_on_cpu()),
+              (FLIGHT_RECORDER, flight_recorder().records_gloo))
     return [f.line(found) for f, present in checks if not present]

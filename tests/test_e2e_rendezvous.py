@@ -49,6 +49,7 @@ def _run_to_the_end(workdir: Path, flags_of: Callable[[int], tuple[str, ...]], l
     return nodes
 
 
+@pytest.mark.compat
 def test_one_launcher_with_a_master_port_restarts_after_a_hang(workdir: Path) -> None:
     # new interpreters here; the two-launcher test below forks node 0's workers from its template
     la = Launcher(workdir, "--max-restarts", "2", train_args=HANG, warm=False,
@@ -59,6 +60,7 @@ def test_one_launcher_with_a_master_port_restarts_after_a_hang(workdir: Path) ->
     assert len(la.summary()["attempts"]) == 2
 
 
+@pytest.mark.compat
 def test_two_launchers_with_node_ranks_and_a_master_port_restart_after_a_hang(workdir: Path) -> None:
     port = str(free_port())
     nodes = _run_to_the_end(workdir, lambda g: ("--nnodes", "2", "--node-rank", str(g), "--master-addr", "127.0.0.1",

@@ -21,6 +21,8 @@ from ft_monitor.launcher.agent.inprocess import InprocessLedger
 from tests.procs import wait_until
 from tests.test_client_states import QUIET, ThreadDaemon
 
+pytestmark = pytest.mark.compat  # also run on the oldest and newest torch (scripts/test-compat)
+
 # -- timeline (pure) ------------------------------------------------------------------
 
 

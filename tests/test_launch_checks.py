@@ -23,6 +23,8 @@ from ft_monitor.core.timeout_order import Facts, Limit, facts, inversions
 from ft_monitor.launcher import main as launcher_main
 from ft_monitor.launcher.agent import torch_support
 
+pytestmark = pytest.mark.compat  # also run on the oldest and newest torch (scripts/test-compat)
+
 ROOT = Path(__file__).resolve().parent.parent
 GLOO_DEFAULT = Limit(1800.0, "torch's default process-group timeout, 1800 s")
 

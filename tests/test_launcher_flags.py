@@ -18,6 +18,8 @@ from ft_monitor.launcher.nvrx_flags import FLAGS, NvrxFlag, Outcome
 from tests.launchers import Launcher
 from tests.procs import ROOT
 
+pytestmark = pytest.mark.compat  # also run on the oldest and newest torch (scripts/test-compat)
+
 TRAIN = "examples/train_ddp.py"
 CFG = str(ROOT / "examples" / "ft.yaml")
 

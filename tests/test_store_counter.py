@@ -25,6 +25,8 @@ from tests import test_rollcall_attacks as attacks
 from tests.test_inprocess_parts import SIGNER
 from tests.test_rollcall import FakeStore
 
+pytestmark = pytest.mark.compat  # also run on the oldest and newest torch (scripts/test-compat)
+
 PREFIX = "torch.rendezvous.run.0"
 """Round 0's prefix of test_rollcall_attacks' stores (its ``client``)."""
 port = attacks.port  # the store fixture, the same

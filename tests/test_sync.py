@@ -14,6 +14,8 @@ import pytest
 from ft_client.learning.sync import device_type_for_backend, max_across_ranks
 from tests import zygote
 
+pytestmark = pytest.mark.compat  # also run on the oldest and newest torch (scripts/test-compat)
+
 REPO = Path(__file__).resolve().parents[1]
 WORLD = 4
 

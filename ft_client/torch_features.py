@@ -14,6 +14,15 @@ minor between (docs/launcher.md, "torch versions"):
   PrefixStore (torch's rendezvous store, as ft-launcher's agents hold it), whose prefix torch
   does not expose before 2.8, has none: its counters are added to on its own connection, and a
   counter another user spoils closes that connection (ft_client/store/counter.py).
+* Aborting a process group (``distributed_c10d._abort_process_group``): from torch 2.7 every
+  backend's (``ProcessGroup.abort``); in 2.6 NCCL's only, a no-op for gloo that leaves the group
+  in place, so an in-process restart's next ``init_process_group`` failed ("trying to initialize
+  the default process group twice"). `group_abort` tells them apart; before 2.7 the in-process
+  Wrapper destroys the (held) groups instead (ft_client/inprocess/abort.py).
+* torch's failure table: from 2.10 it lists, beside the worker that failed first, the workers it
+  then stopped (``SubprocessContext._capture_process_failures``); before, only the first, so a
+  crash's victims went unnamed. `failures_list_stopped_workers` tells them apart, and before 2.10
+  ft-launcher adds the stopped workers' exits itself (ft_monitor/launcher/agent/torch_support.py).
 * FSDP2 (``fully_shard``) on CPU: from torch 2.7 (its all-gather records an event on
   ``torch.cpu.Stream``, which has ``record_event`` from 2.7); before, fully_shard needs a GPU.
   Snapshots of DTensors (ft_client.snapshot) work on 2.6 whatever made them.
@@ -129,6 +138,27 @@ def store_connection(store: Any) -> Any:
     server: Any = store  # torch's stubs name neither timeout nor libuvBackend
     return TCPStore(server.host, server.port, is_master=False, timeout=server.timeout, wait_for_workers=False,
                     use_libuv=server.libuvBackend)
+
+
+@functools.cache
+def group_abort() -> bool:
+    """torch aborts a process group of any backend (``ProcessGroup.abort``, from 2.7); in 2.6 its
+    ``_abort_process_group`` aborts NCCL's communicators only."""
+    try:
+        from torch._C._distributed_c10d import ProcessGroup
+    except ImportError:
+        return False
+    return hasattr(ProcessGroup, "abort")
+
+
+@functools.cache
+def failures_list_stopped_workers() -> bool:
+    """torch's failure table lists the workers it stopped after the first failure (from 2.10)."""
+    try:
+        from torch.distributed.elastic.multiprocessing.api import SubprocessContext
+    except ImportError:
+        return False
+    return hasattr(SubprocessContext, "_capture_process_failures")
 
 
 @functools.cache

@@ -14,8 +14,6 @@ import pytest
 from ft_client.learning.sync import device_type_for_backend, max_across_ranks
 from tests import zygote
 
-pytestmark = pytest.mark.compat  # also run on the oldest and newest torch (scripts/test-compat)
-
 REPO = Path(__file__).resolve().parents[1]
 WORLD = 4
 
@@ -59,6 +57,7 @@ def test_four_gloo_ranks_agree_on_elementwise_max(tmp_path: Path) -> None:
     assert results == [expected] * WORLD
 
 
+@pytest.mark.compat
 def test_without_process_group_values_are_returned_unchanged() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch may warn on import (e.g. numpy missing)
@@ -70,6 +69,7 @@ def test_without_process_group_values_are_returned_unchanged() -> None:
     assert result is not values
 
 
+@pytest.mark.compat
 @pytest.mark.timeout(60)
 def test_torch_is_not_imported_when_never_used() -> None:
     code = (
@@ -81,6 +81,7 @@ def test_torch_is_not_imported_when_never_used() -> None:
     assert proc.returncode == 0, proc.stderr
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize(
     ("backend", "device"),
     [

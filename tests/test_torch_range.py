@@ -5,16 +5,19 @@ containers ship), ft-monitor leaves it alone; a torch outside the range makes pi
 pip runs for real (``install --dry-run --report``) with no index (``--no-index``, nothing is
 downloaded) in this test's interpreter, whose other dependencies are installed, beside a fake
 installed ``torch`` (a dist-info of the version under test, first on ``PYTHONPATH``, where pip
-looks for installed distributions before the environment's own)."""
+looks for installed distributions before the environment's own). ft-monitor is a wheel whose
+metadata is pyproject.toml's; installing the checkout itself beside torch 2.6.0 and 2.14.1 was
+done by hand (docs/launcher.md, "torch versions")."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
+import tomllib
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -43,16 +46,22 @@ def test_the_specifier_admits_every_supported_minor_and_its_pre_releases_and_loc
     assert spec.contains("2.6.0a0+ecf3bae40a.nv25.01") and not spec.contains(Version("2.5.99"))
 
 
-def _project_copy(dest: Path) -> Path:
-    """What pip needs to read ft-monitor's metadata (pyproject.toml, the readme, the packages'
-    names), outside the checkout, so that building metadata writes nothing into it."""
-    dest.mkdir()
-    shutil.copy(ROOT / "pyproject.toml", dest)
-    shutil.copy(ROOT / "README.md", dest)
-    for package in ("ft_client", "ft_monitor"):
-        (dest / package).mkdir()
-        (dest / package / "__init__.py").write_text("")
-    return dest
+def _wheel(dest: Path) -> Path:
+    """ft-monitor as pip resolves it: a wheel whose metadata is pyproject.toml's [project] (name,
+    version, Python, dependencies), made here so that no build backend runs (the environments of
+    the compatibility tier have no setuptools new enough, and an isolated build needs the index)."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    name, version = project["name"].replace("-", "_"), project["version"]
+    info = f"{name}-{version}.dist-info"
+    metadata = "".join([f"Metadata-Version: 2.1\nName: {project['name']}\nVersion: {version}\n",
+                        f"Requires-Python: {project['requires-python']}\n",
+                        *(f"Requires-Dist: {req}\n" for req in project["dependencies"])])
+    wheel = dest / f"{name}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr(f"{info}/METADATA", metadata)
+        z.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(f"{info}/RECORD", "")
+    return wheel
 
 
 def _fake_torch(site: Path, version: str) -> None:
@@ -65,13 +74,13 @@ def _fake_torch(site: Path, version: str) -> None:
 
 
 def _dry_run(tmp_path: Path, torch_version: str) -> subprocess.CompletedProcess[str]:
-    project = _project_copy(tmp_path / "project")
+    wheel = _wheel(tmp_path)
     site = tmp_path / "site"
     _fake_torch(site, torch_version)
     env = {**os.environ, "PYTHONPATH": str(site), "PIP_CONSTRAINT": "", "PIP_FIND_LINKS": "",
            "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_CONFIG_FILE": os.devnull}
-    cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--no-index", "--no-build-isolation",
-           "--report", str(tmp_path / "report.json"), "--quiet", str(project)]
+    cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--no-index", "--report", str(tmp_path / "report.json"),
+           "--quiet", str(wheel)]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
 
 

@@ -194,3 +194,27 @@ def process_group_default() -> Limit:
     seconds = constants.default_pg_timeout.total_seconds()
     return Limit(seconds, f"torch's default process-group timeout, {seconds:g} s (no process_group_timeout set; "
                           "this torch has no NCCL)")
+
+
+def with_stopped_workers(failures: dict[int, Any], pcontext: Any, workers: list[Any]) -> dict[int, Any]:
+    """``failures`` (global rank -> ProcessFailure) with the workers torch stopped after the first
+    failure and that exited non-zero, as torch lists them itself from 2.10
+    (`ft_client.torch_features.failures_list_stopped_workers`); before 2.10 they are read here
+    from the exit codes of torch's (already reaped) processes, so a crash's victims are named."""
+    from ft_client.torch_features import failures_list_stopped_workers
+
+    handlers = getattr(pcontext, "subprocess_handlers", None)
+    if failures_list_stopped_workers() or not failures or not isinstance(handlers, dict):
+        return failures
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    error_files = getattr(pcontext, "error_files", None) or {}
+    out = dict(failures)
+    for worker in workers:
+        proc: Any = getattr(handlers.get(worker.local_rank), "proc", None)
+        code = getattr(proc, "returncode", None)
+        if worker.global_rank in out or not isinstance(code, int) or code == 0:
+            continue
+        out[worker.global_rank] = ProcessFailure(local_rank=worker.local_rank, pid=proc.pid, exitcode=code,
+                                                 error_file=error_files.get(worker.local_rank, ""))
+    return out

@@ -63,6 +63,10 @@ def model_and_optimizer(lr: float) -> tuple[nn.Module, torch.optim.Optimizer]:
 
 
 def main() -> None:
+    from ft_client import torch_features
+
+    if not torch_features.fsdp2_on_cpu():  # torch 2.6: one line, not fully_shard's traceback mid-step
+        raise SystemExit(f"train_fsdp2.py: {torch_features.FSDP2_CPU.line(str(torch_features.version()))}")
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--lr", type=float, default=0.01)

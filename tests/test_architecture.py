@@ -64,7 +64,7 @@ CLIENT_WORDS = {
     # ft_client's hall: the words both sides share; each imports only other words
     "ft_client.errors", "ft_client.env", "ft_client.names", "ft_client.logs", "ft_client.workload",
     "ft_client.process_group", "ft_client.timeouts", "ft_client.session_info", "ft_client.safefiles",
-    "ft_client.collectives",
+    "ft_client.collectives", "ft_client.torch_features",
 }
 CLIENT_DOORS = {
     # ft_client's public façade and the doors kept for documented paths: they may import any room

@@ -21,6 +21,8 @@ from ft_monitor.daemon import record_watch
 from tests.procs import wait_until
 from tests.test_client_states import QUIET, ThreadDaemon
 
+pytestmark = pytest.mark.compat  # also run on the oldest and newest torch (scripts/test-compat)
+
 
 def stored(c: RankMonitorClient, slots: int = 2) -> RecordView:
     assert c._record is not None

@@ -25,6 +25,8 @@ from ft_monitor.core.settings import Settings
 from ft_monitor.daemon.monitor import MonitorDaemon
 from tests.procs import wait_until
 
+pytestmark = pytest.mark.compat  # also run on the oldest and newest torch (scripts/test-compat)
+
 
 class NoSignals:
     """ProcessOps that never touch a process (the rank here is the test itself)."""

@@ -32,6 +32,8 @@ from ft_monitor.daemon.monitor import MonitorDaemon
 from ft_monitor.daemon.record_map import RecordUnavailable, create_record
 from tests.test_daemon_inprocess import INPROCESS, FakeOps, Peer, _reentered, run, settle
 
+pytestmark = pytest.mark.compat  # also run on the oldest and newest torch (scripts/test-compat)
+
 MODES = ["record", "socket"]
 
 

@@ -19,7 +19,7 @@ from tests.procs import ROOT
 pytestmark = pytest.mark.e2e
 
 
-@pytest.mark.parametrize("how", ["sync", "async"])
+@pytest.mark.parametrize("how", ["sync", pytest.param("async", marks=pytest.mark.compat)])
 def test_a_save_whose_writes_hang_is_attributed_to_its_rank_and_the_job_resumes(workdir: Path, how: str) -> None:
     la = Launcher(workdir, "--max-restarts", "1", name=how, entry=(str(ROOT / "examples" / "train_dcp.py"),),
                   train_args=("--stall-write", "rank=1,save=2,attempt=0", *(("--async-save",) if how == "async" else ())))

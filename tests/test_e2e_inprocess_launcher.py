@@ -28,6 +28,7 @@ def _attempt_pids(summary: dict) -> list[dict[int, int]]:
     return [{int(r): p for r, p in a["pids"].items()} for a in summary["attempts"]]
 
 
+@pytest.mark.compat
 def test_a_hang_restarts_in_the_same_processes_and_training_goes_on_from_the_restored_state(workdir: Path) -> None:
     hung = Launcher(workdir, "--max-restarts", "2", *INPROCESS, "--ft-metrics-textfile", str(workdir / "ft.prom"),
                     name="hung",

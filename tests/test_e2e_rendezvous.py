@@ -57,6 +57,7 @@ def _run_ids(la: Launcher) -> set[str]:
     return {e["run_id"] for e in map(json.loads, events) if e["kind"] == "attempt_start"}
 
 
+@pytest.mark.compat
 def test_one_launcher_with_a_master_port_restarts_after_a_hang(workdir: Path) -> None:
     # new interpreters here; the two-launcher test below forks node 0's workers from its template
     la = Launcher(workdir, "--max-restarts", "2", train_args=HANG, warm=False,
@@ -69,6 +70,7 @@ def test_one_launcher_with_a_master_port_restarts_after_a_hang(workdir: Path) ->
     assert re.fullmatch(r"none-[0-9a-f]{16}", run_id), run_id
 
 
+@pytest.mark.compat
 def test_two_launchers_with_node_ranks_and_a_master_port_restart_after_a_hang(workdir: Path) -> None:
     port = str(free_port())
     nodes = _run_to_the_end(workdir, lambda g: ("--nnodes", "2", "--node-rank", str(g), "--master-addr", "127.0.0.1",

@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from ft_client import torch_features
 from ft_client.errors import MemorySnapshotError
 from ft_client.snapshot import Snapshotter
 from ft_client.snapshot import format as fmt
@@ -268,6 +269,7 @@ dist.destroy_process_group()
 '''
 
 
+@pytest.mark.skipif(not torch_features.fsdp2_on_cpu(), reason=torch_features.FSDP2_CPU.line(str(torch_features.version())))
 def test_two_ranks_restore_fsdp2_and_hsdp_state_with_and_without_the_model(tmp_path: Path) -> None:
     script = tmp_path / "two_ranks.py"
     script.write_text(TWO_RANKS)

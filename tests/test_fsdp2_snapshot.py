@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from ft_client import torch_features
 from ft_monitor.launcher import exit_codes
 from tests.launchers import Launcher, final_losses
 from tests.procs import ROOT, slack
@@ -33,6 +34,7 @@ def _resumed(out: str) -> dict[str, tuple[int, int, str]]:
         r"(\d+) DTensors (on the model's mesh|on other meshes)\)", out)}
 
 
+@pytest.mark.skipif(not torch_features.fsdp2_on_cpu(), reason=torch_features.FSDP2_CPU.line(str(torch_features.version())))
 def test_an_fsdp2_rank_killed_with_sigkill_resumes_from_its_shards_with_the_loss_of_a_run_without_it(
         workdir: Path) -> None:
     runs = {}

@@ -91,6 +91,7 @@ def _finished(text: str) -> float:
     return float(m[1])
 
 
+@pytest.mark.compat
 def test_an_exception_on_one_rank_restarts_all_in_the_same_processes(workdir: Path, jobs: list[Job]) -> None:
     jobs.append(j := Job(workdir, "raise"))
     assert j.wait() == [0, 0]

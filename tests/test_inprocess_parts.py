@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from torch.distributed import HashStore
+from torch.distributed import HashStore, TCPStore
 
 from ft_client import RankMonitorClient
 from ft_client.inprocess import events, timeline
@@ -20,6 +20,8 @@ from ft_monitor.core.status import InprocessRestart
 from ft_monitor.launcher.agent.inprocess import InprocessLedger
 from tests.procs import wait_until
 from tests.test_client_states import QUIET, ThreadDaemon
+
+pytestmark = pytest.mark.compat  # also run on the oldest and newest torch (scripts/test-compat)
 
 # -- timeline (pure) ------------------------------------------------------------------
 
@@ -82,7 +84,10 @@ def test_a_garbage_outcome_is_refused_not_a_fault() -> None:
 
 
 def test_waits_are_bounded_and_a_waiter_wakes_on_the_outcome() -> None:
-    s = rstore()
+    # the watcher's second connection: Store.clone() from torch 2.8, a new TCPStore client before
+    # (torch_features.store_connection; on 2.6 it was None, and the watcher never ran)
+    server = TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
+    s = rstore(base=server)
     assert s.wait_outcome(0, 0.05) is None
     assert s.barrier(0, "barrier", 0.05) == 1  # one of two arrived: who to blame is in the error
     watcher = s.clone()

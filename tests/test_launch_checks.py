@@ -23,6 +23,8 @@ from ft_monitor.core.timeout_order import Facts, Limit, facts, inversions
 from ft_monitor.launcher import main as launcher_main
 from ft_monitor.launcher.agent import torch_support
 
+pytestmark = pytest.mark.compat  # also run on the oldest and newest torch (scripts/test-compat)
+
 ROOT = Path(__file__).resolve().parent.parent
 GLOO_DEFAULT = Limit(1800.0, "torch's default process-group timeout, 1800 s")
 
@@ -120,7 +122,9 @@ def test_launcher_says_nothing_about_a_correct_set(launcher: list[Any], caplog: 
         rc = launcher_main.main(_launch("--ft-cfg-path", str(ROOT / "examples" / "ft.yaml"),
                                         "--ft-process-group-timeout", "300", "--ft-timeout-check", "strict"))
     assert rc == 0 and len(launcher) == 1
-    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    # what an older torch lacks is said at start whatever the settings (test_what_this_torch_lacks_...)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING
+                and " is off on torch " not in r.getMessage()], caplog.text
 
 
 def test_the_launcher_says_at_launch_when_start_up_is_not_timed(launcher: list[Any],
@@ -192,10 +196,18 @@ def test_the_installed_torch_has_every_internal_the_launcher_relies_on() -> None
     assert torch_support.problem() is None and torch_support.untested() is None
 
 
-def test_pyproject_admits_only_the_tested_torch() -> None:
+def test_tested_is_what_ci_runs_and_the_ends_of_the_range_pyproject_admits() -> None:
+    from packaging.specifiers import SpecifierSet
+
     text = (ROOT / "pyproject.toml").read_text()
     (spec,) = re.findall(r'"torch(>=[^"]+)"', text)
-    assert spec == ">=2.13,<2.14" and torch_support.TESTED == ("2.13",)
+    assert torch_support.TESTED == ("2.6.0", "2.13.0", "2.14.1")
+    assert all(v in SpecifierSet(spec) for v in torch_support.TESTED)
+    compat = (ROOT / "scripts" / "test-compat").read_text()  # the tier's versions, beside setup-env's default
+    assert "versions=(2.6.0 2.14.1)" in compat and "torch==2.13.0" in (ROOT / "scripts" / "setup-env").read_text()
+    for release, tested in [("2.6.0+cu124", True), ("2.13.0+cpu", True), ("2.14.1", True), ("2.14.0", True),
+                            ("2.9.0a0+abc.nv25.10", False), ("2.10.0", False)]:
+        assert (torch_support.minor(release) in torch_support.tested_minors()) is tested, release
 
 
 @pytest.mark.parametrize("fake, named", [
@@ -216,23 +228,49 @@ def test_a_torch_missing_an_internal_is_refused_at_start_in_one_line(
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and launcher == [], "started on a torch it cannot run on"
     assert len(err) == 1 and err[0].startswith("ft-launcher: torch 2.99.0 is not supported: it lacks ") and named in err[0]
-    assert "tested with torch 2.13.*" in err[0]
+    assert "tested with torch 2.6.0, 2.13.0, 2.14.1" in err[0]
 
 
 def test_an_untested_torch_with_every_internal_runs_with_one_warning(
     launcher: list[Any], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr("torch.__version__", "2.14.0")
+    monkeypatch.setattr("torch.__version__", "2.10.0")
     with caplog.at_level(logging.WARNING, "ft_monitor.launcher"):
         assert launcher_main.main(_launch()) == 0
     assert len(launcher) == 1
-    assert "torch 2.14.0 is not a version ft-launcher was tested with (2.13.*)" in caplog.text
+    assert "torch 2.10.0 is not a version ft-launcher was tested with (2.6.0, 2.13.0, 2.14.1)" in caplog.text
+
+
+def test_what_this_torch_lacks_is_named_in_one_line_each_at_start(
+    launcher: list[Any], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from ft_client import torch_features
+
+    newest = torch_features.flight_recorder().records_gloo and torch_features.store_clone()
+    assert (torch_features.off() == []) is newest  # 2.13 and 2.14 lack nothing; 2.6 all three
+    monkeypatch.setattr(torch_features, "store_clone", lambda: False)  # as on torch 2.6
+    monkeypatch.setattr(torch_features, "fsdp2_on_cpu", lambda: False)
+    monkeypatch.setattr(torch_features, "flight_recorder", lambda: torch_features.NCCL_FR)
+    monkeypatch.setattr("torch.__version__", "2.6.0")
+    with caplog.at_level(logging.WARNING, "ft_monitor.launcher"):
+        assert launcher_main.main(_launch()) == 0
+    said = [r.getMessage() for r in caplog.records if " is off on torch " in r.getMessage()]
+    assert said == [
+        "ft-launcher: a private connection for the launchers' counters in the rendezvous store is off on torch 2.6.0 "
+        "(it works from torch 2.8): " + torch_features.STORE_CLONE.without,
+        "ft-launcher: FSDP2 (fully_shard) on CPU with gloo is off on torch 2.6.0 (it works from torch 2.7): "
+        + torch_features.FSDP2_CPU.without,
+        "ft-launcher: the Flight Recorder of gloo's collectives (a hang's verdict from every rank's last collectives) "
+        "is off on torch 2.6.0 (it works from torch 2.8): " + torch_features.FLIGHT_RECORDER.without]
+    assert len(launcher) == 1
 
 
 def test_timeout_order_defaults_are_torchs() -> None:
     import torch.distributed.constants as constants
 
-    assert torch_support.process_group_default().seconds == constants.default_pg_timeout.total_seconds() == 1800
+    nccl = getattr(constants, "default_pg_nccl_timeout", None)  # a CUDA build (the compatibility tier's)
+    expected = nccl if nccl is not None else constants.default_pg_timeout
+    assert torch_support.process_group_default().seconds == expected.total_seconds() == (600 if nccl else 1800)
     assert timeout_order.TORCH_SHUTDOWN_TIMEOUT == 30.0
 
 

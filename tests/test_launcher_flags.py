@@ -18,6 +18,8 @@ from ft_monitor.launcher.nvrx_flags import FLAGS, NvrxFlag, Outcome
 from tests.launchers import Launcher
 from tests.procs import ROOT
 
+pytestmark = pytest.mark.compat  # also run on the oldest and newest torch (scripts/test-compat)
+
 TRAIN = "examples/train_ddp.py"
 CFG = str(ROOT / "examples" / "ft.yaml")
 
@@ -107,6 +109,16 @@ def _sample(entry: NvrxFlag) -> str | None:
 CASES = [pytest.param(entry, name, id=name) for entry in FLAGS for name in entry.names + entry.old]
 
 
+def _torchrun_has_shutdown_timeout() -> bool:
+    from torch.distributed.run import get_args_parser
+
+    return any(a.dest == "shutdown_timeout" for a in get_args_parser()._actions)
+
+
+needs_shutdown_timeout = pytest.mark.skipif(not _torchrun_has_shutdown_timeout(),
+                                            reason="torchrun has --shutdown-timeout from torch 2.12")
+
+
 @pytest.mark.parametrize(("entry", "name"), CASES)
 def test_each_reference_flag_is_carried_over_ignored_with_a_warning_or_refused(
         entry: NvrxFlag, name: str, parser: argparse.ArgumentParser) -> None:
@@ -118,6 +130,8 @@ def test_each_reference_flag_is_carried_over_ignored_with_a_warning_or_refused(
     assert outcome.refusal is None
     if entry.kind == "alias":
         assert getattr(args, entry.target) == value and outcome == Outcome()
+    elif entry.kind == "torch" and not _torchrun_has_shutdown_timeout():  # torch 2.6-2.11
+        assert outcome.notes[0].startswith(f"{entry.flag} 5 (nvidia-resiliency-ext) is ignored: ")
     elif entry.kind == "torch":
         assert args.shutdown_timeout == 5
         assert outcome == Outcome(notes=(f"{entry.flag} 5 (nvidia-resiliency-ext): torch's --shutdown-timeout 5 s",))
@@ -152,6 +166,17 @@ def test_a_value_with_no_meaning_here_is_refused_in_one_line_before_torch(argv: 
     assert said is not None and said.startswith(line) and "\n" not in said, said
 
 
+def test_term_timeout_is_said_to_be_ignored_where_torchrun_has_no_shutdown_timeout() -> None:
+    # torch 2.6-2.11: the note said "torch's --shutdown-timeout 3 s", a flag that torchrun did not have
+    args = argparse.Namespace(**{f.dest: None for f in nvrx_flags.FLAGS if f.dest})
+    args.nvrx_term_timeout = 2.5
+    assert nvrx_flags.apply(args) == Outcome(notes=(
+        "--term-timeout 2.5 (nvidia-resiliency-ext) is ignored: this torch's torchrun has no --shutdown-timeout (it "
+        "has from torch 2.12) and waits its fixed 30 s",))
+    assert not hasattr(args, "shutdown_timeout")
+
+
+@needs_shutdown_timeout
 def test_term_timeout_is_torchs_shutdown_timeout_rounded_up_and_one_of_the_two(parser: argparse.ArgumentParser) -> None:
     args = parser.parse_args(["--term-timeout", "2.5", TRAIN])
     assert nvrx_flags.apply(args).refusal is None and args.shutdown_timeout == 3
@@ -163,6 +188,7 @@ def test_term_timeout_is_torchs_shutdown_timeout_rounded_up_and_one_of_the_two(p
                                               "set the same wait: give one of them")
 
 
+@needs_shutdown_timeout
 def test_the_launcher_says_a_conflict_only_torchs_parser_sees_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     from ft_monitor.launcher.main import main
 
@@ -204,6 +230,7 @@ def test_the_references_settings_spellings_are_the_settings(spelling: str, parse
 
 
 @pytest.mark.e2e
+@needs_shutdown_timeout
 def test_ft_launcher_with_term_timeout_runs_a_job_and_torch_gets_the_wait(workdir: Path) -> None:
     # refused before ("unrecognized arguments: --term-timeout=5", exit 2); the scheduler grace below
     # makes the launcher's own timeout check name the shutdown wait torch will use

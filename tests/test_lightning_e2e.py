@@ -44,6 +44,7 @@ def _run(workdir: Path, name: str, *train_args: str, restarts: int = 1) -> Launc
                           train_args=train_args, preload=PRELOAD)
 
 
+@pytest.mark.compat
 def test_a_lightning_job_whose_rank_hangs_is_named_resumed_from_last_ckpt_and_keeps_learned_timeouts(
         workdir: Path) -> None:
     first = _run(workdir, "first", "--hang", "rank=1,step=12,attempt=0", "--workers", "2", "--worker-start", "fork")

@@ -26,6 +26,8 @@ from ft_client.record.read import Heartbeats, RecordView, SlotState, decode
 from ft_client.session_info import RecordInfo
 from ft_monitor.daemon.record_map import RecordMap, create_record
 
+pytestmark = pytest.mark.compat  # also run on the oldest and newest torch (scripts/test-compat)
+
 CREATED = 10**12
 SLOTS_READ = 3
 

@@ -278,7 +278,12 @@ def test_the_rank_writes_its_trace_or_why_there_is_none(tmp_path: Path) -> None:
                          env={**os.environ, "TORCH_FR_BUFFER_SIZE": "16"})
     assert out.returncode == 0 and out.stdout.strip() == "None", out.stderr
     d = digest(json.loads(with_torch.read_text()))
-    assert d.recording and d.groups["0"].last_enqueued == 2 and d.groups["0"].last_op == "barrier"
+    from ft_client import torch_features
+
+    if torch_features.flight_recorder().records_gloo:
+        assert d.recording and d.groups["0"].last_enqueued == 2 and d.groups["0"].last_op == "barrier"
+    else:  # before torch 2.8 the recorder is NCCL's only: a gloo rank writes NCCL's empty trace
+        assert not d.recording and d.groups == {} and d.problems, d
     without = tmp_path / "none.json"
     code = f"from ft_client.client.flight_recorder import write_trace; print(write_trace({str(without)!r}))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)

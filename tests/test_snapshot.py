@@ -28,6 +28,8 @@ from ft_client.snapshot import Agreement, Held, Snapshotter, agree, from_row, op
 from ft_client.snapshot import format as fmt
 from ft_client.snapshot.format import HEADER_SIZE, Header, SnapshotFormatError
 
+pytestmark = pytest.mark.compat  # also run on the oldest and newest torch (scripts/test-compat)
+
 REPO = Path(__file__).resolve().parents[1]
 
 

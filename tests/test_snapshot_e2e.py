@@ -47,6 +47,7 @@ def baseline(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return losses
 
 
+@pytest.mark.compat
 def test_a_rank_killed_with_sigkill_resumes_from_the_snapshot_with_the_loss_of_a_run_without_it(
         workdir: Path, baseline: dict[str, str]) -> None:
     la = Launcher(workdir, "--max-restarts", "2",  # new interpreters, as by default: a kill -9 of a plain worker

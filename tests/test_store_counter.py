@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed import HashStore, PrefixStore, TCPStore
 
+from ft_client import torch_features
 from ft_client.inprocess.store import RestartStore
 from ft_client.store.counter import SPOILED_RETRY, Counters, counters_of
 from ft_monitor.launcher.store.store_board import INDEX_RETRY, Board, IndexReader, index_limit, parse_index
@@ -24,9 +25,15 @@ from tests import test_rollcall_attacks as attacks
 from tests.test_inprocess_parts import SIGNER
 from tests.test_rollcall import FakeStore
 
+pytestmark = pytest.mark.compat  # also run on the oldest and newest torch (scripts/test-compat)
+
 PREFIX = "torch.rendezvous.run.0"
 """Round 0's prefix of test_rollcall_attacks' stores (its ``client``)."""
 port = attacks.port  # the store fixture, the same
+needs_clone = pytest.mark.skipif(not torch_features.store_clone(),
+                                 reason=torch_features.STORE_CLONE.line(str(torch_features.version())))
+"""The counters of a store under a PrefixStore have a connection of their own from torch 2.8
+(``Store.clone``); before, they share the store's (ft_client/torch_features.py, named at start)."""
 
 
 def client(port: int) -> PrefixStore:
@@ -50,6 +57,7 @@ class Clock:
         return self.now
 
 
+@needs_clone
 def test_a_spoiled_counter_costs_a_private_connection_and_never_the_stores_own(port: int) -> None:
     store = client(port)
     clock = Clock()
@@ -106,6 +114,7 @@ def test_counters_of_a_store_are_one_connection_closed_with_it(port: int) -> Non
     assert counters_of(client(port)) is not counters_of(store)
 
 
+@needs_clone
 def test_a_board_whose_bell_is_spoiled_still_finds_every_value_and_keeps_its_connection(port: int) -> None:
     writer, reader = client(port), client(port)
     board = Board("askers", "bell", "request/{}".format, 4)
@@ -146,6 +155,7 @@ def test_an_index_grown_by_another_user_is_read_once_and_the_keys_one_by_one_aft
     assert board.index.too_long == 2  # read again after INDEX_RETRY
 
 
+@needs_clone
 def test_a_restart_barrier_whose_count_is_spoiled_still_completes(port: int) -> None:
     """The Wrapper's barrier counts on its own connection; a spoiled count makes each rank check the
     signed arrivals, and the last one to arrive ends the barrier."""
@@ -181,6 +191,7 @@ def shared_port() -> Iterator[int]:
     del master
 
 
+@needs_clone
 @settings(max_examples=10, deadline=None)
 @given(value=st.one_of(st.binary(max_size=40),
                        st.integers(min_value=-(2**70), max_value=2**70).map(lambda n: str(n).encode()),

@@ -57,6 +57,7 @@ def test_four_gloo_ranks_agree_on_elementwise_max(tmp_path: Path) -> None:
     assert results == [expected] * WORLD
 
 
+@pytest.mark.compat
 def test_without_process_group_values_are_returned_unchanged() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch may warn on import (e.g. numpy missing)
@@ -68,6 +69,7 @@ def test_without_process_group_values_are_returned_unchanged() -> None:
     assert result is not values
 
 
+@pytest.mark.compat
 @pytest.mark.timeout(60)
 def test_torch_is_not_imported_when_never_used() -> None:
     code = (
@@ -79,6 +81,7 @@ def test_torch_is_not_imported_when_never_used() -> None:
     assert proc.returncode == 0, proc.stderr
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize(
     ("backend", "device"),
     [

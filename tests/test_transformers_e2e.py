@@ -47,6 +47,7 @@ def _one_connection_per_rank(la: Launcher) -> None:
         assert log.read_text().count(" connected (session") == 1, log.read_text()
 
 
+@pytest.mark.compat
 def test_a_trainer_job_whose_rank_hangs_is_named_resumed_from_its_checkpoint_and_keeps_learned_timeouts(
         workdir: Path) -> None:
     first = _run(workdir, "first", "--hang", "rank=1,step=12,attempt=0")

@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 from ft_client import wire
 from ft_client.wire import FrameDecoder, ProtocolError, decode_body, encode
 
+pytestmark = pytest.mark.compat  # also run on the oldest and newest torch (scripts/test-compat)
+
 ALL_MESSAGES: list[wire.Message] = [
     wire.Hello(wire.PROTOCOL_VERSION, wire.Role.RANK, 3, {"pid": 1234, "host": "n1", "restart": 0}),
     wire.Hello(wire.PROTOCOL_VERSION, wire.Role.OBSERVER, -1),

@@ -31,6 +31,7 @@ import socket
 from typing import Any, Protocol
 
 from ft_client import logs
+from ft_client.torch_features import group_abort
 
 log = logs.logger("ft_client.inprocess")
 
@@ -114,7 +115,10 @@ def release_process_groups() -> None:
         from torch.distributed import distributed_c10d
 
         hold_groups()
-        distributed_c10d._abort_process_group()
+        if group_abort() or _uses_nccl():  # torch 2.6 aborts NCCL's only (a no-op and a warning for gloo)
+            distributed_c10d._abort_process_group()
+        if dist.is_initialized():  # torch 2.6 with gloo: the groups are still there; forget them
+            dist.destroy_process_group()  # held in the graveyard: no group's destructor runs here
 
 
 PINNING_MODULES = ("torch.distributed.nn.functional",)

@@ -57,6 +57,7 @@ from ft_client.errors import FtError
 from ft_client.store.counter import Counters
 from ft_client.store.signed import Signer, StoreMessageError
 from ft_client.store.signed import rank_field as _rank_field
+from ft_client.torch_features import store_connection
 
 log = logs.logger("ft_client.inprocess")
 
@@ -191,8 +192,10 @@ class RestartStore:
         """The same keys over a second client connection (a thread blocked in a wait holds
         its connection), or None where the store cannot be cloned."""
         try:
-            base = self.base.clone()
+            base = store_connection(self.base)  # clone(), or before torch 2.8 a new TCPStore client
         except (AttributeError, RuntimeError, NotImplementedError):
+            return None
+        if base is None:
             return None
         return RestartStore(base, self.world_size, self.signer, rank=self.rank, prefix=self.prefix,
                             attempt_id=self.attempt, refused=self._refused)

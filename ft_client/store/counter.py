@@ -20,7 +20,8 @@ cannot reach the server either raises, as the plain store would: the store is go
 
 A store without ``clone`` (torch's python EtcdStore, a HashStore in tests) adds on itself:
 it has no connection that a bad value could close (EtcdStore raises ValueError), and that
-error is the same None here.
+error is the same None here. torch has ``clone`` from 2.8; before, a plain TCPStore gets a new
+client instead, and a PrefixStore adds on itself too (`ft_client.torch_features.store_connection`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ft_client.errors import FtError
+from ft_client.torch_features import store_connection
 
 log = logging.getLogger("ft_client.store")
 
@@ -62,9 +64,11 @@ class Counters:
     def _private(self) -> Any:
         if self._conn is None and self._own:
             try:
-                self._conn = self._store().clone()
+                self._conn = store_connection(self._store())  # clone(), or before torch 2.8 a new TCPStore client
             except (AttributeError, NotImplementedError, RuntimeError, TypeError):
-                self._own = False  # no clone: a python store (etcd) without a connection to lose
+                self._conn = None
+            if self._conn is None:
+                self._own = False  # a python store (etcd) without a connection to lose; a PrefixStore before 2.8
         return self._conn if self._own else self._store()  # never kept: the cache holds its key weakly
 
     def _store(self) -> Any:

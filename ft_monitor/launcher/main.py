@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from ft_client import torch_features
 from ft_client.safefiles import write_json_atomic
 from ft_monitor.config import ConfigError, FaultToleranceConfig, cli_overrides, load_config
 from ft_monitor.core import timeout_order
@@ -115,6 +116,8 @@ def main(argv: list[str] | None = None, early: Any = None) -> int:
     untested = torch_support.untested()
     if untested is not None:
         log.warning("ft-launcher: %s", untested)
+    for line in torch_features.off():  # what this torch lacks, said once here and never a traceback later
+        log.warning("ft-launcher: %s", line)
     parser = build_parser()
     args = early_check.parse_launch(parser, argv)
     nvrx = nvrx_flags.apply(args)  # nvidia-resiliency-ext's ft_launcher flags, carried over to ours

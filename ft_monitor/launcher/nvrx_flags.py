@@ -248,6 +248,11 @@ def apply(args: argparse.Namespace) -> Outcome:
             if isinstance(seconds, str):
                 return Outcome(refusal=seconds)
             whole = math.ceil(seconds)
+            if not hasattr(args, entry.target):  # torchrun has --shutdown-timeout from torch 2.12
+                notes.append(f"{entry.flag} {given:g} (nvidia-resiliency-ext) is ignored: this torch's torchrun has "
+                             f"no --{entry.target.replace('_', '-')} (it has from torch 2.12) and waits its fixed "
+                             "30 s")
+                continue
             other = getattr(args, entry.target, None)
             if other is not None and other != whole:
                 return Outcome(refusal=f"{entry.flag} {given:g} and --{entry.target.replace('_', '-')} {other} (or "

@@ -62,6 +62,7 @@ from ft_monitor.launcher.agent.control import EventKind, LauncherEvent
 from ft_monitor.launcher.agent.hangs import HangHandling, emit
 from ft_monitor.launcher.agent.inprocess_watch import HANG_REASONS, INPROCESS_POLL_INTERVAL, InprocessWatch, log_back
 from ft_monitor.launcher.agent.runtime import FtRuntime
+from ft_monitor.launcher.agent.torch_support import with_stopped_workers
 from ft_monitor.launcher.agent.worker_env import FR_BUFFER_ENV, TorchVersionError, store_address
 from ft_monitor.launcher.agent.worker_env import started_with_ft_env as _worker_env
 from ft_monitor.launcher.incident.crash import CrashVerdict, decide_crash, on_another_node
@@ -252,7 +253,8 @@ class FtLocalElasticAgent(HangHandling, _lea.LocalElasticAgent):
         timed and listed like a hang's (`RestartTiming`, cause failure)."""
         attempt = self._attempt()
         statuses = self.ft.monitors.statuses()
-        failures = dict(result.failures)
+        # before torch 2.10 torch's table holds only the first to fail, not the workers it then stopped
+        failures = with_stopped_workers(dict(result.failures), self._pcontext, self._worker_group.workers)
         self.crash = decide_crash(failed_ranks(failures, statuses)) if failures else None
         self._end_attempt(decide_attempt_end(iteration_high(statuses), self.ft.tracker.state,
                                              self.ft.tracker.policy, self._remaining_restarts))

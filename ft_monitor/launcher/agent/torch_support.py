@@ -2,8 +2,8 @@
 
 The launcher is torchrun with one agent subclass swapped in (agent.py), so it relies on
 torch.distributed.elastic internals that torch does not promise to keep. They were
-checked on the torch versions in `TESTED` (pyproject.toml admits only those); on any
-other torch, `problem` looks for each one *before* anything starts, and ft-launcher
+checked on the torch versions in `TESTED` (the oldest and newest minor pyproject.toml admits,
+and the default); on any torch, `problem` looks for each one *before* anything starts, and ft-launcher
 refuses with one line naming what is missing (exit 2) instead of failing mid-run, after
 workers were started. A torch outside `TESTED` whose internals are all there runs, with
 one warning (`untested`).
@@ -15,13 +15,18 @@ launch check of timeout_order.py. Nothing here starts anything.
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Callable
 from typing import Any
 
 from ft_monitor.core.timeout_order import Limit
 
-TESTED = ("2.13",)
-"""torch minor versions the launcher's tests ran on (pyproject.toml: torch>=2.13,<2.14)."""
+TESTED = ("2.6.0", "2.13.0", "2.14.1")
+"""The torch releases CI runs the tests on: the whole suite on 2.13.0 (the CPU build), the
+compatibility tier (scripts/test-compat) on 2.6.0 and 2.14.1, the oldest and newest of the range
+pyproject.toml admits (``torch>=2.6.0a0,<2.15``). A build of one of their minors (a pre-release,
+a local build such as ``2.13.0+cpu``) counts as tested; the minors between are supported by
+feature test (ft_client/torch_features.py) and named in the one warning of `untested`."""
 
 
 def _defines(cls: Any, *names: str) -> bool:
@@ -147,21 +152,32 @@ def problem() -> str | None:
     """Why ft-launcher cannot run on the installed torch, in one line; None when it can."""
     found = version()
     if found is None:
-        return "torch is not installed (pip install 'torch==2.13.*')"
+        return "torch is not installed (pip install 'torch>=2.6,<2.15')"
     lacking = missing()
     if not lacking:
         return None
     return (f"torch {found} is not supported: it lacks {'; '.join(lacking)}. ft-launcher relies on these "
-            f"torch.distributed.elastic internals and is tested with torch {', '.join(v + '.*' for v in TESTED)} "
-            f"(pip install 'torch=={TESTED[-1]}.*')")
+            f"torch.distributed.elastic internals and is tested with torch {', '.join(TESTED)} "
+            f"(pip install 'torch>=2.6,<2.15')")
+
+
+def minor(release: str) -> str | None:
+    """``2.9`` of ``2.9.0a0+abc.nv25.10``, ``2.13.0+cpu`` or ``2.14.1``; None for what is not a version."""
+    found = re.match(r"(\d+)\.(\d+)(?:\D|$)", release)
+    return f"{found.group(1)}.{found.group(2)}" if found else None
+
+
+def tested_minors() -> list[str]:
+    return sorted({m for m in map(minor, TESTED) if m is not None}, key=lambda m: tuple(map(int, m.split("."))))
 
 
 def untested() -> str | None:
-    """A warning for a torch outside `TESTED` that passed the check; None on a tested one."""
+    """A warning for a torch whose minor CI did not run (`TESTED`) that passed the check; None on a
+    tested one."""
     found = version()
-    if found is None or any(found == v or found.startswith(v + ".") for v in TESTED):
+    if found is None or minor(found) in tested_minors():
         return None
-    return (f"torch {found} is not a version ft-launcher was tested with ({', '.join(v + '.*' for v in TESTED)}); "
+    return (f"torch {found} is not a version ft-launcher was tested with ({', '.join(TESTED)}); "
             "the internals it relies on are there, but it was not run on this version")
 
 
@@ -178,3 +194,27 @@ def process_group_default() -> Limit:
     seconds = constants.default_pg_timeout.total_seconds()
     return Limit(seconds, f"torch's default process-group timeout, {seconds:g} s (no process_group_timeout set; "
                           "this torch has no NCCL)")
+
+
+def with_stopped_workers(failures: dict[int, Any], pcontext: Any, workers: list[Any]) -> dict[int, Any]:
+    """``failures`` (global rank -> ProcessFailure) with the workers torch stopped after the first
+    failure and that exited non-zero, as torch lists them itself from 2.10
+    (`ft_client.torch_features.failures_list_stopped_workers`); before 2.10 they are read here
+    from the exit codes of torch's (already reaped) processes, so a crash's victims are named."""
+    from ft_client.torch_features import failures_list_stopped_workers
+
+    handlers = getattr(pcontext, "subprocess_handlers", None)
+    if failures_list_stopped_workers() or not failures or not isinstance(handlers, dict):
+        return failures
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    error_files = getattr(pcontext, "error_files", None) or {}
+    out = dict(failures)
+    for worker in workers:
+        proc: Any = getattr(handlers.get(worker.local_rank), "proc", None)
+        code = getattr(proc, "returncode", None)
+        if worker.global_rank in out or not isinstance(code, int) or code == 0:
+            continue
+        out[worker.global_rank] = ProcessFailure(local_rank=worker.local_rank, pid=proc.pid, exitcode=code,
+                                                 error_file=error_files.get(worker.local_rank, ""))
+    return out

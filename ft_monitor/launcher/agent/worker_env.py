@@ -5,7 +5,7 @@ size and where its dumps go, and the in-process key derived from the job secret 
 the secret itself). `started_with_ft_env` wraps torch's ``start_processes`` to add them.
 
 Flight Recorder dumps (issue 38): torch's NCCL watchdog writes a rank's trace, a pickle, to
-``$TORCH_FR_DUMP_TEMP_FILE<rank>`` (older torch: ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``), by
+``$TORCH_FR_DUMP_TEMP_FILE<rank>`` (before torch 2.8: ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``), by
 default ``/tmp/nccl_trace_rank_<rank>``: a predictable name in a directory every user can
 write, where another user can plant a file or a link first. Unless the user's environment
 names a place, each worker's dumps go to ``report_dir`` when it is set, else into the worker's
@@ -30,15 +30,14 @@ from ft_client.process_group import PROCESS_GROUP_TIMEOUT_ENV
 from ft_client.safefiles import private_dir_problem
 from ft_client.startup import worker_env as startup_env
 from ft_client.store.jobkey import INPROCESS_KEY_ENV
+from ft_client.torch_features import FR_DUMP_ENVS, flight_recorder
 from ft_monitor.core.settings import Settings
 from ft_monitor.core.startup import dump_spec
 from ft_monitor.launcher.store.store_auth import SECRET_ENV, SECRET_FILE_ENV
 
 FR_BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"
-"""torch's Flight Recorder: entries each process keeps (0 or unset: off)."""
-FR_DUMP_ENVS = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
-"""Where torch's watchdog writes a rank's Flight Recorder dump (a prefix: torch appends the rank);
-the second is the name torch read before 2.7."""
+"""torch's Flight Recorder from 2.8: entries each process keeps (0 or unset: off); before 2.8 NCCL's
+``TORCH_NCCL_TRACE_BUFFER_SIZE`` (`torch_features.flight_recorder`, the one the installed torch reads)."""
 FR_DUMP_NAME = "flight_recorder_rank_"
 
 log = logging.getLogger("ft_monitor.launcher")
@@ -111,8 +110,9 @@ def worker_variables(config: Settings, monitor_socket: os.PathLike[str] | str, l
         out.update(startup_env(dump_spec(config, report_dir), os.environ))
     if config.process_group_timeout is not None:  # for ft_client.process_group_timeout()
         out[PROCESS_GROUP_TIMEOUT_ENV] = repr(config.process_group_timeout)
-    if config.flight_recorder_entries > 0 and FR_BUFFER_ENV not in os.environ:
-        out[FR_BUFFER_ENV] = str(config.flight_recorder_entries)  # torch's Flight Recorder, read at init
+    fr = flight_recorder()  # the name the installed torch reads (torch_features.py)
+    if config.flight_recorder_entries > 0 and not any(name in os.environ for name in fr.buffer_envs):
+        out[fr.buffer_env] = str(config.flight_recorder_entries)  # torch's Flight Recorder, read at init
     return out
 
 

@@ -207,7 +207,7 @@ class HangHandling:
 
     def _answer_roll_calls(self, wg: WorkerGroup) -> None:
         """Another node's roll call: dump this node's ranks and store them (polled at most every 0.25 s)."""
-        if wg.store is None or (wg.group_world_size or 1) <= 1 or self.ft.job_secret is None:
+        if wg.store is None or (wg.group_world_size or 1) <= 1 or self.nodes.job_secret is None:
             return
         try:
             self.rollcall.answer_pending(self._ranks(wg), store=wg.store, channel=self.nodes.channel(wg),

@@ -7,6 +7,7 @@ test_e2e_truth_nosecret.py."""
 from __future__ import annotations
 
 import logging
+import socket
 from collections.abc import Iterator
 from datetime import timedelta
 from types import SimpleNamespace
@@ -134,3 +135,41 @@ def test_the_workers_in_process_key_comes_from_the_agreed_key() -> None:
     assert ft.launcher_key == b"s" * 32
     ft.job_secret, ft.agreed_key = None, None
     assert ft.launcher_key is None and ft.inprocess_key("job") is None
+
+
+def test_a_hang_on_one_node_is_the_root_on_the_node_whose_ranks_then_lost_a_peer(port: int) -> None:
+    # issue 56: a rank hung on node 1, its node stopped its group, and node 0's ranks, waiting on it in a
+    # collective, failed with "Connection closed by peer" before their own monitors fired: node 0 had no
+    # record of the hang (a hang record is not a crash record) and named its own rank. Now the hung rank's
+    # node publishes the round's crash record too, under the agreed key, and node 0 names it
+    from ft_monitor.launcher.agent.hangs import HangHandling
+    from ft_monitor.launcher.incident.crash import FailedRank, decide_crash, on_another_node
+    from ft_monitor.launcher.incident.crossnode import NodeMessages
+    from ft_monitor.launcher.incident.decide import WorkerRef
+    from ft_monitor.launcher.store.store_auth import HangRecord
+
+    def node(group_rank: int) -> tuple[Any, Any]:
+        store = _round(port, "job", 4)
+        wg = SimpleNamespace(store=store, group_world_size=2, group_rank=group_rank,
+                             spec=SimpleNamespace(rdzv_handler=SimpleNamespace(get_run_id=lambda: "job")))
+        messages = NodeMessages(round_key(_handler("c10d"), store, 4))
+        messages.round = 4
+        return wg, messages
+
+    (wg1, nodes1), (wg0, nodes0) = node(1), node(0)
+    assert nodes0.job_secret == nodes1.job_secret is not None
+    hung: Any = HangHandling.__new__(HangHandling)
+    hung.nodes = nodes1
+    decision = SimpleNamespace(victim_of=None, worker=WorkerRef(3, 1, 900),
+                               root_cause=HangRecord(3, 1.0, "section 'step' open for 2.0 s, timeout 2.0 s", "node-b"))
+    hung._publish_hang_root(wg1, decision)
+    record = nodes0.crash_elsewhere(wg0, 4)
+    assert record is not None and (record.rank, record.host) == (3, socket.gethostname()), record
+    here = decide_crash([FailedRank(0, 100, 1, "RuntimeError: [pair.cc:553] Connection closed by peer", raised_at=2.0)])
+    v = on_another_node(record.rank, record.how, "node-b", here)
+    assert v.message.startswith("rank 3 (pid 900) hung: section 'step' open for 2.0 s, timeout 2.0 s on node-b "
+                                "(another node); failed because of it: rank 0 (pid 100)"), v.message
+    # a node that was only the victim of another's hang publishes nothing; another round's record is not read
+    hung.nodes = nodes0
+    hung._publish_hang_root(wg0, SimpleNamespace(**{**vars(decision), "victim_of": decision.root_cause}))
+    assert nodes1.crash_elsewhere(wg1, 4) is None and nodes0.crash_elsewhere(wg0, 5) is None

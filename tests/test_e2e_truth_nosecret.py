@@ -20,8 +20,7 @@ from typing import Any
 
 import pytest
 
-from ft_monitor.launcher import exit_codes
-from tests.launchers import Launcher
+from tests.launchers import Launcher, all_succeed
 from tests.procs import free_port
 
 pytestmark = pytest.mark.e2e
@@ -38,12 +37,7 @@ def _run(workdir: Path, flags_of: Any) -> tuple[Launcher, Launcher]:
     assert "FT_JOB_SECRET" not in os.environ and "FT_JOB_SECRET_FILE" not in os.environ
     nodes = [Launcher(workdir, "--max-restarts", "3", train_args=FAULTS,
                       name=f"node{g}", launcher_flags=flags_of(g), warm=g == 0) for g in range(2)]
-    try:
-        for node in nodes:
-            assert node.wait() == exit_codes.SUCCESS, node.output()
-    finally:
-        for node in nodes:
-            node.kill()
+    all_succeed(nodes)
     return nodes[0], nodes[1]
 
 

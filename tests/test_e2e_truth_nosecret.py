@@ -26,10 +26,11 @@ from tests.procs import free_port
 pytestmark = pytest.mark.e2e
 
 ROOT = 3
-FAULTS = ("--crash", f"rank={ROOT},step=7,attempt=0", "--die", f"rank={ROOT},step=7,attempt=1",
-          "--hang", f"rank={ROOT},step=17,attempt=2")
-"""Attempt 2 resumes at step 5 and learns its timeouts at step 14 (train_ddp.py): its hang is
-found in seconds by the learned step timeout."""
+FAULTS = ("--crash", f"rank={ROOT},step=7,attempt=0", "--die", f"rank={ROOT},step=12,attempt=1",
+          "--hang", f"rank={ROOT},step=22,attempt=2")
+"""Attempt 1 resumes at step 5 and runs a checkpoint's worth of steps before its fault (its restart
+is seen complete: every rank stepping); attempt 2 resumes at step 10 and learns its timeouts at
+step 19 (train_ddp.py): its hang is found in seconds by the learned step timeout."""
 
 
 def _run(workdir: Path, flags_of: Any) -> tuple[Launcher, Launcher]:
@@ -49,6 +50,10 @@ def _root_pids(nodes: tuple[Launcher, Launcher]) -> list[int]:
                   if str(ROOT) in n.summary()["attempts"][attempt]["pids"]]
         pids.append(pid)
     return pids
+
+
+def _names_root(headline: str) -> bool:
+    return f"rank {ROOT} " in headline or f"rank {ROOT}," in headline
 
 
 def _check(nodes: tuple[Launcher, Launcher]) -> None:
@@ -80,16 +85,22 @@ def _check(nodes: tuple[Launcher, Launcher]) -> None:
         assert {e["attempt"] for e in ends} == {0, 1, 2}, ends
         assert all(e["root"] == ROOT for e in ends if "root" in e), ends
         assert {e["attempt"] for e in ends if "root" in e} >= {0, 1}, ends
-        assert [(e["attempt"], e["rank"]) for e in events if e["kind"] == "restart"] == \
-            [(1, ROOT), (2, ROOT), (3, ROOT)], [e for e in events if e["kind"] == "restart"]  # the attempt restarted into
+        # (the attempt restarted into; the telemetry emits it once it sees every rank step, which a loaded machine
+        # may not show it before that attempt's own fault: then that restart has no event, on the node it missed)
+        restarts = [(e["attempt"], e["rank"]) for e in events if e["kind"] == "restart"]
+        assert (3, ROOT) in restarts and {a for a, _ in restarts} <= {1, 2, 3} and {r for _, r in restarts} == {ROOT}, \
+            restarts
         assert all(e["rank"] == ROOT for e in events if e["kind"] == "hang" and e.get("victim_of") is None)
-        # error.json: in every failed attempt, the file torch's failure table takes first names rank 3
-        (run,) = node.log_dir.iterdir()
-        for attempt in range(3):
-            errors = [json.loads(p.read_text())["message"] for p in sorted((run / f"attempt_{attempt}").glob(
-                "*/error.json"))]
-            first = min(errors, key=lambda m: int(m["extraInfo"]["timestamp"]))["message"]
-            assert f"rank {ROOT} " in first or f"rank {ROOT}," in first, (attempt, errors)
+        # error.json: in every failed attempt, the file torch's failure table takes first (the earliest; the
+        # launcher puts the one naming the root first among equals) names rank 3, and so does the summary's
+        (run,) = [d for d in node.log_dir.iterdir() if d.is_dir()]
+        for attempt, row in enumerate(rows):
+            errors = [json.loads(p.read_text())["message"] for p in (run / f"attempt_{attempt}").glob("*/error.json")]
+            earliest = min((int(m["extraInfo"]["timestamp"]) for m in errors), default=None)
+            assert any(_names_root(m["message"]) for m in errors if int(m["extraInfo"]["timestamp"]) == earliest) \
+                or not errors, (attempt, errors)  # none: torch stopped this node's healthy workers (c10d)
+            if row.get("error_file"):
+                assert _names_root(json.loads(Path(row["error_file"]).read_text())["message"]["message"]), row
     # one line at start says how the facts are shared
     start_lines = [line for n in nodes for line in n.output().splitlines() if "no job secret" in line]
     assert len(start_lines) == 2 and all("agree on a job key" in line for line in start_lines), start_lines

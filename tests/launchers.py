@@ -150,6 +150,16 @@ def two_nodes(workdir: Path, rdzv_id: str, *args: str, train_args: tuple[str, ..
     return a, b
 
 
+def all_succeed(nodes: list[Launcher]) -> None:
+    """Wait for every launcher of a job; each must succeed (its output shown where one did not)."""
+    try:
+        for node in nodes:
+            assert node.wait() == exit_codes.SUCCESS, node.output()
+    finally:
+        for node in nodes:
+            node.kill()
+
+
 def job_processes(marker: str) -> list[int]:
     """Live processes carrying the job's marker (the launcher, monitors, workers and their children)."""
     pids = []

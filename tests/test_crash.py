@@ -18,7 +18,7 @@ from ft_monitor.launcher.incident.crash import (
     peer_failure,
 )
 from ft_monitor.launcher.incident.restarts import failed_ranks, failure_restart
-from ft_monitor.launcher.incident.rootcause import crash_error_data
+from ft_monitor.launcher.incident.rootcause import crash_error_data, remote_crash_error_data
 from ft_monitor.launcher.store.store_auth import CrashRecord, StoreChannel, StoreMessageError
 from ft_monitor.launcher.telemetry import summary_text
 from ft_monitor.launcher.telemetry.metrics import Snapshot, collect
@@ -84,10 +84,45 @@ def test_of_two_faults_of_their_own_the_earlier_is_the_root() -> None:
         "rank 1 (pid 101) exited with code 3"
 
 
-def test_when_every_rank_here_lost_a_peer_the_earliest_is_named_and_said_to_be_one() -> None:
+def test_when_every_rank_here_lost_a_peer_no_rank_here_is_named_the_root() -> None:
+    # issue 56: a node without the other node's record printed "attempt 0 failed: rank 2 (pid 200) raised
+    # RuntimeError: ... Connection reset by peer (every failed rank here lost a peer; ...)", its own victim as
+    # the root, and summary.json, the events and the restart line named rank 2. Now: on another node, or unknown
     v = decide_crash([FailedRank(2, 200, 1, GLOO_RESET, raised_at=5.1), FailedRank(3, 201, TERM)])
-    assert (v.root, v.root_seen, v.victims) == (2, False, (3,))
-    assert "the rank that failed first was not seen here" in v.message
+    assert (v.root_seen, v.named, v.victims) == (False, None, (3,))
+    assert v.message.startswith("the root of the failure is on another node or unknown; every rank that failed "
+                                "here lost a peer: rank 2 (pid 200) raised RuntimeError"), v.message
+    assert v.message.endswith("rank 3 (pid 201) was killed by SIGTERM")
+    row = failure_restart(v, 0).row()
+    assert (row["rank"], row["root_seen"]) == (None, False), row
+    rows = summary_text.rows({"restarts": [row], "exit_code": 0})
+    assert ("failed", "in attempt 0, the root of the failure is on another node or unknown (every rank that failed "
+                      "here lost a peer); the worker group restarted") in rows, rows
+    assert not any(row_ is not None and row_[0] == "failed" and "rank 2" in row_[1] for row_ in rows), rows
+    # the report page: no rank named for the incident, the ranks here listed as what they are
+    from ft_monitor.views.report_model import _crash_verdict
+    event = {"root": None, **v.row()}
+    assert _crash_verdict(event) == (None, None, "the root is on another node or unknown; every rank that failed "
+                                                 f"here lost a peer: {v.how}")
+    # once the other node's record arrives, it names the root, and the ranks here are its victims
+    there = on_another_node(7, "rank 7 (pid 700) was killed by SIGKILL", "node-b", v)
+    assert (there.named, there.victims) == (7, (2, 3)) and there.message.startswith("rank 7 (pid 700) was killed")
+
+
+def test_a_victim_here_of_a_root_on_another_node_gets_an_error_file_naming_it() -> None:
+    # issue 56: the node whose ranks only lost a peer had no error.json naming the root (its ranks wrote
+    # none, or their own "Connection closed by peer"): torch's failure table there named its own rank
+    here = decide_crash([FailedRank(2, 200, 1, GLOO_CLOSED, raised_at=5.1), FailedRank(3, 201, TERM)])
+    v = on_another_node(1, "rank 1 (pid 101) was killed by SIGKILL", "node-a", here)
+    own = {"message": {"message": GLOO_CLOSED, "extraInfo": {"py_callstack": "Traceback: in all_reduce",
+                                                              "timestamp": "1700000009"}}}
+    data = remote_crash_error_data(v, 2, own, 1700000005)["message"]
+    assert data["message"] == ("RankCrash: rank 1 (pid 101) was killed by SIGKILL on node-a (another node), the "
+                               "root of the failure; rank 2 here failed because of it"), data
+    assert data["extraInfo"]["timestamp"] == "1700000005"
+    assert f"rank 2's own error: {GLOO_CLOSED}\nTraceback: in all_reduce" in data["extraInfo"]["py_callstack"]
+    bare = remote_crash_error_data(v, 2, None, 1700000005)["message"]["extraInfo"]["py_callstack"]
+    assert "(rank 2 wrote no error file of its own)" in bare
 
 
 def test_the_root_on_another_node_makes_every_rank_here_a_victim() -> None:

@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ft_monitor.launcher import exit_codes
-from tests.launchers import JOB_SECRET, Launcher
+from tests.launchers import JOB_SECRET, Launcher, all_succeed
 from tests.procs import free_port
 
 pytestmark = pytest.mark.e2e
@@ -39,12 +38,7 @@ def _run_to_the_end(workdir: Path, flags_of: Callable[[int], tuple[str, ...]], l
                  "--hang", f"rank={rank},step=12,attempt=0", "--late-init", f"rank={rank},s=2"),
                       name=f"node{g}", env=JOB_SECRET, warm=g == 0, launcher_flags=flags_of(g))
              for g in range(launchers)]
-    try:
-        for node in nodes:
-            assert node.wait() == exit_codes.SUCCESS, node.output()
-    finally:
-        for node in nodes:
-            node.kill()
+    all_succeed(nodes)
     _finished(*nodes)
     hangs = [h for n in nodes for h in n.summary()["hangs"]]
     assert {h["rank"] for h in hangs} == {rank}, hangs

@@ -24,7 +24,7 @@ from ft_monitor.launcher.store.store_auth import HangRecord, StoreChannel
 from tests.procs import ROOT
 
 MAIN_THREAD = ["incident/crossnode.py", "agent/hangs.py", "agent/observed.py", "incident/rollcall.py",
-               "telemetry/slow_watch.py"]
+               "telemetry/slow_watch.py", "store/agreed_key.py"]
 """The launcher's modules whose best-effort steps run in the agent's (main) thread."""
 
 

@@ -6,7 +6,9 @@
   derived from it per purpose and run (`signed.derive_key`), never the secret.
 * ``$FT_INPROCESS_KEY`` (64 hex digits): the in-process Wrapper's key, set by
   ft-launcher for its workers: derived from the job secret, or, without one on a
-  single node, from a random key the launcher made at start.
+  single node, from a random key the launcher made at start, or, on several nodes
+  under the static and c10d rendezvous, from the key the launchers agreed on through
+  the rendezvous store (ft_monitor/launcher/store/agreed_key.py).
 * Under plain torchrun (with or without ``ft-monitor serve``) or with no launcher: the
   Wrapper derives its key from the job secret in its environment, if any; else, on a
   single node, it uses a per-job random key in a 0600 file of a 0700 directory of this

@@ -34,8 +34,8 @@ from ft_monitor.core.settings import Settings, SettingsError
 from ft_monitor.launcher import early_check, exit_codes, nvrx_flags
 from ft_monitor.launcher.agent import secret_env, torch_support
 from ft_monitor.launcher.rdzv import store_gone
-from ft_monitor.launcher.store import store_board
-from ft_monitor.launcher.store.store_auth import SECRET_FILE_ENV, SecretError
+from ft_monitor.launcher.store import agreed_key, store_board
+from ft_monitor.launcher.store.store_auth import SecretError
 from ft_monitor.launcher.warm import template_fork
 
 log = logging.getLogger("ft_monitor.launcher")
@@ -234,10 +234,8 @@ def launch(args: argparse.Namespace, config: Settings | FaultToleranceConfig, su
     monitors = MonitorPool(run_dir, determine_local_world_size(args.nproc_per_node), server.path, config)
     single = max_nodes(getattr(args, "nnodes", "1")) == 1
     if job_secret is None and not single:
-        log.warning("ft-launcher: a multi-node job without a job secret: hang attribution, shutdown and the roll call "
-                    "across nodes are off, and the in-process restart's store records are not authenticated; give "
-                    "every node the same secret with %s=/path/to/a/0600/file (or --ft-job-secret-file)",
-                    SECRET_FILE_ENV)
+        warn, line = agreed_key.start_line(args.rdzv_backend, str(args.nnodes))
+        log.log(logging.WARNING if warn else logging.INFO, "%s", line)
     ft = FtRuntime(config, monitors, server,
                    ProgressTracker(config.max_no_progress_cycles, config.min_progress_iterations),
                    job_secret=job_secret, local_key=os.urandom(32) if job_secret is None and single else None)

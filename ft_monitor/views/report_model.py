@@ -368,10 +368,12 @@ def _incidents(events: Sequence[Event], diagnoses: Mapping[str, DiagnosisDoc], s
 _ROOT_PREFIX = re.compile(r"rank (\d+) \(pid (\d+)\) ")
 
 
-def _crash_verdict(e: Event) -> tuple[int, int | None, str] | None:
+def _crash_verdict(e: Event) -> tuple[int | None, int | None, str] | None:
     """An attempt_end's crash verdict (its root, and how it and the ranks that failed because of
     it ended): rank, pid and the words after "Rank N"; None for an event without one."""
     root, how_ = _int(e.get("root")), e.get("how")
+    if e.get("root_seen") is False and isinstance(how_, str) and how_:  # the root was not on this node
+        return None, None, f"the root is on another node or unknown; every rank that failed here lost a peer: {how_}"
     if root is None or not isinstance(how_, str) or not how_:
         return None
     m = _ROOT_PREFIX.match(how_)
@@ -380,8 +382,6 @@ def _crash_verdict(e: Event) -> tuple[int, int | None, str] | None:
     victims = e.get("victims_how")
     if isinstance(victims, str) and victims:
         what += f"; failed because of it: {victims[:300]}"
-    if e.get("root_seen") is False:
-        what += " (every rank that failed on this node lost a peer; the rank that failed first was not seen here)"
     return root, pid, what
 
 

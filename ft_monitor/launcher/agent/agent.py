@@ -78,11 +78,12 @@ from ft_monitor.launcher.incident.crossnode import (
 from ft_monitor.launcher.incident.decide import AttemptVerdict, decide_attempt_end, iteration_high
 from ft_monitor.launcher.incident.restarts import RestartTiming, all_stepping, failed_ranks, failure_restart
 from ft_monitor.launcher.incident.rollcall import RollCaller
-from ft_monitor.launcher.incident.rootcause import crash_error_data, write_error_file
+from ft_monitor.launcher.incident.rootcause import crash_error_data, remote_crash_error_data, write_error_file
 from ft_monitor.launcher.rdzv import etcd_state
 from ft_monitor.launcher.rdzv.rdzv_delay import no_first_run_delay
 from ft_monitor.launcher.rdzv.rounds import rendezvous_round, rounds_apart
 from ft_monitor.launcher.rdzv.static_rdzv import fresh_worker_store, worker_store_address
+from ft_monitor.launcher.store.agreed_key import round_key
 from ft_monitor.launcher.store.sealed import Sealer
 from ft_monitor.launcher.store.store_auth import CrashRecord
 
@@ -107,13 +108,13 @@ class FtLocalElasticAgent(HangHandling, _lea.LocalElasticAgent):
         self._pending_error: tuple[str, dict[str, Any]] | None = None
         self.crash: CrashVerdict | None = None
         """The latest failed attempt's verdict (crash.py), for the telemetry."""
-        self.nodes = NodeMessages(ft.job_secret)
+        self.nodes = NodeMessages(ft.launcher_key)  # without a secret: the key agreed at each rendezvous
         etcd_state.guard(self._worker_group.spec.rdzv_handler)  # torch's etcd state: parsed by us, refused in a line
         self.inprocess = InprocessWatch(ft.inprocess, ft.monitors)
         self._rounds = 0
         self.rollcall = RollCaller(ft.monitors.socket, socket.gethostname(), ft.config.roll_call_timeout,
                                    ft.config.flight_recorder_entries > 0,
-                                   sealer=Sealer(ft.job_secret) if ft.job_secret is not None else None)
+                                   sealer=Sealer(ft.launcher_key) if ft.launcher_key is not None else None)
 
     # -- start ---------------------------------------------------------------
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
@@ -127,6 +128,7 @@ class FtLocalElasticAgent(HangHandling, _lea.LocalElasticAgent):
             self.nodes.leave_round(previous, previous_rank, self.rollcall.written)
         self.nodes.round = rendezvous_round(worker_group.spec.rdzv_handler, self._rounds - 1, worker_group.store)
         self.rollcall.new_round(self.nodes.round)
+        self._use_key(worker_group)
         self.ft.own_worker_store = fresh_worker_store(worker_group.spec.rdzv_handler)
         if self.ft.own_worker_store:  # static: a worker store of the attempt's own (static_rdzv.py)
             addr, port = worker_store_address(worker_group.spec.rdzv_handler, worker_group.store,
@@ -134,6 +136,16 @@ class FtLocalElasticAgent(HangHandling, _lea.LocalElasticAgent):
             worker_group.master_addr, worker_group.master_port = addr, port  # type: ignore[assignment]  # torch: None
         if self.ft.restarts and self.ft.restarts[-1].rendezvous_done is None:
             self.ft.restarts[-1].rendezvous_done = time.time()
+
+    def _use_key(self, wg: WorkerGroup) -> None:
+        """The key of this round's messages to the other nodes: the job secret, else (several
+        nodes under a static or c10d rendezvous) the key the launchers agree on through the
+        round's store (agreed_key.py); None: the cross-node facts are off this round."""
+        if self.ft.job_secret is None and self.ft.local_key is None:
+            self.ft.agreed_key = round_key(wg.spec.rdzv_handler, wg.store, self.nodes.round)
+        key = self.ft.launcher_key
+        self.nodes.job_secret = key
+        self.rollcall.sealer = Sealer(key) if key is not None else None
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         self.ft.monitors.check()
@@ -264,14 +276,13 @@ class FtLocalElasticAgent(HangHandling, _lea.LocalElasticAgent):
         log.error("ft-launcher: attempt %d failed: %s", attempt, printable(self.crash.message))
         self.ft.last_failure = f"attempt {attempt} failed: {self.crash.message}"
         if self.crash.root not in failures:  # on another node: torch's failures here are all victims
-            if self._remaining_restarts > 0:
-                self.ft.restarts.append(failure_restart(self.crash, attempt))
-            return result
-        ordered = self._root_first(failures, self.crash)
-        if self._remaining_restarts > 0:
-            root_file = ordered[self.crash.root].error_file
-            self.ft.restarts.append(failure_restart(self.crash, attempt,
-                                                    root_file if os.path.isfile(root_file) else None))
+            ordered = self._victim_first(failures, self.crash)
+        else:
+            ordered = self._root_first(failures, self.crash)
+        if self._remaining_restarts > 0:  # the error file of the rank named first here (the root's, or one naming it)
+            first_file = next(iter(ordered.values())).error_file
+            named = self.crash.root_seen and isinstance(first_file, str) and os.path.isfile(first_file)
+            self.ft.restarts.append(failure_restart(self.crash, attempt, first_file if named else None))
         return RunResult(state=result.state, failures=ordered, return_values=result.return_values)
 
     def _across_nodes(self, verdict: CrashVerdict) -> CrashVerdict:
@@ -311,18 +322,42 @@ class FtLocalElasticAgent(HangHandling, _lea.LocalElasticAgent):
         """``failures`` with the root first and no later than any other (torch's "first observed
         failure" is the earliest timestamp, the first on a tie); a root that wrote no error file
         (killed, or exited without an exception) gets one saying so."""
-        root = failures[verdict.root]
         first = min(int(f.timestamp) for f in failures.values())
-        path = self._error_files().get(root.local_rank)  # torch's failure says "<N/A>" where none was written
-        if verdict.root_seen and path is not None and not os.path.isfile(path):
+        path = self._error_files().get(failures[verdict.root].local_rank)  # torch's says "<N/A>" where none was written
+        data = crash_error_data(verdict, first) if verdict.root_seen and path is not None \
+            and not os.path.isfile(path) else None
+        return self._first(failures, verdict.root, data)
+
+    def _victim_first(self, failures: dict[int, ProcessFailure], verdict: CrashVerdict) -> dict[int, ProcessFailure]:
+        """``failures`` (all victims) when the root was on another node (``verdict``, from its crash
+        record): the earliest victim first, its error file saying that the root was that rank, on
+        that node (what the victim raised itself kept below), so that torch's failure table and a
+        parent launcher's error.json here name the root too."""
+        victim = next((r for r in verdict.victims if r in failures), None)
+        if victim is None:
+            return failures
+        first = min(int(f.timestamp) for f in failures.values())
+        own = getattr(failures[victim], "error_file_data", None)
+        return self._first(failures, victim, remote_crash_error_data(verdict, victim, own, first))
+
+    def _first(self, failures: dict[int, ProcessFailure], rank: int,
+               data: dict[str, Any] | None) -> dict[int, ProcessFailure]:
+        """``failures`` with ``rank`` first and no later than any other (torch's "first observed
+        failure" is the earliest timestamp, the first on a tie); ``data``: an error file to write
+        for it first, at the path torch gave it (torch's failure then reads it)."""
+        failure = failures[rank]
+        first = min(int(f.timestamp) for f in failures.values())
+        path = self._error_files().get(failure.local_rank)
+        if data is not None and path is not None:
             try:
-                write_error_file(path, crash_error_data(verdict, first))
-                root = ProcessFailure(local_rank=root.local_rank, pid=root.pid, exitcode=root.exitcode, error_file=path)
+                write_error_file(path, data)
+                failure = ProcessFailure(local_rank=failure.local_rank, pid=failure.pid, exitcode=failure.exitcode,
+                                         error_file=path)
             except (OSError, ValueError) as e:
-                log.warning("ft-launcher: cannot write the error file of rank %d, the root of the failure: %s",
-                            verdict.root, e)
-        root.timestamp = min(int(root.timestamp), first)
-        return {verdict.root: root, **{r: f for r, f in failures.items() if r != verdict.root}}
+                log.warning("ft-launcher: cannot write the error file of rank %d, which names the root of the "
+                            "failure: %s", rank, e)
+        failure.timestamp = min(int(failure.timestamp), first)
+        return {rank: failure, **{r: f for r, f in failures.items() if r != rank}}
 
     def _end_attempt(self, verdict: AttemptVerdict) -> None:
         self.ft.tracker.state = verdict.progress

@@ -40,7 +40,7 @@ from ft_monitor.launcher.incident.restarts import RestartTiming
 from ft_monitor.launcher.incident.rollcall import Rank, RollCaller, diagnosis_path, write_diagnosis
 from ft_monitor.launcher.incident.rootcause import read_stack, write_error_file
 from ft_monitor.launcher.stop_signal import reraise_stop
-from ft_monitor.launcher.store.store_auth import RollCallVerdict, StoreChannel
+from ft_monitor.launcher.store.store_auth import MAX_TEXT, CrashRecord, RollCallVerdict, StoreChannel
 
 log = logging.getLogger("ft_monitor.launcher")
 
@@ -89,7 +89,19 @@ class HangHandling:
                 high=high, progress=self.ft.tracker.state, policy=self.ft.tracker.policy,
                 remaining_restarts=self._remaining_restarts)
 
-        return self._carry_out(self._diagnose(wg, channel, notice, decide(peer_values), stack, lambda: decide({})))
+        decision = self._diagnose(wg, channel, notice, decide(peer_values), stack, lambda: decide({}))
+        self._publish_hang_root(wg, decision)
+        return self._carry_out(decision)
+
+    def _publish_hang_root(self, wg: WorkerGroup, decision: HangDecision) -> None:
+        """The hung rank is this node's: its crash record for the round too (crossnode.py), for the
+        nodes whose ranks fail on its kill (a peer gone) before their own monitors fire, or that
+        torch restarts with it, so that they name it rather than the root being unknown there."""
+        if decision.victim_of is not None or (wg.group_world_size or 1) <= 1 or self.nodes.round is None:
+            return
+        w = decision.worker
+        how = f"rank {w.global_rank} (pid {w.pid}) hung: {decision.root_cause.message}"[:MAX_TEXT]
+        self.nodes.publish_crash(wg, CrashRecord(w.global_rank, how, socket.gethostname()), self.nodes.round)
 
     # -- the roll call (rollcall.py) -------------------------------------------
     def _workers(self, wg: WorkerGroup) -> list[WorkerRef]:
@@ -207,7 +219,7 @@ class HangHandling:
 
     def _answer_roll_calls(self, wg: WorkerGroup) -> None:
         """Another node's roll call: dump this node's ranks and store them (polled at most every 0.25 s)."""
-        if wg.store is None or (wg.group_world_size or 1) <= 1 or self.ft.job_secret is None:
+        if wg.store is None or (wg.group_world_size or 1) <= 1 or self.nodes.job_secret is None:
             return
         try:
             self.rollcall.answer_pending(self._ranks(wg), store=wg.store, channel=self.nodes.channel(wg),

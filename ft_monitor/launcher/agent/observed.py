@@ -49,6 +49,7 @@ class FtObservedAgent(FtLocalElasticAgent):
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         super()._rendezvous(worker_group)
+        self.telemetry.slow.job_secret = self.nodes.job_secret  # the round's key (agent._use_key)
         self._tell(self.telemetry.rendezvous_done)
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:

@@ -47,7 +47,10 @@ class FtRuntime:
         return self.inprocess.summary()
     groups: WorkerGroups = field(default_factory=WorkerGroups)
     job_secret: bytes | None = None
-    """Signs launcher messages in the rendezvous store (store_auth); None: cross-node features off."""
+    """Signs launcher messages in the rendezvous store (store_auth), when the user gave one."""
+    agreed_key: bytes | None = None
+    """Without a job secret on several nodes (static, c10d): the key the launchers agreed on through
+    the rendezvous store in the round joined last (agreed_key.py); None: none could be agreed."""
     local_key: bytes | None = None
     """Without a job secret on a single node: a random key made at start, from which the
     workers' in-process key is derived (jobkey.launcher_inprocess_key)."""
@@ -85,7 +88,13 @@ class FtRuntime:
 
     def inprocess_key(self, run_id: str) -> str | None:
         """The workers' $FT_INPROCESS_KEY for run ``run_id`` (None: they choose, and warn)."""
-        return launcher_inprocess_key(self.job_secret, self.local_key, run_id)
+        return launcher_inprocess_key(self.launcher_key, self.local_key, run_id)
+
+    @property
+    def launcher_key(self) -> bytes | None:
+        """What signs the launchers' messages to each other: the job secret, else the agreed key
+        (None: the cross-node facts are off)."""
+        return self.job_secret if self.job_secret is not None else self.agreed_key
 
     def announce_workers(self, workers: list[tuple[int, int, int, str | None]]) -> None:
         """(local rank, global rank, pid, error file) of each worker just started: each daemon

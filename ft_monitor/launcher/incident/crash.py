@@ -13,8 +13,11 @@ sees the killed one gone. So the first rank that raised is not the root. The rul
   raised; a rank whose time is not known comes after those whose time is; among those, a death
   by signal before an exit without an exception before an exception before a SIGABRT (which
   a rank often dies of in its own teardown once a peer is gone);
-- only when every failed rank is a victim is the earliest victim named, and then the message
-  says that its peer's fault was not seen here (`CrashVerdict.root_seen`).
+- when every failed rank is a victim, the root is not here: the message says it is on another
+  node or unknown, and lists the ranks here as what they are, ranks that lost a peer
+  (`CrashVerdict.root_seen` False; `root` is then the earliest of them, for ordering only, and
+  no output names it as the root). The agent then looks for another node's crash record
+  (`on_another_node`), which names the root.
 
 Pure: it takes what torch and the monitors said and returns the verdict that the restart line,
 the summary, summary.json, error.json, the events and the report page all take.
@@ -49,6 +52,10 @@ PEER_FAILURES = (
 )
 """Lowercase parts of the errors a rank gets when a peer (or the store) is gone: gloo's pair
 errors, NCCL's remote-exit and watchdog errors, torch's store errors."""
+
+UNSEEN = "the root of the failure is on another node or unknown"
+"""What a node whose failed ranks all lost a peer says of the root, until another node's record names it."""
+
 
 class CrashError(FtError, ValueError):
     """`decide_crash` asked about no failed rank at all (a caller's bug)."""
@@ -122,7 +129,8 @@ def clip(text: str, limit: int) -> str:
 @dataclass(frozen=True, slots=True)
 class CrashVerdict:
     root: int
-    """The rank named: the root, or, where every failed rank is a victim, the earliest of them."""
+    """The root; where every failed rank is a victim (``root_seen`` False), the earliest of them,
+    which is not the root and is named as none (`named`)."""
     root_seen: bool
     """False: every failed rank here failed because of a peer (the root is elsewhere or unseen)."""
     how: str
@@ -141,6 +149,11 @@ class CrashVerdict:
     """The root's host when it was on another node (that node's crash record), else None."""
     raised: bool = False
     """The root raised an exception (its error file, where it wrote one, has the traceback)."""
+
+    @property
+    def named(self) -> int | None:
+        """The root as the outputs name it: None where it was not seen (on another node, or unknown)."""
+        return self.root if self.root_seen else None
 
     def row(self) -> dict[str, object]:
         """The fields a failure's summary row, its event and its report entry take."""
@@ -169,9 +182,11 @@ def decide_crash(failed: Iterable[FailedRank]) -> CrashVerdict:
     by_rank = {f.rank: f for f in ranks}
     others_how = ", ".join(by_rank[r].describe() for r in others)
     victims_how = ", ".join(by_rank[r].describe() for r in victims)
-    message = root.describe()
     if not seen:
-        message += " (every failed rank here lost a peer; the rank that failed first was not seen here)"
+        lost = ", ".join(f.describe() for f in order)
+        message = f"{UNSEEN}; every rank that failed here lost a peer: {lost}"
+        return CrashVerdict(root.rank, False, root.describe(), victims, others, others_how, victims_how, message)
+    message = root.describe()
     if others:
         message += f"; then {others_how}"
     if victims:

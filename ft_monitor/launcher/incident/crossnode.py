@@ -1,7 +1,8 @@
 """The launcher's messages to the other nodes' launchers, through the rendezvous store:
 each node's hang record (exchanged so that decide.first_hang can name the node that hung
 first) and a workload shutdown (published, then acknowledged by the others). Every value is
-signed with the job secret (store_auth); without one these features are off (logged once),
+signed with the job's key (store_auth: the job secret, or the key the launchers agreed on through
+the rendezvous, agreed_key.py); without one these features are off (main.py says so at start),
 and a value that does not check out is ignored (logged once per value)."""
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ from torch.distributed.elastic.agent.server.api import WorkerGroup
 from ft_monitor.launcher.incident.decide import read_hang_record
 from ft_monitor.launcher.incident.rollcall_wire import ASKERS_KEY, BELL_KEY, request_key
 from ft_monitor.launcher.stop_signal import reraise_stop
+from ft_monitor.launcher.store.agreed_key import KEY as AGREED_KEY
 from ft_monitor.launcher.store.step_exchange import STEP_TIMES_INDEX_KEY, STEP_TIMES_KEY
 from ft_monitor.launcher.store.store_auth import (
-    SECRET_ENV,
     CrashRecord,
     HangRecord,
     ShutdownRequest,
@@ -76,20 +77,15 @@ class NodeMessages:
 
     def __init__(self, job_secret: bytes | None) -> None:
         self.job_secret = job_secret
+        """The key of the round joined last: the job secret, or the agreed key (the agent sets it)."""
         self._store_checked = 0.0
         self._bad_store_values: set[bytes] = set()
-        self._no_secret_warned = False
         self.round: int | None = None
         """The rendezvous round joined last (the agent's), every message's binding."""
 
     def channel(self, wg: WorkerGroup) -> StoreChannel | None:
-        """Signing for launcher messages in the store; None (logged once) without a job secret."""
+        """Signing for launcher messages in the store; None without a key (the start line said why)."""
         if self.job_secret is None:
-            if not self._no_secret_warned and (wg.group_world_size or 1) > 1:
-                self._no_secret_warned = True
-                log.warning("ft-launcher: no job secret (%s or --ft-job-secret-file): hang attribution and shutdown "
-                            "across nodes are off, since anyone who reaches the rendezvous store could forge them",
-                            SECRET_ENV)
             return None
         return StoreChannel(self.job_secret, wg.spec.rdzv_handler.get_run_id(), self.round)
 
@@ -147,7 +143,7 @@ class NodeMessages:
         previous round and nobody reads its keys again: delete this node's keys of the previous round, its hang
         and crash records, step times, roll call request and the answers it ``written``; node 0 also the
         round's shared boards (hang index and counter, the askers' index and the bell, the
-        step times' index). Torch's
+        step times' index, the round's agreed key: agreed_key.py). Torch's
         own keys of the round go too (the rank assignment's per node, and the master address
         of node 0), which nothing reads again either. Without this every restart left ~4 keys
         per node in the store for the rest of the job. The number of store operations."""
@@ -158,7 +154,7 @@ class NodeMessages:
                 *(k.format(group_rank) for k in TORCH_NODE_KEYS)]
         if group_rank == 0:
             keys += [HANG_INDEX_KEY, HANG_COUNT_KEY, CRASH_INDEX_KEY, CRASH_COUNT_KEY, ASKERS_KEY, BELL_KEY,
-                     STEP_TIMES_INDEX_KEY, *TORCH_ROUND_KEYS]
+                     STEP_TIMES_INDEX_KEY, AGREED_KEY, *TORCH_ROUND_KEYS]
         try:
             for key in keys:
                 store.delete_key(key)

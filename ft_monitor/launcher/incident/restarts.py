@@ -49,8 +49,13 @@ class RestartTiming:
         """The summary's row: cause, rank, attempt, message and the phases (`breakdown`); a
         failure's also whether its root was seen here, its victims and its error file."""
         extra: dict[str, Any] = {} if self.crash is None else {**self.crash.row(), "error_file": self.error_file}
-        return {"cause": self.cause, "rank": self.rank, "attempt": self.attempt, "message": self.message,
+        return {"cause": self.cause, "rank": self.named, "attempt": self.attempt, "message": self.message,
                 **extra, **self.breakdown()}
+
+    @property
+    def named(self) -> int | None:
+        """The rank the outputs name: the culprit; None for a failure whose root was not seen here."""
+        return self.rank if self.crash is None else self.crash.named
 
     def breakdown(self) -> dict[str, float | None]:
         def d(a: float | None, b: float | None) -> float | None:
@@ -139,9 +144,10 @@ def all_stepping(timing: RestartTiming, statuses: Mapping[int, MonitorStatus | N
         return False
     timing.first_step = max(at, timing.workers_started or at)
     b = timing.breakdown()
-    log.warning("ft-launcher: all ranks running again %.2fs after rank %d's %s was detected "
+    whose = "the" if timing.named is None else f"rank {timing.named}'s"
+    log.warning("ft-launcher: all ranks running again %.2fs after %s %s was detected "
                 "(notify %.3fs, to stop %.3fs, stop %.3fs, rendezvous %.3fs, worker start %.3fs, "
-                "first step %.3fs)", b["total"] or 0, timing.rank, timing.cause, b["notify"] or 0,
+                "first step %.3fs)", b["total"] or 0, whose, timing.cause, b["notify"] or 0,
                 b["to_stop"] or 0, b["stop"] or 0, b["rendezvous"] or 0, b["worker_start"] or 0,
                 b["first_step"] or 0)
     return True

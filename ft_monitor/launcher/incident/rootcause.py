@@ -66,6 +66,25 @@ def crash_error_data(verdict: CrashVerdict, timestamp: float) -> dict[str, Any]:
     return error_data(headline, callstack, timestamp)
 
 
+def remote_crash_error_data(verdict: CrashVerdict, rank: int, own: object, timestamp: float) -> dict[str, Any]:
+    """The error.json of ``rank``, a victim here of a root on another node (``verdict``, from
+    that node's crash record), no later than any other failure here (``timestamp``): the
+    headline names the root; what ``rank`` raised itself (``own``: torch's reading of its error
+    file, if it wrote one) follows in the traceback, nothing of it lost."""
+    headline = f"RankCrash: {verdict.how}, the root of the failure; rank {rank} here failed because of it"
+    callstack = headline + "\n" + verdict.message + "\n"
+    message = own.get("message") if isinstance(own, dict) else None
+    if isinstance(message, dict):
+        extra = message.get("extraInfo")
+        trace = extra.get("py_callstack") if isinstance(extra, dict) else None
+        callstack += f"rank {rank}'s own error: {message.get('message')}\n{trace if isinstance(trace, str) else ''}"
+    elif message is not None:
+        callstack += f"rank {rank}'s own error: {message}"
+    else:
+        callstack += f"(rank {rank} wrote no error file of its own)"
+    return error_data(headline, callstack[:MAX_STACK_CHARS], timestamp)
+
+
 def error_data(headline: str, callstack: str, timestamp: float, extra: dict[str, str] | None = None) -> dict[str, Any]:
     """torchelastic's ErrorHandler format: the headline torch's failure table shows, the
     traceback, and the whole seconds its root cause is chosen by (the earliest)."""

@@ -7,7 +7,8 @@ for and send every rank's stacks and Flight Recorder digest. So every such messa
 signed with HMAC-SHA256 under a per-job secret that only the job's user can read,
 and bound to the store key and the rendezvous run id it was written for; a
 message that is unsigned, forged, malformed, or copied from another key or job is
-logged and ignored. Without a secret, the cross-node features are off.
+logged and ignored. Without a secret, the key the launchers agreed on through the rendezvous
+store signs them instead (agreed_key.py: static and c10d; under etcd they are off).
 
 The secret comes from ``--ft-job-secret-file FILE`` (or ``$FT_JOB_SECRET_FILE``):
 a file of this user's that no one else can read; or from ``$FT_JOB_SECRET``

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ft_monitor.core.server_log import printable
+from ft_monitor.launcher.incident.crash import UNSEEN
 
 Row = tuple[str, str] | None
 """A ``key : value`` line, or None for a blank line."""
@@ -141,9 +142,9 @@ def _failure_rows(restart: Mapping[str, Any]) -> list[Row]:
         out = [("failed", f"{printable(restart['how'])} in attempt {restart.get('attempt')}, the root of the failure; "
                           "the worker group restarted")]
     else:
-        out = [("failed", f"in attempt {restart.get('attempt')}, every failed rank here lost a peer (the rank "
-                          "that failed first was not seen here); the worker group restarted"),
-               ("first here", printable(restart["how"]))]
+        out = [("failed", f"in attempt {restart.get('attempt')}, {UNSEEN} (every rank that failed here lost a "
+                          "peer); the worker group restarted"),
+               ("lost a peer", printable(restart["how"]))]
     if restart.get("error_file"):
         out.append(("error file", printable(restart["error_file"])))
     if restart.get("others_how"):

@@ -273,7 +273,7 @@ class Telemetry:
         statuses = self._poll(now)
         self.local.progress(now, self.attempt, forced=True)
         high = self.local.highest_iteration()
-        verdict = {} if crash is None else {"root": crash.root, **crash.row()}
+        verdict = {} if crash is None else {"root": crash.named, **crash.row()}
         self.events.emit("attempt_end", now, attempt=self.attempt, state=state, iteration=high,
                          failures=[{"rank": r, "exitcode": getattr(f, "exitcode", None),
                                     "message": str(getattr(f, "message", "") or "")[:500]}
@@ -291,7 +291,8 @@ class Telemetry:
         if state != "SUCCEEDED" and not self._hang_this_attempt and restarts_left > 0:
             if timing is None:
                 first = crash.root if crash is not None else min(failures) if failures else -1
-                timing = self._failure_timing = RestartTiming(first, now, now, cause="failure", attempt=self.attempt)
+                timing = self._failure_timing = RestartTiming(first, now, now, cause="failure", attempt=self.attempt,
+                                                              crash=crash)
             self.pending = _PendingRestart(timing, "failure", self.attempt + 1, incident)
         self._stats(now, statuses)
 
@@ -397,7 +398,7 @@ class Telemetry:
                           resumed_from=min(resumed) if resumed else None)
             self.incidents[p.incident] = inc
             lost, redone = inc.lost_s, inc.redone_iterations
-        self.events.emit("restart", now, mode="process", cause=p.cause, attempt=p.attempt, rank=p.timing.rank,
+        self.events.emit("restart", now, mode="process", cause=p.cause, attempt=p.attempt, rank=p.timing.named,
                          phases=phases, lost_s=lost, redone_iterations=redone)
 
     def _goodput(self, now: float) -> Goodput:

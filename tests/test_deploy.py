@@ -154,7 +154,10 @@ def fake_slurm(tmp_path: Path, launcher_body: str) -> tuple[dict[str, str], Path
         "srun": 'echo "srun $*" >> "$FAKE_LOG"\nwhile [[ "$1" == --* ]]; do shift; done\n'
                 '[[ -n "${FAKE_STEP_GATE:-}" ]] && read -r _ < "$FAKE_STEP_GATE"\n'
                 'SLURM_NODEID=0 SLURMD_NODENAME=' + FAKE_HOST + ' setsid "$@" &\n'
-                'echo $! > "$FAKE_STEP_PGID"\nwait $!\n',
+                # the step exists once its task runs (past the wrapper's `trap`, which makes the node's folder):
+                # a SIGTERM scancel sends before that would kill a bash that has no trap yet
+                'task=$!\nfor _ in $(seq 200); do [[ -d "$FT_LOG_DIR/' + FAKE_HOST + '" ]] && break; sleep 0.02; done\n'
+                'echo $task > "$FAKE_STEP_PGID"\nwait $task\n',
         "ft-launcher": 'printf "%s\\n" "$@" > "$FAKE_ARGS"\n' + launcher_body,
     }
     for name, body in scripts.items():

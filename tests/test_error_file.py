@@ -36,6 +36,7 @@ def test_an_uncaught_exception_is_written_in_torchs_format_once_and_never_throug
     monkeypatch.setenv(env.ERROR_FILE, str(path))
     kind, value, tb = _raised()
     assert write_uncaught(kind, value, tb, os.getpid()) == str(path)  # type: ignore[arg-type]
+    assert [p.name for p in tmp_path.iterdir()] == ["error.json"]  # written whole beside it, linked, cleaned up
     data = json.loads(path.read_text())
     assert data["message"]["message"] == "ValueError: bad batch 7"
     stack = data["message"]["extraInfo"]["py_callstack"]

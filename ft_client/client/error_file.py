@@ -10,9 +10,12 @@ and ft-launcher wrote one saying the rank "did not raise".
 `write_uncaught` is called by the client's ``sys.excepthook`` (`exiting`): where the file is
 not there yet (a script with ``@record`` wrote it already, and it is left alone), it writes
 torch's format: ``{"message": {"message": "Type: text", "extraInfo": {"py_callstack":
-traceback, "timestamp": seconds}}}``. Created exclusively, no symlink followed
-(`ft_client.safefiles.open_new`); only by the process that installed the hook, never by a
-child it forked; never raises (the process is on its way out).
+traceback, "timestamp": seconds}}}``. Written whole to a fresh name beside it (created
+exclusively, no symlink followed: `ft_client.safefiles.open_new`), then linked into place,
+which never replaces what is there: torch reads the file as soon as the rank is gone, and a
+rank that torch stops while it writes leaves no file rather than half of one (half of one
+ends torch's launch with a JSONDecodeError). Only by the process that installed the hook,
+never by a child it forked; never raises (the process is on its way out).
 """
 
 from __future__ import annotations
@@ -46,13 +49,26 @@ def write_uncaught(kind: type[BaseException], value: BaseException, tb: Tracebac
         return None
     from ft_client.safefiles import open_new
 
+    if os.path.lexists(path):  # @record wrote it already, or something is planted there: left alone
+        return None
+    body = json.dumps(error_data(kind, value, tb, time.time())).encode()
+    folder, name = os.path.split(path)
+    tmp = os.path.join(folder, f".{name}.{os.getpid()}.{os.urandom(4).hex()}")
     try:
-        fd = open_new(path)
-    except OSError:  # there already (@record wrote it), a link, or no folder: left alone
+        fd = open_new(tmp)
+    except OSError:  # no folder, or not ours
         return None
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(error_data(kind, value, tb, time.time()), f)
+        with os.fdopen(fd, "wb") as f:
+            f.write(body)
+        os.link(tmp, path)  # whole or not at all: torch reads it the moment the rank is gone (a file
+        # created, then written, was read empty when torch stopped the rank between the two); never
+        # replaces what is there (@record's, or a link planted since)
     except Exception:  # noqa: BLE001 - the process is exiting: the traceback printed next matters more
         return None
+    finally:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
     return path

@@ -356,7 +356,7 @@ def test_sbatch_keeps_a_sigterm_that_came_before_the_step(tmp_path: Path, step_s
     started = tmp_path / "launcher-started"
     gate = tmp_path / "step-gate"
     os.mkfifo(gate)
-    env, log = fake_slurm(tmp_path, f"trap 'exit 143' TERM\ntouch {started}\nsleep 1 & wait\nexit 0\n")
+    env, log = fake_slurm(tmp_path, f"trap 'exit 143' TERM\ntouch {started}\nsleep 30 & wait\nexit 0\n")
     proc = subprocess.Popen(["bash", str(SBATCH)], env={**env, "FAKE_STEP_GATE": str(gate)}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     run_dir = tmp_path / "logs" / "4242" / "run-0"

@@ -283,10 +283,11 @@ class Telemetry:
                                *((r, "root") for r in crash.others), *((r, "victim") for r in crash.victims)]:
                 self.failed_ranks[(str(rank), role)] = self.failed_ranks.get((str(rank), role), 0) + 1
         incident = None
-        if state != "SUCCEEDED" and not self._hang_this_attempt and crash is not None:
-            # a crash is an incident as a hang is: its time and the work redone count as lost
+        if state != "SUCCEEDED" and not self._hang_this_attempt and crash is not None and crash.named is not None:
+            # a crash is an incident as a hang is: its time and the work redone count as lost (named after
+            # its root as every output names it: never a victim here whose root was not seen)
             onset = getattr(timing, "detected", None) or now
-            self._incident({"rank": crash.root, "onset_time": onset}, now)
+            self._incident({"rank": crash.named, "onset_time": onset}, now)
             incident = len(self.incidents) - 1
         if state != "SUCCEEDED" and not self._hang_this_attempt and restarts_left > 0:
             if timing is None:
